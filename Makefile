@@ -1,0 +1,36 @@
+# ZeroLayer: `make run` serves the built-in model on the CPU, `make test` runs the suite.
+# Both create .venv and install what they need on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/default.toml
+
+.PHONY: install run test bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[cpu,redis,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/zerolayer serve --config $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/serving.py
+	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/hooks.py
+	$(BIN)/python benchmarks/prompts.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check gateway kernels tests benchmarks
+	$(BIN)/ruff format --check gateway kernels tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

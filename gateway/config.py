@@ -1,0 +1,147 @@
+"""Daemon configuration: one pydantic-settings model read from a TOML file plus ZEROLAYER_* env.
+
+Precedence, highest first: environment (``ZEROLAYER_SERVER__PORT=7071``), the TOML file, defaults.
+Every key is listed in docs/configuration.md; unknown keys are errors, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(7070, ge=0, le=65535)
+    idle_timeout_s: float = Field(15.0, gt=0)
+    max_frame_bytes: int = Field(1_048_576, ge=64, le=2**32 - 1)
+    max_streams_per_connection: int = Field(256, ge=1)
+    max_connections: int = Field(4096, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    write_buffer_limit_bytes: int = Field(4 * 1_048_576, ge=4096)
+    read_buffer_bytes: int = Field(65536, ge=4096)
+    # Socket tuning; an option the kernel refuses is logged once and skipped.
+    tcp_nodelay: bool = True
+    tcp_quickack: bool = False
+    busy_poll_us: int = Field(0, ge=0)
+    backlog: int = Field(1024, ge=1)
+    reuse_port: bool = False
+    workers: int = Field(1, ge=1)
+
+
+class EngineConfig(_Section):
+    backend: Literal["cpu", "synthetic", "neuron"] = "cpu"
+    max_batch_size: int = Field(32, ge=1)
+    max_queue: int = Field(1024, ge=1)
+    # Tokens one engine step may process (decode rows + prefill chunk tokens).
+    max_step_tokens: int = Field(512, ge=1)
+    prefill_chunk: int = Field(256, ge=1)
+    max_context: int = Field(2048, ge=16)
+    synthetic_step_ms: float = Field(0.0, ge=0)
+    synthetic_vocab_size: int = Field(32000, ge=259)
+    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
+
+
+class ModelConfig(_Section):
+    path: str = ""  # empty = the built-in model
+    name: str = ""  # reported in WELCOME; empty = derived from the path
+    data_dir: str = ""  # where the built-in model is generated; empty = ~/.cache/zerolayer
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class AuthConfig(_Section):
+    enabled: bool = False
+    keys_file: str = "configs/keys.toml"
+
+
+class MetricsConfig(_Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(9464, ge=0, le=65535)
+    neuron_monitor: bool | None = None  # None = on when the neuron-monitor binary exists
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json_lines: bool = False
+    requests: bool = False  # one line per finished request (off for throughput)
+
+
+class Settings(BaseSettings):
+    """The whole configuration tree."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ZEROLAYER_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = EngineConfig()
+    model: ModelConfig = ModelConfig()
+    auth: AuthConfig = AuthConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.engine.prefill_chunk > self.engine.max_step_tokens:
+            raise ValueError("engine.prefill_chunk must not exceed engine.max_step_tokens")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment wins over the file (passed as init kwargs), as operators expect.
+        return (env_settings, init_settings)
+
+
+class ConfigError(Exception):
+    """Invalid configuration; the message names every offending key."""
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"{key}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Read ``path`` (default configs/default.toml) and the environment into Settings."""
+    data: dict[str, Any] = {}
+    file = Path(path) if path else DEFAULT_CONFIG
+    if path or file.exists():
+        try:
+            with open(file, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {file}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+    for section, values in overrides.items():
+        data.setdefault(section, {}).update(values)
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from exc

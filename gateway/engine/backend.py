@@ -1,0 +1,48 @@
+"""The backend interface: what the scheduler needs from a model runtime, and nothing more.
+
+A backend owns ``num_slots`` KV-cache slots of ``max_context`` positions each. The scheduler
+assigns slots, feeds prompt chunks (``prefill``) and runs batched ``decode`` steps, and calls
+``free`` when a sequence ends. Implementations: ``synthetic`` (no model), ``cpu`` (kernels/ on
+torch), ``neuron`` (transformers-neuronx on NeuronCores).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.engine.types import DecodeBatch, PrefillChunk
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts a client learns in WELCOME and the engine needs for validation."""
+
+    name: str
+    vocab_size: int
+    eos_token_id: int  # -1 when the model has none
+    max_context: int
+
+
+class Backend(ABC):
+    """A model runtime with a fixed number of KV slots. Called from the engine thread only."""
+
+    info: ModelInfo
+    num_slots: int
+
+    @abstractmethod
+    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        """Write each chunk into its slot's cache. Returns int32 [len(chunks)]: the sampled next
+        token for chunks with ``last`` set, -1 for the others."""
+
+    @abstractmethod
+    def decode(self, batch: DecodeBatch) -> np.ndarray:
+        """Run one decode step. Returns the sampled next token per row, int32 [batch.size]."""
+
+    def free(self, slot: int) -> None:  # noqa: B027 - optional for stateless backends
+        """Forget the slot's sequence; the slot may be reused by the next prefill."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release devices and threads at shutdown."""

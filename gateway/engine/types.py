@@ -1,0 +1,60 @@
+"""Narrow types exchanged between the scheduler and a backend: plain dataclasses of int32 arrays.
+
+A backend never sees a request, a connection or a tokenizer; the scheduler never sees a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Part (or all) of one prompt to write into a slot's KV cache.
+
+    ``tokens`` occupy positions ``start .. start + len(tokens) - 1`` of ``slot``. When ``last`` is
+    true the chunk ends the prompt and the backend samples the first output token from its final
+    position with the row's sampling parameters.
+    """
+
+    slot: int
+    tokens: np.ndarray  # int32 [n]
+    start: int
+    last: bool
+    sampling: SamplingRow
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """Sampling parameters of one sequence. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    seeded: bool = False
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """One decode step over ``b`` active slots, each feeding its last sampled token.
+
+    All arrays have length ``b``. ``positions[i]`` is the position ``tokens[i]`` is written at;
+    a seeded row draws its randomness from (seed, position), so its output does not depend on
+    which other rows share the batch.
+    """
+
+    slots: np.ndarray  # int32 [b]
+    tokens: np.ndarray  # int32 [b]
+    positions: np.ndarray  # int32 [b]
+    temperature: np.ndarray  # float32 [b]
+    top_p: np.ndarray  # float32 [b]
+    top_k: np.ndarray  # int32 [b]
+    seeds: np.ndarray  # uint64 [b]
+    seeded: np.ndarray  # bool [b]
+
+    @property
+    def size(self) -> int:
+        return int(self.slots.shape[0])
