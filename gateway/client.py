@@ -1,0 +1,341 @@
+"""Client library: an asyncio client (one connection, many concurrent streams) and a sync wrapper.
+
+    async with await Client.connect("tcp://127.0.0.1:7070") as client:
+        stream = await client.generate("hello", max_tokens=32, text=True)
+        async for event in stream:
+            print(event.text, end="")
+        print(stream.result.finish_reason)
+
+Errors arrive as typed exceptions (``ServerError`` subclasses carrying ``code`` and
+``retry_after_ms``). Built on the same sans-IO codec as the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import numpy as np
+
+from gateway import protocol as p
+from gateway.protocol import ErrorCode, FrameType
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7070"
+
+
+class ServerError(Exception):
+    """An ERROR frame. ``code`` is the protocol ErrorCode; ``stream`` 0 means the connection."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, code: int, message: str, retry_after_ms: int = 0, stream: int = 0) -> None:
+        try:
+            name = ErrorCode(code).name
+        except ValueError:
+            name = f"code {code}"
+        super().__init__(f"{name}: {message}")
+        self.code = code  # type: ignore[assignment]
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+        self.stream = stream
+
+
+class ConnectionClosed(Exception):
+    """The connection ended before the stream did."""
+
+
+def _error_class(code: ErrorCode) -> type[ServerError]:
+    name = "".join(part.capitalize() for part in code.name.split("_")) + "Error"
+    return type(name, (ServerError,), {"code": code, "__module__": __name__})
+
+
+ERRORS: dict[int, type[ServerError]] = {c.value: _error_class(c) for c in ErrorCode}
+globals().update({cls.__name__: cls for cls in ERRORS.values()})
+
+
+def make_error(code: int, message: str, retry_after_ms: int = 0, stream: int = 0) -> ServerError:
+    return ERRORS.get(code, ServerError)(code, message, retry_after_ms, stream)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    ids: list[int]
+    text: str
+
+
+@dataclass(slots=True)
+class Result:
+    """A finished stream: everything it streamed plus the DONE fields."""
+
+    finish_reason: int
+    cache: int
+    prompt_tokens: int
+    completion_tokens: int
+    queue_us: int
+    ttft_us: int
+    total_us: int
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+class Stream:
+    """One request's output: iterate TokenEvents; ``result`` is set when DONE arrives."""
+
+    def __init__(self, client: Client, stream_id: int) -> None:
+        self._client = client
+        self.stream_id = stream_id
+        self._queue: asyncio.Queue[TokenEvent | Result | BaseException] = asyncio.Queue()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.result: Result | None = None
+        self.ids: list[int] = []
+        self.text_parts: list[str] = []
+
+    def _push(self, item: TokenEvent | Result | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, TokenEvent):
+                self.ids.extend(item.ids)
+                self.text_parts.append(item.text)
+                yield item
+            elif isinstance(item, Result):
+                item.ids = self.ids
+                item.text = "".join(self.text_parts)
+                self.result = item
+                return
+            else:
+                raise item
+
+    async def collect(self) -> Result:
+        """Consume the stream and return its Result (raises ServerError on ERROR)."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+    async def cancel(self) -> None:
+        await self._client._send(p.encode_cancel(self.stream_id))
+
+
+class Client:
+    """One connection to a ZeroLayer daemon carrying many concurrent streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._decoder = p.FrameDecoder("client", 2**32 - 1)
+        self._streams: dict[int, Stream] = {}
+        self._next_id = 1
+        self._pongs: asyncio.Queue[bytes] = asyncio.Queue()
+        self._welcome: asyncio.Future[p.Welcome] = asyncio.get_running_loop().create_future()
+        self.goaway: tuple[int, str] | None = None
+        self.closed_error: BaseException | None = None
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect(
+        cls, endpoint: str = DEFAULT_ENDPOINT, api_key: str | bytes | None = None
+    ) -> Client:
+        """Open a connection; with ``api_key`` send HELLO and wait for WELCOME."""
+        url = urlparse(endpoint if "://" in endpoint else f"tcp://{endpoint}")
+        if url.scheme != "tcp" or not url.hostname or not url.port:
+            raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        client = cls(reader, writer)
+        if api_key is not None:
+            await client.hello(api_key)
+        return client
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def hello(self, api_key: str | bytes = b"") -> p.Welcome:
+        await self._send(p.encode_hello(api_key))
+        return await self._welcome
+
+    async def ping(self, data: bytes = b"") -> bytes:
+        await self._send(p.encode_ping(data))
+        return await self._pongs.get()
+
+    def _new_stream(self) -> Stream:
+        while self._next_id in self._streams:
+            self._next_id = self._next_id % (2**32 - 1) + 1
+        stream = Stream(self, self._next_id)
+        self._next_id = self._next_id % (2**32 - 1) + 1
+        self._streams[stream.stream_id] = stream
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int] | np.ndarray,
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        prompt_id: int = 0,
+        stop_ids: list[int] | tuple[int, ...] = (),
+        text: bool = True,
+    ) -> Stream:
+        """Send a binary REQUEST; a str prompt goes as UTF-8 text, a list as token ids."""
+        if self.closed_error is not None:
+            raise ConnectionClosed(str(self.closed_error))
+        stream = self._new_stream()
+        frame = p.encode_request(
+            stream.stream_id,
+            prompt,
+            max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            prompt_id=prompt_id,
+            stop_ids=stop_ids,
+            text_deltas=text,
+        )
+        await self._send(frame)
+        return stream
+
+    async def generate_json(self, request: dict) -> Stream:
+        """Send a JSON REQUEST (chat ``messages`` or raw ``prompt``); text deltas always on."""
+        if self.closed_error is not None:
+            raise ConnectionClosed(str(self.closed_error))
+        stream = self._new_stream()
+        await self._send(p.encode_json_request(stream.stream_id, request))
+        return stream
+
+    async def send_raw(self, data: bytes) -> None:
+        """Send bytes as they are (for tests of the server's error handling)."""
+        await self._send(data)
+
+    async def _send(self, data: bytes) -> None:
+        self._writer.write(data)
+        await self._writer.drain()
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        self._reader_task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._reader_task
+
+    async def _read_loop(self) -> None:
+        err: BaseException = ConnectionClosed("connection closed by the server")
+        try:
+            while True:
+                data = await self._reader.read(65536)
+                if not data:
+                    break
+                self._decoder.feed(data)
+                while (frame := self._decoder.next_frame()) is not None:
+                    conn_err = self._on_frame(*frame)
+                    if conn_err is not None:
+                        err = conn_err
+        except (ConnectionError, p.ProtocolError) as exc:
+            err = ConnectionClosed(str(exc))
+        finally:
+            self.closed_error = err
+            for stream in self._streams.values():
+                stream._push(err)
+            self._streams.clear()
+            if not self._welcome.done():
+                self._welcome.set_exception(err)
+                self._welcome.exception()  # mark retrieved
+
+    def _on_frame(self, ftype: int, flags: int, sid: int, payload: memoryview) -> BaseException | None:
+        if ftype == FrameType.TOKEN:
+            stream = self._streams.get(sid)
+            if stream is not None:
+                ids, text = p.parse_token(payload)
+                stream._push(TokenEvent(ids.tolist(), stream._decoder.decode(text)))
+        elif ftype == FrameType.DONE:
+            stream = self._streams.pop(sid, None)
+            if stream is not None:
+                d = p.parse_done(payload)
+                tail = stream._decoder.decode(b"", final=True)
+                if tail:
+                    stream._push(TokenEvent([], tail))
+                stream._push(
+                    Result(
+                        d.finish_reason,
+                        d.cache,
+                        d.prompt_tokens,
+                        d.completion_tokens,
+                        d.queue_us,
+                        d.ttft_us,
+                        d.total_us,
+                    )
+                )
+        elif ftype == FrameType.ERROR:
+            code, retry, message = p.parse_error(payload)
+            exc = make_error(code, message, retry, sid)
+            if sid == 0:
+                if not self._welcome.done():
+                    self._welcome.set_exception(exc)
+                    self._welcome.exception()
+                return exc
+            stream = self._streams.pop(sid, None)
+            if stream is not None:
+                stream._push(exc)
+        elif ftype == FrameType.PING:
+            self._writer.write(p.encode_pong(bytes(payload)))
+        elif ftype == FrameType.PONG:
+            self._pongs.put_nowait(bytes(payload))
+        elif ftype == FrameType.WELCOME:
+            if not self._welcome.done():
+                self._welcome.set_result(p.parse_welcome(payload))
+        elif ftype == FrameType.GOAWAY:
+            self.goaway = p.parse_goaway(payload)
+        return None
+
+
+class SyncClient:
+    """A blocking wrapper around Client with its own event loop (scripts, notebooks)."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, api_key: str | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = self._loop.run_until_complete(Client.connect(endpoint, api_key))
+
+    def generate(self, prompt: str | list[int], max_tokens: int, **kwargs: object) -> Result:
+        async def run() -> Result:
+            stream = await self._client.generate(prompt, max_tokens, **kwargs)  # type: ignore[arg-type]
+            return await stream.collect()
+
+        return self._loop.run_until_complete(run())
+
+    def stream(self, prompt: str | list[int], max_tokens: int, **kwargs: object) -> Iterator[TokenEvent]:
+        """Yield TokenEvents as they arrive; the Result is the generator's return value."""
+        stream = self._loop.run_until_complete(
+            self._client.generate(prompt, max_tokens, **kwargs)  # type: ignore[arg-type]
+        )
+        iterator = stream.__aiter__()
+        while True:
+            try:
+                event = self._loop.run_until_complete(iterator.__anext__())
+            except StopAsyncIteration:
+                return stream.result
+            yield event
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._client.close())
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,418 @@
+"""The engine: a continuous-batching scheduler running a Backend in its own thread.
+
+Every step it (1) takes in new sequences and cancellations, (2) admits waiting sequences into free
+KV slots, (3) builds one batch: a decode row per running sequence plus prompt chunks for sequences
+still in prefill, within ``max_step_tokens``, (4) runs the backend, (5) turns sampled ids into
+outputs (stop checks, UTF-8-safe text, stop sequences) and (6) hands all of the step's outputs to
+the event loop in ONE call. The waiting queue is bounded: ``submit`` refuses when it is full.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.engine.backend import Backend
+from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from gateway.protocol import FinishReason
+from gateway.tokenizer import Detokenizer, Tokenizer
+
+log = logging.getLogger("zerolayer.engine")
+
+# Output.finish for a sequence that ended in an engine failure (the server answers INTERNAL).
+FINISH_ERROR = -1
+NOT_FINISHED = -2
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; ``retry_after_ms`` estimates when a slot frees up."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__(f"engine queue full, retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+class EngineStopped(Exception):
+    """The engine no longer accepts work (shutting down)."""
+
+
+class Sequence:
+    """One generation request as the engine sees it. ``owner`` is opaque (the server's stream)."""
+
+    __slots__ = (
+        "owner",
+        "prompt",
+        "max_tokens",
+        "sampling",
+        "stop_ids",
+        "stop_sequences",
+        "detok",
+        "prefix",
+        "prefix_len",
+        "slot",
+        "prefilled",
+        "generated",
+        "last_token",
+        "held",
+        "cancelled",
+        "t_admit",
+        "_max_stop",
+    )
+
+    def __init__(
+        self,
+        owner: object,
+        prompt: np.ndarray,
+        max_tokens: int,
+        sampling: SamplingRow,
+        stop_ids: frozenset[int] = frozenset(),
+        stop_sequences: tuple[str, ...] = (),
+        detokenizer: Detokenizer | None = None,
+        prefix: object | None = None,
+        prefix_len: int = 0,
+    ) -> None:
+        self.owner = owner
+        self.prompt = prompt  # int32 [n]: the ids after the (optional) precompiled prefix
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.stop_sequences = stop_sequences
+        self.detok = detokenizer  # None = no text wanted and no stop sequences
+        self.prefix = prefix  # backend prefix handle copied into the slot before prefill
+        self.prefix_len = prefix_len
+        self.slot = -1
+        self.prefilled = 0  # prompt ids written to the cache so far
+        self.generated = 0
+        self.last_token = -1
+        self.held = ""  # text withheld because it may start a stop sequence
+        self.cancelled = False
+        self.t_admit = 0.0
+        self._max_stop = max((len(s) for s in stop_sequences), default=0)
+
+    @property
+    def context_len(self) -> int:
+        return self.prefix_len + len(self.prompt)
+
+
+@dataclass(slots=True)
+class Output:
+    """What one step produced for one sequence. ``finish`` is NOT_FINISHED, a FinishReason or
+    FINISH_ERROR; ids exclude the token that ended the stream."""
+
+    owner: object
+    ids: list[int]
+    text: str
+    finish: int
+    t_admit: float
+
+
+Deliver = Callable[[list[Output]], None]
+
+
+class Engine:
+    """Owns the scheduler thread. ``submit`` and ``cancel`` are safe from any thread."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        deliver: Deliver,
+        *,
+        max_queue: int,
+        max_step_tokens: int,
+        prefill_chunk: int,
+        on_step: Callable[[str, float, int], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self._deliver = deliver  # called from the engine thread, once per step with outputs
+        self._max_queue = max_queue
+        self._max_step_tokens = max_step_tokens
+        self._prefill_chunk = prefill_chunk
+        self._on_step = on_step
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._running: list[Sequence] = []
+        self._free_slots = list(range(backend.num_slots - 1, -1, -1))
+        self._wake = threading.Event()
+        self._stop = False
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self._queued = 0  # inbox + waiting, maintained under _lock
+        self._lock = threading.Lock()
+        self.last_beat = time.monotonic()  # the thread's heartbeat, for health checks
+        self._avg_seq_s = 1.0  # moving average of admitted→finished, for retry hints
+        self.steps = 0
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def waiting(self) -> int:
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def slots_used(self) -> int:
+        return self.backend.num_slots - len(self._free_slots)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, seq: Sequence) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("engine is shutting down")
+            if self._queued >= self._max_queue:
+                raise EngineOverloaded(self.retry_after_ms())
+            self._queued += 1
+            self._inbox.append(seq)
+        self._wake.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop ``seq`` at the next step; it then ends with finish CANCELLED."""
+        seq.cancelled = True
+        self._wake.set()
+
+    def retry_after_ms(self) -> int:
+        per_slot = self._avg_seq_s / max(1, self.backend.num_slots)
+        estimate = per_slot * (self._queued + 1) * 1000.0
+        return int(min(max(estimate, 50.0), 30_000.0))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="zerolayer-engine", daemon=True)
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stop_accepting()
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.backend.close()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.last_beat = time.monotonic()
+            if not (self._inbox or self._waiting or self._running):
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.step()
+            except Exception:
+                log.exception("engine step failed; failing the sequences in flight")
+                outputs = self._fail_all()
+            if outputs:
+                self._deliver(outputs)
+
+    def step(self) -> list[Output]:
+        """One scheduling step. Public so tests can drive the engine without the thread."""
+        outputs: list[Output] = []
+        self._take_inbox(outputs)
+        self._admit(outputs)
+        self._drop_cancelled(outputs)
+        if not self._running:
+            return outputs
+        decode_rows = [s for s in self._running if s.prefilled == len(s.prompt)]
+        budget = self._max_step_tokens - len(decode_rows)
+        chunks: list[PrefillChunk] = []
+        chunk_seqs: list[Sequence] = []
+        for seq in self._running:
+            remaining = len(seq.prompt) - seq.prefilled
+            if remaining <= 0 or budget <= 0:
+                continue
+            n = min(remaining, self._prefill_chunk, budget)
+            budget -= n
+            start = seq.prefilled
+            chunks.append(
+                PrefillChunk(
+                    slot=seq.slot,
+                    tokens=seq.prompt[start : start + n],
+                    start=seq.prefix_len + start,
+                    last=start + n == len(seq.prompt),
+                    sampling=seq.sampling,
+                )
+            )
+            chunk_seqs.append(seq)
+        finished: list[Sequence] = []
+        if chunks:
+            t0 = time.perf_counter()
+            sampled = self.backend.prefill(chunks)
+            self._report("prefill", time.perf_counter() - t0, len(chunks))
+            for seq, chunk, token in zip(chunk_seqs, chunks, sampled.tolist(), strict=True):
+                seq.prefilled += len(chunk.tokens)
+                if chunk.last:
+                    self._accept_token(seq, token, outputs, finished)
+        if decode_rows:
+            batch = self._decode_batch(decode_rows)
+            t0 = time.perf_counter()
+            sampled = self.backend.decode(batch)
+            self._report("decode", time.perf_counter() - t0, batch.size)
+            for seq, token in zip(decode_rows, sampled.tolist(), strict=True):
+                self._accept_token(seq, token, outputs, finished)
+        for seq in finished:
+            self._release(seq)
+        self.steps += 1
+        return outputs
+
+    def _report(self, phase: str, seconds: float, batch: int) -> None:
+        if self._on_step is not None:
+            self._on_step(phase, seconds, batch)
+
+    def _take_inbox(self, outputs: list[Output]) -> None:
+        while self._inbox:
+            self._waiting.append(self._inbox.popleft())
+
+    def _admit(self, outputs: list[Output]) -> None:
+        while self._waiting and self._free_slots:
+            seq = self._waiting.popleft()
+            with self._lock:
+                self._queued -= 1
+            seq.t_admit = time.perf_counter()
+            if seq.cancelled:
+                outputs.append(self._end(seq, [], FinishReason.CANCELLED))
+                continue
+            seq.slot = self._free_slots.pop()
+            if seq.prefix is not None:
+                self.backend.load_prefix(seq.prefix, seq.slot)  # type: ignore[attr-defined]
+            self._running.append(seq)
+
+    def _drop_cancelled(self, outputs: list[Output]) -> None:
+        # Waiting sequences that were cancelled leave the queue now, not when a slot frees.
+        if any(s.cancelled for s in self._waiting):
+            keep = collections.deque()
+            for seq in self._waiting:
+                if seq.cancelled:
+                    with self._lock:
+                        self._queued -= 1
+                    outputs.append(self._end(seq, [], FinishReason.CANCELLED))
+                else:
+                    keep.append(seq)
+            self._waiting = keep
+        for seq in [s for s in self._running if s.cancelled]:
+            outputs.append(self._end(seq, [], FinishReason.CANCELLED))
+            self._release(seq)
+
+    def _decode_batch(self, rows: list[Sequence]) -> DecodeBatch:
+        b = len(rows)
+        batch = DecodeBatch(
+            slots=np.empty(b, np.int32),
+            tokens=np.empty(b, np.int32),
+            positions=np.empty(b, np.int32),
+            temperature=np.empty(b, np.float32),
+            top_p=np.empty(b, np.float32),
+            top_k=np.empty(b, np.int32),
+            seeds=np.empty(b, np.uint64),
+            seeded=np.empty(b, np.bool_),
+        )
+        for i, seq in enumerate(rows):
+            sp = seq.sampling
+            batch.slots[i] = seq.slot
+            batch.tokens[i] = seq.last_token
+            batch.positions[i] = seq.context_len + seq.generated - 1
+            batch.temperature[i] = sp.temperature
+            batch.top_p[i] = sp.top_p
+            batch.top_k[i] = sp.top_k
+            batch.seeds[i] = sp.seed
+            batch.seeded[i] = sp.seeded
+        return batch
+
+    def _accept_token(
+        self, seq: Sequence, token: int, outputs: list[Output], finished: list[Sequence]
+    ) -> None:
+        if token in self.tokenizer.eos_token_ids:
+            outputs.append(self._end(seq, [], FinishReason.EOS))
+            finished.append(seq)
+            return
+        if token in seq.stop_ids:
+            outputs.append(self._end(seq, [], FinishReason.STOP))
+            finished.append(seq)
+            return
+        seq.generated += 1
+        seq.last_token = token
+        text = ""
+        if seq.detok is not None:
+            text = seq.detok.push(token)
+            if seq.stop_sequences:
+                text, hit = self._scan_stops(seq, text)
+                if hit:
+                    outputs.append(self._end(seq, [token], FinishReason.STOP, text, flush=False))
+                    finished.append(seq)
+                    return
+        if seq.generated >= seq.max_tokens or seq.context_len + seq.generated >= (
+            self.backend.info.max_context
+        ):
+            outputs.append(self._end(seq, [token], FinishReason.MAX_TOKENS, text))
+            finished.append(seq)
+            return
+        outputs.append(Output(seq.owner, [token], text, NOT_FINISHED, seq.t_admit))
+
+    @staticmethod
+    def _scan_stops(seq: Sequence, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop sequence matched). Text that could be the
+        start of a stop sequence is held back until the next token decides."""
+        candidate = seq.held + text
+        cut = -1
+        for stop in seq.stop_sequences:
+            i = candidate.find(stop)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut != -1:
+            seq.held = ""
+            return candidate[:cut], True
+        keep = 0
+        for k in range(min(len(candidate), seq._max_stop - 1), 0, -1):
+            tail = candidate[-k:]
+            if any(stop.startswith(tail) for stop in seq.stop_sequences):
+                keep = k
+                break
+        seq.held = candidate[len(candidate) - keep :] if keep else ""
+        return candidate[: len(candidate) - keep], False
+
+    def _end(
+        self, seq: Sequence, ids: list[int], finish: int, text: str = "", flush: bool = True
+    ) -> Output:
+        if flush and seq.detok is not None:
+            rest = seq.detok.flush()
+            if seq.stop_sequences:
+                rest, hit = self._scan_stops(seq, rest)
+                text += rest + ("" if hit else seq.held)
+                if hit:
+                    finish = FinishReason.STOP
+            else:
+                text += rest
+            seq.held = ""
+        if seq.t_admit:
+            elapsed = time.perf_counter() - seq.t_admit
+            self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
+        return Output(seq.owner, ids, text, finish, seq.t_admit)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.backend.free(seq.slot)
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+        self._running.remove(seq)
+
+    def _fail_all(self) -> list[Output]:
+        outputs = []
+        for seq in list(self._running):
+            outputs.append(Output(seq.owner, [], "", FINISH_ERROR, seq.t_admit))
+            self._release(seq)
+        return outputs

@@ -1,0 +1,670 @@
+"""Frame protocol v1, sans-IO: bytes in, frames out; values in, bytes out. No sockets, no asyncio.
+
+The wire contract is docs/protocol.md. A ``FrameDecoder`` owns one preallocated receive buffer: the
+caller (a socket protocol, a test) writes into ``get_buffer()``, reports ``advance(n)``, and pulls
+frames with ``next_frame()`` as ``(type, flags, stream, payload)`` where ``payload`` is a memoryview
+into that buffer, valid until the next ``get_buffer()``. Header rules that do not depend on the
+server's state (types, flags, reserved bits, direction, stream kind, size) are checked here and raise
+``ProtocolError``; payload parsers raise ``ProtocolError`` with INVALID_REQUEST for stream errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+VERSION = 1
+HEADER = struct.Struct("<IBBHI")  # length, type, flags, reserved, stream
+HEADER_SIZE = HEADER.size  # 12
+MAX_PING_BYTES = 64
+
+
+class FrameType(IntEnum):
+    REQUEST = 0x01
+    TOKEN = 0x02
+    DONE = 0x03
+    PING = 0x04
+    PONG = 0x05
+    ERROR = 0x06
+    CANCEL = 0x07
+    HELLO = 0x08
+    WELCOME = 0x09
+    GOAWAY = 0x0A
+
+
+class ErrorCode(IntEnum):
+    MALFORMED_FRAME = 1
+    FRAME_TOO_LARGE = 2
+    UNSUPPORTED_VERSION = 3
+    UNAUTHENTICATED = 4
+    RATE_LIMITED = 5
+    OVERLOADED = 6
+    INVALID_REQUEST = 7
+    PROMPT_TOO_LONG = 8
+    UNKNOWN_PROMPT = 9
+    STREAM_IN_USE = 10
+    TOO_MANY_STREAMS = 11
+    IDLE_TIMEOUT = 12
+    SHUTTING_DOWN = 13
+    SLOW_CONSUMER = 14
+    INTERNAL = 15
+
+
+class FinishReason(IntEnum):
+    EOS = 0
+    MAX_TOKENS = 1
+    STOP = 2
+    CANCELLED = 3
+
+
+# REQUEST flags and options
+FLAG_JSON = 0x01
+OPT_TEXT_PROMPT = 0x01
+OPT_TEXT_DELTAS = 0x02
+OPT_SEED = 0x04
+KNOWN_OPTIONS = OPT_TEXT_PROMPT | OPT_TEXT_DELTAS | OPT_SEED
+# DONE cache bits
+CACHE_RESPONSE = 0x01
+CACHE_PROMPT = 0x02
+
+REQUEST_FIXED = struct.Struct("<IffIQIHH")  # 32 bytes
+TOKEN_HEAD = struct.Struct("<HH")
+DONE_BODY = struct.Struct("<BBHIIIII")  # 24 bytes
+ERROR_HEAD = struct.Struct("<HHI")
+HELLO_HEAD = struct.Struct("<HH")
+WELCOME_HEAD = struct.Struct("<HHIIIiI")
+GOAWAY_HEAD = struct.Struct("<I")
+U32_MAX = 2**32 - 1
+
+CLIENT_TO_SERVER = frozenset(
+    {FrameType.REQUEST, FrameType.PING, FrameType.PONG, FrameType.CANCEL, FrameType.HELLO}
+)
+SERVER_TO_CLIENT = frozenset(
+    {
+        FrameType.TOKEN,
+        FrameType.DONE,
+        FrameType.PING,
+        FrameType.PONG,
+        FrameType.ERROR,
+        FrameType.WELCOME,
+        FrameType.GOAWAY,
+    }
+)
+# Frames that must be on stream 0, and frames that must not be.
+CONNECTION_FRAMES = frozenset(
+    {FrameType.PING, FrameType.PONG, FrameType.HELLO, FrameType.WELCOME, FrameType.GOAWAY}
+)
+STREAM_FRAMES = frozenset(
+    {FrameType.REQUEST, FrameType.CANCEL, FrameType.TOKEN, FrameType.DONE}
+)
+# Allowed flag bits per type: only REQUEST has one.
+_ALLOWED_FLAGS = [0] * 256
+_ALLOWED_FLAGS[FrameType.REQUEST] = FLAG_JSON
+_KNOWN_TYPES = [False] * 256
+for _t in FrameType:
+    _KNOWN_TYPES[_t] = True
+
+
+class ProtocolError(Exception):
+    """A violation of the protocol: ``code`` says which, ``stream`` where (0 = the connection)."""
+
+    def __init__(self, code: ErrorCode, message: str, stream: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.stream = stream
+
+
+# --------------------------------------------------------------------------------------- decoding
+
+
+class FrameDecoder:
+    """Incremental decoder over one caller-owned receive buffer.
+
+    ``role`` is the side that receives: "server" accepts client→server frames, "client" the
+    reverse. The buffer starts at ``initial_size`` and grows only to hold one frame of at most
+    ``max_frame_bytes`` payload; a longer length raises FRAME_TOO_LARGE from the header alone.
+    """
+
+    __slots__ = ("_buf", "_view", "_start", "_end", "_max", "_accept", "_initial")
+
+    def __init__(self, role: str, max_frame_bytes: int, initial_size: int = 65536) -> None:
+        if role not in ("server", "client"):
+            raise ValueError("role must be 'server' or 'client'")
+        self._accept = CLIENT_TO_SERVER if role == "server" else SERVER_TO_CLIENT
+        self._max = max_frame_bytes
+        self._initial = max(initial_size, HEADER_SIZE * 2)
+        self._buf = bytearray(self._initial)
+        self._view = memoryview(self._buf)
+        self._start = 0  # first unconsumed byte
+        self._end = 0  # end of received data
+
+    @property
+    def capacity(self) -> int:
+        return len(self._buf)
+
+    @property
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Free space to receive into. Invalidates payload views returned earlier."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < HEADER_SIZE or self._start > len(self._buf) // 2:
+            self._compact()
+        return self._view[self._end :]
+
+    def _compact(self) -> None:
+        n = self._end - self._start
+        self._view[:n] = self._view[self._start : self._end]
+        self._start, self._end = 0, n
+
+    def advance(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were written into the view from ``get_buffer()``."""
+        self._end += nbytes
+
+    def feed(self, data: bytes) -> None:
+        """Copy ``data`` in (for tests and the client); equivalent to get_buffer + advance."""
+        data = memoryview(data)
+        while len(data):
+            free = self.get_buffer()
+            if not len(free):
+                # A frame larger than the buffer: make room for it now.
+                self._grow(self._end - self._start + len(data))
+                continue
+            n = min(len(free), len(data))
+            free[:n] = data[:n]
+            self.advance(n)
+            data = data[n:]
+
+    def _grow(self, need: int) -> None:
+        size = len(self._buf)
+        while size < need:
+            size *= 2
+        size = min(size, max(need, self._max + HEADER_SIZE))
+        new = bytearray(size)
+        n = self._end - self._start
+        new[:n] = self._view[self._start : self._end]
+        self._view.release()
+        self._buf, self._view = new, memoryview(new)
+        self._start, self._end = 0, n
+
+    def next_frame(self) -> tuple[int, int, int, memoryview] | None:
+        """The next complete frame as (type, flags, stream, payload view), or None for more data."""
+        avail = self._end - self._start
+        if avail < HEADER_SIZE:
+            return None
+        length, ftype, flags, reserved, stream = HEADER.unpack_from(self._buf, self._start)
+        if length > self._max:
+            raise ProtocolError(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"frame length {length} exceeds max_frame_bytes {self._max}",
+            )
+        self._check_header(ftype, flags, reserved, stream)
+        total = HEADER_SIZE + length
+        if avail < total:
+            # Make room for the whole frame so the next receive can complete it.
+            if total > len(self._buf):
+                self._grow(total)
+            elif self._start + total > len(self._buf):
+                self._compact()
+            return None
+        begin = self._start + HEADER_SIZE
+        self._start += total
+        return ftype, flags, stream, self._view[begin : begin + length]
+
+    def _check_header(self, ftype: int, flags: int, reserved: int, stream: int) -> None:
+        if not _KNOWN_TYPES[ftype]:
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, f"unknown frame type 0x{ftype:02x}")
+        if reserved:
+            raise ProtocolError(ErrorCode.MALFORMED_FRAME, "reserved header bits must be 0")
+        if flags & ~_ALLOWED_FLAGS[ftype]:
+            raise ProtocolError(
+                ErrorCode.MALFORMED_FRAME,
+                f"unknown flag bits 0x{flags:02x} on {FrameType(ftype).name}",
+            )
+        if ftype not in self._accept:
+            raise ProtocolError(
+                ErrorCode.MALFORMED_FRAME, f"{FrameType(ftype).name} sent in the wrong direction"
+            )
+        if stream == 0 and ftype in STREAM_FRAMES:
+            raise ProtocolError(
+                ErrorCode.MALFORMED_FRAME, f"{FrameType(ftype).name} must not use stream 0"
+            )
+        if stream != 0 and ftype in CONNECTION_FRAMES:
+            raise ProtocolError(
+                ErrorCode.MALFORMED_FRAME, f"{FrameType(ftype).name} must use stream 0"
+            )
+
+
+# --------------------------------------------------------------------------------------- requests
+
+
+@dataclass(slots=True)
+class Request:
+    """A parsed REQUEST (binary or JSON). Prompt ids are copied out of the receive buffer."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    prompt_id: int = 0
+    stop_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    prompt_ids: np.ndarray | None = None  # int32, when the prompt came as ids
+    prompt_text: str | None = None  # raw text prompt
+    messages: list[dict[str, str]] | None = None  # JSON chat
+    system: str | None = None
+    stop_sequences: tuple[str, ...] = ()
+    want_text: bool = False
+    is_json: bool = False
+
+
+def _invalid(stream: int, message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.INVALID_REQUEST, message, stream)
+
+
+def _check_sampling(stream: int, temperature: float, top_p: float, top_k: int) -> None:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise _invalid(stream, f"temperature must be a finite number >= 0, got {temperature}")
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise _invalid(stream, f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise _invalid(stream, f"top_k must be >= 0, got {top_k}")
+
+
+def parse_request(stream: int, flags: int, payload: memoryview) -> Request:
+    """Parse a REQUEST payload; raises ProtocolError(INVALID_REQUEST, stream=stream)."""
+    if flags & FLAG_JSON:
+        return _parse_json_request(stream, payload)
+    if len(payload) < REQUEST_FIXED.size:
+        raise _invalid(stream, f"binary REQUEST needs at least 32 bytes, got {len(payload)}")
+    max_tokens, temperature, top_p, top_k, seed, prompt_id, n_stop, options = (
+        REQUEST_FIXED.unpack_from(payload, 0)
+    )
+    if options & ~KNOWN_OPTIONS:
+        raise _invalid(stream, f"unknown option bits 0x{options:04x}")
+    if max_tokens < 1:
+        raise _invalid(stream, "max_tokens must be >= 1")
+    _check_sampling(stream, temperature, top_p, top_k)
+    prompt_at = REQUEST_FIXED.size + 4 * n_stop
+    if prompt_at > len(payload):
+        raise _invalid(stream, f"n_stop {n_stop} does not fit in the payload")
+    stop_ids = np.frombuffer(payload, dtype="<i4", count=n_stop, offset=REQUEST_FIXED.size)
+    req = Request(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed if options & OPT_SEED else None,
+        prompt_id=prompt_id,
+        stop_ids=stop_ids.astype(np.int32),  # copy: the payload view is reused
+        want_text=bool(options & OPT_TEXT_DELTAS),
+    )
+    rest = payload[prompt_at:]
+    if options & OPT_TEXT_PROMPT:
+        try:
+            req.prompt_text = str(rest, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise _invalid(stream, f"prompt is not valid UTF-8: {exc.reason}") from None
+    else:
+        if len(rest) % 4:
+            raise _invalid(stream, "token-id prompt length is not a multiple of 4")
+        req.prompt_ids = np.frombuffer(rest, dtype="<i4").astype(np.int32)
+    if not len(rest) and not prompt_id:
+        raise _invalid(stream, "empty prompt without a prompt_id")
+    return req
+
+
+_JSON_KEYS = frozenset(
+    {
+        "max_tokens",
+        "messages",
+        "prompt",
+        "system",
+        "prompt_id",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_sequences",
+    }
+)
+
+
+def _json_int(stream: int, obj: dict, key: str, default: int, lo: int, hi: int) -> int:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _invalid(stream, f"{key} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _json_float(stream: int, obj: dict, key: str, default: float) -> float:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(stream, f"{key} must be a number")
+    return float(value)
+
+
+def _parse_json_request(stream: int, payload: memoryview) -> Request:
+    try:
+        obj = json.loads(str(payload, "utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _invalid(stream, f"JSON request is not valid UTF-8: {exc.reason}") from None
+    except ValueError as exc:
+        raise _invalid(stream, f"invalid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _invalid(stream, "JSON request must be an object")
+    unknown = obj.keys() - _JSON_KEYS
+    if unknown:
+        raise _invalid(stream, f"unknown JSON keys: {', '.join(sorted(unknown))}")
+    if "max_tokens" not in obj:
+        raise _invalid(stream, "max_tokens is required")
+    if ("messages" in obj) == ("prompt" in obj):
+        raise _invalid(stream, "exactly one of messages and prompt is required")
+    req = Request(
+        max_tokens=_json_int(stream, obj, "max_tokens", 0, 1, U32_MAX),
+        temperature=_json_float(stream, obj, "temperature", 0.0),
+        top_p=_json_float(stream, obj, "top_p", 1.0),
+        top_k=_json_int(stream, obj, "top_k", 0, 0, U32_MAX),
+        prompt_id=_json_int(stream, obj, "prompt_id", 0, 0, U32_MAX),
+        want_text=True,
+        is_json=True,
+    )
+    _check_sampling(stream, req.temperature, req.top_p, req.top_k)
+    if "seed" in obj:
+        req.seed = _json_int(stream, obj, "seed", 0, 0, 2**64 - 1)
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise _invalid(stream, "system must be a string")
+    req.system = system or None
+    stops = obj.get("stop_sequences", [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _invalid(stream, "stop_sequences must be a list of non-empty strings")
+    req.stop_sequences = tuple(stops)
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise _invalid(stream, "prompt must be a string")
+        req.prompt_text = obj["prompt"]
+        if not req.prompt_text and not req.prompt_id and not req.system:
+            raise _invalid(stream, "empty prompt without a prompt_id")
+    else:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise _invalid(stream, "messages must be a non-empty list")
+        for m in messages:
+            if (
+                not isinstance(m, dict)
+                or m.keys() != {"role", "content"}
+                or m["role"] not in ("user", "assistant")
+                or not isinstance(m["content"], str)
+            ):
+                raise _invalid(
+                    stream,
+                    'each message must be {"role": "user"|"assistant", "content": str}',
+                )
+        req.messages = messages
+    return req
+
+
+def parse_hello(payload: memoryview) -> tuple[int, bytes]:
+    """(version, api key). A key_len that disagrees with the payload is MALFORMED_FRAME."""
+    if len(payload) < HELLO_HEAD.size:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "HELLO shorter than 4 bytes")
+    version, key_len = HELLO_HEAD.unpack_from(payload, 0)
+    if HELLO_HEAD.size + key_len != len(payload):
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "HELLO key_len disagrees with its length")
+    return version, bytes(payload[HELLO_HEAD.size :])
+
+
+def check_ping(payload: memoryview) -> None:
+    if len(payload) > MAX_PING_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "PING payload over 64 bytes")
+
+
+def check_cancel(payload: memoryview) -> None:
+    if len(payload):
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "CANCEL must have an empty payload")
+
+
+# ----------------------------------------------------------------- server→client payload parsing
+
+
+@dataclass(slots=True)
+class Done:
+    finish_reason: int
+    cache: int
+    prompt_tokens: int
+    completion_tokens: int
+    queue_us: int
+    ttft_us: int
+    total_us: int
+
+
+@dataclass(slots=True)
+class Welcome:
+    version: int
+    max_frame_bytes: int
+    max_streams: int
+    vocab_size: int
+    eos_token_id: int
+    max_context: int
+    model: str
+
+
+def parse_token(payload: memoryview) -> tuple[np.ndarray, bytes]:
+    """(ids as an int32 view into the payload, UTF-8 text delta bytes)."""
+    if len(payload) < TOKEN_HEAD.size:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "TOKEN shorter than 4 bytes")
+    n_ids, _ = TOKEN_HEAD.unpack_from(payload, 0)
+    end = TOKEN_HEAD.size + 4 * n_ids
+    if end > len(payload):
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "TOKEN n_ids does not fit")
+    ids = np.frombuffer(payload, dtype="<i4", count=n_ids, offset=TOKEN_HEAD.size)
+    return ids, bytes(payload[end:])
+
+
+def parse_done(payload: memoryview) -> Done:
+    if len(payload) != DONE_BODY.size:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "DONE must be 24 bytes")
+    reason, cache, _, p, c, q, t, total = DONE_BODY.unpack_from(payload, 0)
+    return Done(reason, cache, p, c, q, t, total)
+
+
+def parse_error(payload: memoryview) -> tuple[int, int, str]:
+    """(code, retry_after_ms, message)."""
+    if len(payload) < ERROR_HEAD.size:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "ERROR shorter than 8 bytes")
+    code, _, retry = ERROR_HEAD.unpack_from(payload, 0)
+    return code, retry, str(payload[ERROR_HEAD.size :], "utf-8", errors="replace")
+
+
+def parse_welcome(payload: memoryview) -> Welcome:
+    if len(payload) < WELCOME_HEAD.size:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "WELCOME shorter than 24 bytes")
+    version, _, mfb, ms, vocab, eos, ctx = WELCOME_HEAD.unpack_from(payload, 0)
+    name = str(payload[WELCOME_HEAD.size :], "utf-8", errors="replace")
+    return Welcome(version, mfb, ms, vocab, eos, ctx, name)
+
+
+def parse_goaway(payload: memoryview) -> tuple[int, str]:
+    if len(payload) < GOAWAY_HEAD.size:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "GOAWAY shorter than 4 bytes")
+    (in_flight,) = GOAWAY_HEAD.unpack_from(payload, 0)
+    return in_flight, str(payload[GOAWAY_HEAD.size :], "utf-8", errors="replace")
+
+
+# --------------------------------------------------------------------------------------- encoding
+
+
+def encode_frame(ftype: int, stream: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    return HEADER.pack(len(payload), ftype, flags, 0, stream) + payload
+
+
+def encode_request(
+    stream: int,
+    prompt: str | bytes | list[int] | np.ndarray,
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    prompt_id: int = 0,
+    stop_ids: list[int] | tuple[int, ...] = (),
+    text_deltas: bool = False,
+) -> bytes:
+    """A binary REQUEST. A str/bytes prompt is sent as UTF-8 text, a list/array as int32 ids."""
+    options = OPT_TEXT_DELTAS if text_deltas else 0
+    if isinstance(prompt, str):
+        body = prompt.encode("utf-8")
+        options |= OPT_TEXT_PROMPT
+    elif isinstance(prompt, bytes):
+        body = prompt
+        options |= OPT_TEXT_PROMPT
+    else:
+        body = np.asarray(prompt, dtype="<i4").tobytes()
+    if seed is not None:
+        options |= OPT_SEED
+    fixed = REQUEST_FIXED.pack(
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed or 0,
+        prompt_id,
+        len(stop_ids),
+        options,
+    )
+    stops = np.asarray(stop_ids, dtype="<i4").tobytes()
+    return encode_frame(FrameType.REQUEST, stream, fixed + stops + body)
+
+
+def encode_json_request(stream: int, request: dict) -> bytes:
+    body = json.dumps(request, separators=(",", ":")).encode("utf-8")
+    return encode_frame(FrameType.REQUEST, stream, body, FLAG_JSON)
+
+
+def encode_hello(api_key: bytes | str = b"", version: int = VERSION) -> bytes:
+    key = api_key.encode("utf-8") if isinstance(api_key, str) else api_key
+    return encode_frame(FrameType.HELLO, 0, HELLO_HEAD.pack(version, len(key)) + key)
+
+
+def encode_welcome(
+    max_frame_bytes: int,
+    max_streams: int,
+    vocab_size: int,
+    eos_token_id: int,
+    max_context: int,
+    model: str,
+) -> bytes:
+    body = WELCOME_HEAD.pack(
+        VERSION, 0, max_frame_bytes, max_streams, vocab_size, eos_token_id, max_context
+    )
+    return encode_frame(FrameType.WELCOME, 0, body + model.encode("utf-8"))
+
+
+def encode_ping(data: bytes = b"") -> bytes:
+    return encode_frame(FrameType.PING, 0, data)
+
+
+def encode_pong(data: bytes = b"") -> bytes:
+    return encode_frame(FrameType.PONG, 0, data)
+
+
+def encode_cancel(stream: int) -> bytes:
+    return encode_frame(FrameType.CANCEL, stream)
+
+
+def encode_error(stream: int, code: int, message: str, retry_after_ms: int = 0) -> bytes:
+    body = ERROR_HEAD.pack(code, 0, retry_after_ms) + message.encode("utf-8")
+    return encode_frame(FrameType.ERROR, stream, body)
+
+
+def encode_goaway(in_flight: int, reason: str = "") -> bytes:
+    return encode_frame(FrameType.GOAWAY, 0, GOAWAY_HEAD.pack(in_flight) + reason.encode("utf-8"))
+
+
+def encode_token(stream: int, ids: list[int] | np.ndarray, text: bytes = b"") -> bytes:
+    body = TOKEN_HEAD.pack(len(ids), 0) + np.asarray(ids, dtype="<i4").tobytes() + text
+    return encode_frame(FrameType.TOKEN, stream, body)
+
+
+def encode_done(stream: int, done: Done) -> bytes:
+    body = DONE_BODY.pack(
+        done.finish_reason,
+        done.cache,
+        0,
+        done.prompt_tokens,
+        done.completion_tokens,
+        done.queue_us,
+        done.ttft_us,
+        done.total_us,
+    )
+    return encode_frame(FrameType.DONE, stream, body)
+
+
+# Hot-path packers: write straight into a caller's reusable bytearray (no intermediate bytes).
+_TOKEN_FRAME_HEAD = struct.Struct("<IBBHIHH")  # header + TOKEN's n_ids/reserved
+_DONE_FRAME = struct.Struct("<IBBHI" + "BBHIIIII")
+DONE_FRAME_SIZE = _DONE_FRAME.size
+
+
+def token_frame_size(n_ids: int, text_len: int) -> int:
+    return HEADER_SIZE + TOKEN_HEAD.size + 4 * n_ids + text_len
+
+
+def pack_token_into(
+    buf: bytearray, offset: int, stream: int, ids: list[int], text: bytes
+) -> int:
+    """Write a TOKEN frame at ``offset`` (the buffer must have room); returns the new offset."""
+    n = len(ids)
+    length = TOKEN_HEAD.size + 4 * n + len(text)
+    _TOKEN_FRAME_HEAD.pack_into(buf, offset, length, FrameType.TOKEN, 0, 0, stream, n, 0)
+    offset += HEADER_SIZE + TOKEN_HEAD.size
+    if n == 1:
+        struct.pack_into("<i", buf, offset, ids[0])
+    elif n:
+        struct.pack_into(f"<{n}i", buf, offset, *ids)
+    offset += 4 * n
+    end = offset + len(text)
+    buf[offset:end] = text
+    return end
+
+
+def pack_done_into(
+    buf: bytearray,
+    offset: int,
+    stream: int,
+    finish_reason: int,
+    cache: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    queue_us: int,
+    ttft_us: int,
+    total_us: int,
+) -> int:
+    _DONE_FRAME.pack_into(
+        buf,
+        offset,
+        DONE_BODY.size,
+        FrameType.DONE,
+        0,
+        0,
+        stream,
+        finish_reason,
+        cache,
+        0,
+        prompt_tokens,
+        completion_tokens,
+        min(queue_us, U32_MAX),
+        min(ttft_us, U32_MAX),
+        min(total_us, U32_MAX),
+    )
+    return offset + DONE_FRAME_SIZE

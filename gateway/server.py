@@ -1,0 +1,502 @@
+"""The frame-protocol server: one uvloop event loop, one BufferedProtocol per connection.
+
+Owns the rules of docs/protocol.md that need state: HELLO/auth, stream ids, per-connection stream
+limits, idle timeout, slow consumers, drain. Bytes arrive straight into each connection's
+preallocated decoder buffer; outputs of one engine step are packed into each connection's reusable
+write buffer and written with one ``transport.write`` per connection per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from gateway import protocol as p
+from gateway.config import Settings
+from gateway.engine.engine import (
+    FINISH_ERROR,
+    NOT_FINISHED,
+    Engine,
+    EngineOverloaded,
+    EngineStopped,
+    Output,
+    Sequence,
+)
+from gateway.engine.types import SamplingRow
+from gateway.protocol import ErrorCode, FrameType, ProtocolError
+from gateway.tokenizer import Detokenizer, Tokenizer
+
+log = logging.getLogger("zerolayer.server")
+
+_perf = time.perf_counter
+
+
+class StreamError(Exception):
+    """A refusal of one stream (the connection goes on)."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+class Stream:
+    """Server-side state of one request in flight."""
+
+    __slots__ = (
+        "conn",
+        "stream_id",
+        "seq",
+        "t_recv",
+        "t_first",
+        "n_ids",
+        "prompt_tokens",
+        "cache_bits",
+        "want_text",
+        "ended",
+    )
+
+    def __init__(self, conn: Connection, stream_id: int, t_recv: float, want_text: bool) -> None:
+        self.conn = conn
+        self.stream_id = stream_id
+        self.seq: Sequence | None = None
+        self.t_recv = t_recv
+        self.t_first = 0.0
+        self.n_ids = 0
+        self.prompt_tokens = 0
+        self.cache_bits = 0
+        self.want_text = want_text
+        self.ended = False
+
+
+class Server:
+    """Accepts connections and routes engine outputs to them. Lives on the event loop thread."""
+
+    def __init__(self, settings: Settings, engine: Engine, tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.cfg = settings.server
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = engine.backend.info
+        self.vocab_size = self.info.vocab_size
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._all_closed = asyncio.Event()
+        self.welcome = p.encode_welcome(
+            self.cfg.max_frame_bytes,
+            self.cfg.max_streams_per_connection,
+            self.info.vocab_size,
+            self.info.eos_token_id,
+            self.info.max_context,
+            self.info.name,
+        )
+        self.auth_required = settings.auth.enabled
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, sock=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        if sock is None:
+            self._server = await self.loop.create_server(
+                lambda: Connection(self),
+                self.cfg.host,
+                self.cfg.port,
+                backlog=self.cfg.backlog,
+                reuse_address=True,
+                reuse_port=self.cfg.reuse_port or None,
+            )
+        else:
+            self._server = await self.loop.create_server(
+                lambda: Connection(self), sock=sock, backlog=self.cfg.backlog
+            )
+        self._sweeper = self.loop.create_task(self._sweep_idle())
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    def deliver_threadsafe(self, outputs: list[Output]) -> None:
+        """The engine's deliver callback: one hand-off to the loop per engine step."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.deliver, outputs)
+
+    async def drain(self) -> None:
+        """Stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining: %d connections", len(self.connections))
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.goaway("server is draining")
+        if self.connections:
+            self._all_closed.clear()
+            try:
+                await asyncio.wait_for(self._all_closed.wait(), self.cfg.drain_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("drain deadline passed; ending %d connections", len(self.connections))
+        for conn in list(self.connections):
+            conn.end_all_streams(ErrorCode.SHUTTING_DOWN, "drain deadline passed")
+            conn.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    def connection_gone(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        if not self.connections:
+            self._all_closed.set()
+
+    async def _sweep_idle(self) -> None:
+        timeout = self.cfg.idle_timeout_s
+        interval = min(1.0, timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                if not conn.streams and now - conn.last_activity > timeout:
+                    conn.connection_error(
+                        ErrorCode.IDLE_TIMEOUT, f"no frame for {timeout:g} s with no stream open"
+                    )
+
+    # ------------------------------------------------------------------ engine outputs
+
+    def deliver(self, outputs: list[Output]) -> None:
+        dirty: list[Connection] = []
+        for out in outputs:
+            st: Stream = out.owner  # type: ignore[assignment]
+            if st.ended:
+                continue
+            conn = st.conn
+            if out.ids or out.text:
+                conn.queue_token(st, out.ids, out.text)
+            if out.finish != NOT_FINISHED:
+                conn.finish_stream(st, out.finish, out.t_admit)
+            if not conn.dirty:
+                conn.dirty = True
+                dirty.append(conn)
+        for conn in dirty:
+            conn.flush()
+
+    # ------------------------------------------------------------------ requests
+
+    def build_sequence(self, st: Stream, req: p.Request) -> Sequence:
+        """Validate and tokenize a request into an engine Sequence; raises StreamError."""
+        tok = self.tokenizer
+        if req.prompt_id:
+            raise StreamError(ErrorCode.UNKNOWN_PROMPT, f"no precompiled prompt {req.prompt_id}")
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+                raise StreamError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"prompt token id outside the vocabulary [0, {self.vocab_size})",
+                )
+        else:
+            if req.messages is not None:
+                text = tok.render_chat(req.messages, req.system)
+            elif req.system:
+                text = tok.render_system(req.system) + (req.prompt_text or "")
+            else:
+                text = req.prompt_text or ""
+            ids = tok.encode_prompt(text)
+        if len(req.stop_ids) and (
+            int(req.stop_ids.min()) < 0 or int(req.stop_ids.max()) >= self.vocab_size
+        ):
+            raise StreamError(
+                ErrorCode.INVALID_REQUEST,
+                f"stop token id outside the vocabulary [0, {self.vocab_size})",
+            )
+        total = len(ids) + req.max_tokens
+        if total > self.info.max_context:
+            raise StreamError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                f"max_context {self.info.max_context}",
+            )
+        st.prompt_tokens = len(ids)
+        sampling = SamplingRow(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed or 0,
+            seeded=req.seed is not None,
+        )
+        detok = Detokenizer(tok) if (req.want_text or req.stop_sequences) else None
+        return Sequence(
+            owner=st,
+            prompt=np.ascontiguousarray(ids, dtype=np.int32),
+            max_tokens=req.max_tokens,
+            sampling=sampling,
+            stop_ids=frozenset(req.stop_ids.tolist()),
+            stop_sequences=req.stop_sequences,
+            detokenizer=detok,
+        )
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One client connection: decodes frames in place, writes one buffer per step."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        cfg = server.cfg
+        self.cfg = cfg
+        self.decoder = p.FrameDecoder("server", cfg.max_frame_bytes, cfg.read_buffer_bytes)
+        self.streams: dict[int, Stream] = {}
+        self.transport: asyncio.Transport | None = None
+        self.first_frame = True
+        self.authenticated = not server.auth_required
+        self.closing = False
+        self.slow = False
+        self.dirty = False
+        self.last_activity = time.monotonic()
+        self._out = bytearray(16384)
+        self._out_len = 0
+
+    # ------------------------------------------------------------------ transport callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        server = self.server
+        server.connections.add(self)
+        transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
+        if len(server.connections) > self.cfg.max_connections:
+            self.connection_error(
+                ErrorCode.OVERLOADED, "too many connections", retry_after_ms=1000
+            )
+        elif server.draining:
+            self.goaway("server is draining")
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closing:
+            return
+        self.decoder.advance(nbytes)
+        self.last_activity = time.monotonic()
+        try:
+            while (frame := self.decoder.next_frame()) is not None:
+                self._on_frame(*frame)
+                if self.closing:
+                    break
+        except ProtocolError as exc:
+            self.connection_error(exc.code, exc.message)
+        except Exception:
+            log.exception("internal error handling a frame")
+            self.connection_error(ErrorCode.INTERNAL, "internal server error")
+        self.flush()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        for st in list(self.streams.values()):
+            st.ended = True
+            if st.seq is not None:
+                self.server.engine.cancel(st.seq)
+        self.streams.clear()
+        self.server.connection_gone(self)
+
+    def pause_writing(self) -> None:
+        # The kernel stopped taking our bytes and the transport holds more than the limit.
+        self.slow = True
+        if self.streams:
+            log.info("slow consumer: ending %d streams", len(self.streams))
+            self.end_all_streams(ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+
+    def resume_writing(self) -> None:
+        self.slow = False
+
+    # ------------------------------------------------------------------ frames in
+
+    def _on_frame(self, ftype: int, flags: int, stream: int, payload: memoryview) -> None:
+        first = self.first_frame
+        self.first_frame = False
+        if ftype == FrameType.REQUEST:
+            if not self.authenticated:
+                self._unauthenticated()
+                return
+            self._on_request(stream, flags, payload)
+        elif ftype == FrameType.CANCEL:
+            if not self.authenticated:
+                self._unauthenticated()
+                return
+            p.check_cancel(payload)
+            st = self.streams.get(stream)
+            if st is not None and st.seq is not None:
+                self.server.engine.cancel(st.seq)
+        elif ftype == FrameType.PING:
+            p.check_ping(payload)
+            self._queue_bytes(p.encode_pong(bytes(payload)))
+        elif ftype == FrameType.PONG:
+            pass
+        elif ftype == FrameType.HELLO:
+            if not first:
+                raise ProtocolError(ErrorCode.MALFORMED_FRAME, "HELLO is only allowed first")
+            self._on_hello(payload)
+
+    def _unauthenticated(self) -> None:
+        self.connection_error(ErrorCode.UNAUTHENTICATED, "HELLO with a valid API key required")
+
+    def _on_hello(self, payload: memoryview) -> None:
+        version, key = p.parse_hello(payload)
+        if version != p.VERSION:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"protocol version {version} not supported (this server speaks {p.VERSION})",
+            )
+        if self.server.auth_required:
+            self.authenticated = self.server.authenticate(key)  # type: ignore[attr-defined]
+            if not self.authenticated:
+                self._unauthenticated()
+                return
+        self._queue_bytes(self.server.welcome)
+
+    def _on_request(self, stream: int, flags: int, payload: memoryview) -> None:
+        if stream in self.streams:
+            raise ProtocolError(
+                ErrorCode.STREAM_IN_USE, f"stream {stream} is already in flight"
+            )
+        t_recv = _perf()
+        server = self.server
+        try:
+            if server.draining:
+                raise StreamError(ErrorCode.SHUTTING_DOWN, "server is draining")
+            if len(self.streams) >= self.cfg.max_streams_per_connection:
+                raise StreamError(
+                    ErrorCode.TOO_MANY_STREAMS,
+                    f"at most {self.cfg.max_streams_per_connection} streams per connection",
+                )
+            if self.slow:
+                raise StreamError(ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+            try:
+                req = p.parse_request(stream, flags, payload)
+            except ProtocolError as exc:
+                raise StreamError(exc.code, exc.message) from None
+            st = Stream(self, stream, t_recv, req.want_text)
+            seq = server.build_sequence(st, req)
+            st.seq = seq
+            try:
+                server.engine.submit(seq)
+            except EngineOverloaded as exc:
+                raise StreamError(
+                    ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms
+                ) from None
+            except EngineStopped:
+                raise StreamError(ErrorCode.SHUTTING_DOWN, "server is shutting down") from None
+        except StreamError as exc:
+            self._queue_bytes(
+                p.encode_error(stream, exc.code, exc.message, exc.retry_after_ms)
+            )
+            return
+        self.streams[stream] = st
+
+    # ------------------------------------------------------------------ frames out
+
+    def _reserve(self, n: int) -> None:
+        need = self._out_len + n
+        if need > len(self._out):
+            size = len(self._out)
+            while size < need:
+                size *= 2
+            self._out.extend(bytes(size - len(self._out)))
+
+    def _queue_bytes(self, data: bytes) -> None:
+        self._reserve(len(data))
+        end = self._out_len + len(data)
+        self._out[self._out_len : end] = data
+        self._out_len = end
+
+    def queue_token(self, st: Stream, ids: list[int], text: str) -> None:
+        data = text.encode("utf-8") if (text and st.want_text) else b""
+        if not ids and not data:
+            return
+        self._reserve(p.token_frame_size(len(ids), len(data)))
+        self._out_len = p.pack_token_into(self._out, self._out_len, st.stream_id, ids, data)
+        st.n_ids += len(ids)
+        if not st.t_first:
+            st.t_first = _perf()
+
+    def finish_stream(self, st: Stream, finish: int, t_admit: float) -> None:
+        """Write DONE (or ERROR INTERNAL for an engine failure) and forget the stream."""
+        st.ended = True
+        self.streams.pop(st.stream_id, None)
+        if not self.streams:
+            self.last_activity = time.monotonic()
+        if finish == FINISH_ERROR:
+            self._queue_bytes(
+                p.encode_error(st.stream_id, ErrorCode.INTERNAL, "the model backend failed")
+            )
+        else:
+            now = _perf()
+            self._reserve(p.DONE_FRAME_SIZE)
+            self._out_len = p.pack_done_into(
+                self._out,
+                self._out_len,
+                st.stream_id,
+                finish,
+                st.cache_bits,
+                st.prompt_tokens,
+                st.n_ids,
+                int(max(0.0, t_admit - st.t_recv) * 1e6) if t_admit else 0,
+                int((st.t_first - st.t_recv) * 1e6) if st.t_first else 0,
+                int((now - st.t_recv) * 1e6),
+            )
+        if self.server.draining and not self.streams:
+            self.flush()
+            self.close()
+
+    def flush(self) -> None:
+        self.dirty = False
+        n, self._out_len = self._out_len, 0  # reset first: write() may re-enter via pause_writing
+        if n and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self._out[:n])
+
+    def end_all_streams(self, code: ErrorCode, message: str) -> None:
+        for st in list(self.streams.values()):
+            st.ended = True
+            if st.seq is not None:
+                self.server.engine.cancel(st.seq)
+            self._queue_bytes(p.encode_error(st.stream_id, code, message))
+        self.streams.clear()
+        self.last_activity = time.monotonic()
+        self.flush()
+
+    def goaway(self, reason: str) -> None:
+        self._queue_bytes(p.encode_goaway(len(self.streams), reason))
+        self.flush()
+        if not self.streams:
+            self.close()
+
+    def connection_error(self, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+        """ERROR on stream 0, then close; the stream-0 ERROR stands for every stream."""
+        if self.closing:
+            return
+        self._queue_bytes(p.encode_error(0, code, message, retry_after_ms))
+        self.flush()
+        self.close()
+
+    def close(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        for st in self.streams.values():
+            st.ended = True
+            if st.seq is not None:
+                self.server.engine.cancel(st.seq)
+        if self.transport is not None:
+            self.transport.close()
+
+
+OnStep = Callable[[str, float, int], None]
