@@ -1,0 +1,87 @@
+"""Test helper: run a real `zerolayer serve` process on loopback and learn its port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_LISTENING = re.compile(r"zerolayer: listening frame=([\d.]+):(\d+)")
+
+
+class Daemon:
+    """A daemon subprocess. ``env`` entries are config overrides like {"SERVER__PORT": "0"}."""
+
+    def __init__(self, env: dict[str, str] | None = None, config: str | None = None) -> None:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
+        full_env.update(
+            {
+                "ZEROLAYER_SERVER__PORT": "0",
+                "ZEROLAYER_METRICS__PORT": "0",
+                "ZEROLAYER_ENGINE__BACKEND": "synthetic",
+                "ZEROLAYER_LOGGING__LEVEL": "warning",
+            }
+        )
+        full_env.update({f"ZEROLAYER_{k}": str(v) for k, v in (env or {}).items()})
+        cmd = [sys.executable, "-m", "gateway.cli", "serve"]
+        if config:
+            cmd += ["--config", config]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            m = _LISTENING.search(line)
+            if m:
+                self.host, self.port = m.group(1), int(m.group(2))
+                self.endpoint = f"tcp://{self.host}:{self.port}"
+                self.extra = dict(re.findall(r"(\w+)=(\S+)", line))
+                # Keep draining stderr so a chatty daemon never blocks on a full pipe.
+                threading.Thread(target=self._drain, daemon=True).start()
+                return
+        self.proc.kill()
+        raise RuntimeError("daemon did not start:\n" + "".join(self.lines) + self._rest())
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def _rest(self) -> str:
+        try:
+            return self.proc.stderr.read() or ""
+        except ValueError:
+            return ""
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stderr:
+            self.proc.stderr.close()
