@@ -1,0 +1,109 @@
+"""The client library and `zerolayer generate` against a real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from gateway import client as zc
+from gateway.protocol import ErrorCode, FinishReason
+from tests.daemon import ROOT, Daemon
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "1", "ENGINE__MAX_CONTEXT": "65536"}) as d:
+        yield d
+
+
+def test_async_streams_events_and_result(daemon):
+    async def main():
+        async with await zc.Client.connect(daemon.endpoint) as client:
+            welcome = await client.hello()
+            assert welcome.model == "synthetic" and welcome.max_streams == 256
+            stream = await client.generate("hello", max_tokens=25)
+            events = [e async for e in stream]
+            result = stream.result
+            assert result.finish_reason == FinishReason.MAX_TOKENS
+            assert result.completion_tokens == 25 == sum(len(e.ids) for e in events)
+            assert result.text == "".join(e.text for e in events) and len(result.text) == 25
+            assert await client.ping(b"p") == b"p"
+
+    asyncio.run(main())
+
+
+def test_many_concurrent_streams_and_typed_errors(daemon):
+    async def main():
+        async with await zc.Client.connect(daemon.endpoint) as client:
+            streams = [await client.generate(f"p{i}", max_tokens=10 + i) for i in range(60)]
+            results = await asyncio.gather(*(s.collect() for s in streams))
+            assert [r.completion_tokens for r in results] == [10 + i for i in range(60)]
+            bad = await client.generate([1, 2, 10**8], max_tokens=5)
+            with pytest.raises(zc.InvalidRequestError) as exc:
+                await bad.collect()
+            assert exc.value.code == ErrorCode.INVALID_REQUEST
+            unknown = await client.generate("x", max_tokens=5, prompt_id=99)
+            with pytest.raises(zc.UnknownPromptError):
+                await unknown.collect()
+            # The connection is still fine.
+            assert (await (await client.generate("ok", max_tokens=3)).collect()).completion_tokens == 3
+
+    asyncio.run(main())
+
+
+def test_cancel_and_chat(daemon):
+    async def main():
+        async with await zc.Client.connect(daemon.endpoint) as client:
+            stream = await client.generate("long", max_tokens=50000)
+            async for _ in stream:
+                await stream.cancel()
+                break
+            result = await stream.collect()
+            assert result.finish_reason == FinishReason.CANCELLED
+            chat = await client.generate_json(
+                {"max_tokens": 7, "messages": [{"role": "user", "content": "hi"}], "seed": 3,
+                 "temperature": 0.8}
+            )
+            r = await chat.collect()
+            assert r.completion_tokens == 7 and len(r.text) == 7
+
+    asyncio.run(main())
+
+
+def test_connection_error_raises_for_open_streams(daemon):
+    async def main():
+        client = await zc.Client.connect(daemon.endpoint)
+        stream = await client.generate("x", max_tokens=50000)
+        await client.send_raw(bytes(4) + b"\x55" + bytes(7))  # unknown frame type
+        with pytest.raises(zc.MalformedFrameError):
+            await stream.collect()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_sync_client(daemon):
+    with zc.SyncClient(daemon.endpoint) as client:
+        r = client.generate("sync", max_tokens=9)
+        assert r.completion_tokens == 9 and len(r.text) == 9
+        events = list(client.stream("sync", max_tokens=9))
+        assert "".join(e.text for e in events) == r.text
+
+
+def test_cli_generate_prints_streamed_text(daemon):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", daemon.endpoint,
+         "--max-tokens", "32", "-v", "hello"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.rstrip("\n")) == 32
+    assert "finish=max_tokens" in proc.stderr and "completion_tokens=32" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", "tcp://127.0.0.1:1",
+         "hi"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1 and "cannot reach" in proc.stderr

@@ -1,0 +1,250 @@
+"""The scheduler driven step by step (no thread, no server) over small scripted backends."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from gateway.engine.backend import Backend, ModelInfo
+from gateway.engine.engine import (
+    NOT_FINISHED,
+    Engine,
+    EngineOverloaded,
+    EngineStopped,
+    Output,
+    Sequence,
+)
+from gateway.engine.synthetic import SyntheticBackend
+from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from gateway.protocol import FinishReason
+from gateway.tokenizer import ByteTokenizer, Detokenizer
+
+TOK = ByteTokenizer()
+
+
+class Scripted(Backend):
+    """Emits a fixed token list per slot, records every call."""
+
+    def __init__(self, script: list[int], num_slots: int = 4, max_context: int = 4096) -> None:
+        self.num_slots = num_slots
+        self.info = ModelInfo("scripted", 259, 257, max_context)
+        self.script = script
+        self.pos = [0] * num_slots
+        self.prefills: list[list[tuple[int, int, int, bool]]] = []
+        self.decodes: list[list[int]] = []
+        self.freed: list[int] = []
+
+    def _next(self, slot: int) -> int:
+        t = self.script[self.pos[slot] % len(self.script)]
+        self.pos[slot] += 1
+        return t
+
+    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        self.prefills.append([(c.slot, c.start, len(c.tokens), c.last) for c in chunks])
+        return np.array([self._next(c.slot) if c.last else -1 for c in chunks], np.int32)
+
+    def decode(self, batch: DecodeBatch) -> np.ndarray:
+        self.decodes.append(batch.slots.tolist())
+        return np.array([self._next(s) for s in batch.slots.tolist()], np.int32)
+
+    def free(self, slot: int) -> None:
+        self.freed.append(slot)
+        self.pos[slot] = 0
+
+
+def make_engine(backend: Backend, **kw) -> tuple[Engine, list[Output]]:
+    sink: list[Output] = []
+    engine = Engine(
+        backend,
+        TOK,
+        sink.extend,
+        max_queue=kw.get("max_queue", 16),
+        max_step_tokens=kw.get("max_step_tokens", 64),
+        prefill_chunk=kw.get("prefill_chunk", 32),
+    )
+    return engine, sink
+
+
+def seq(owner, prompt=b"hi", max_tokens=10, text=True, stops=(), stop_ids=(), **sampling):
+    return Sequence(
+        owner,
+        np.frombuffer(prompt, np.uint8).astype(np.int32),
+        max_tokens,
+        SamplingRow(**sampling),
+        stop_ids=frozenset(stop_ids),
+        stop_sequences=tuple(stops),
+        detokenizer=Detokenizer(TOK) if (text or stops) else None,
+    )
+
+
+def run(engine: Engine, sink: list[Output], limit: int = 1000) -> dict:
+    for _ in range(limit):
+        sink.extend(engine.step())
+        if not (engine._inbox or engine._waiting or engine._running):
+            break
+    streams: dict = {}
+    for out in sink:
+        s = streams.setdefault(out.owner, {"ids": [], "text": "", "finish": None, "ends": 0})
+        assert s["finish"] is None, "output after the stream ended"
+        s["ids"] += out.ids
+        s["text"] += out.text
+        if out.finish != NOT_FINISHED:
+            s["finish"] = out.finish
+            s["ends"] += 1
+    return streams
+
+
+def test_eos_ends_stream_without_sending_it():
+    backend = Scripted([ord("a"), ord("b"), 257, ord("c")])
+    engine, sink = make_engine(backend)
+    engine.submit(seq("s"))
+    res = run(engine, sink)["s"]
+    assert res == {"ids": [97, 98], "text": "ab", "finish": FinishReason.EOS, "ends": 1}
+    assert backend.freed == [0]
+
+
+def test_max_tokens_and_stop_ids():
+    engine, sink = make_engine(Scripted([ord(c) for c in "abcdefgh"]))
+    engine.submit(seq("max", max_tokens=3))
+    engine.submit(seq("stop", stop_ids=[ord("e")]))
+    res = run(engine, sink)
+    assert res["max"]["text"] == "abc" and res["max"]["finish"] == FinishReason.MAX_TOKENS
+    assert res["stop"]["ids"] == [97, 98, 99, 100] and res["stop"]["finish"] == FinishReason.STOP
+
+
+def test_stop_sequence_held_back_and_cut():
+    engine, sink = make_engine(Scripted([ord(c) for c in "hello world!"]))
+    engine.submit(seq("s", max_tokens=50, stops=["o w"]))
+    res = run(engine, sink)["s"]
+    assert res["text"] == "hell"
+    assert res["finish"] == FinishReason.STOP
+    # A partial match that does not complete is released at the end.
+    engine, sink = make_engine(Scripted([ord(c) for c in "abcab"]))
+    engine.submit(seq("t", max_tokens=5, stops=["abd"]))
+    res = run(engine, sink)["t"]
+    assert res["text"] == "abcab" and res["finish"] == FinishReason.MAX_TOKENS
+
+
+def test_text_deltas_never_split_utf8():
+    euro = list("€".encode())  # 3 bytes
+    engine, sink = make_engine(Scripted(euro + [ord("x")] + euro[:2]))
+    engine.submit(seq("u", max_tokens=6))
+    run(engine, sink)
+    deltas = [o.text for o in sink]
+    for d in deltas:
+        d.encode("utf-8")  # each delta is a valid string
+    assert "".join(deltas) == "€x\ufffd"  # the unfinished tail is flushed as U+FFFD
+    assert deltas[:3] == ["", "", "€"]
+
+
+def test_chunked_prefill_interleaves_with_decode():
+    backend = Scripted([ord("z")], num_slots=2)
+    engine, sink = make_engine(backend, max_step_tokens=16, prefill_chunk=8)
+    engine.submit(seq("short", prompt=b"ab", max_tokens=30))
+    sink.extend(engine.step())  # short prefilled, first token out
+    engine.submit(seq("long", prompt=b"x" * 40, max_tokens=2))
+    for _ in range(5):
+        sink.extend(engine.step())
+    long_chunks = [c for step in backend.prefills[1:] for c in step]
+    assert [c[2] for c in long_chunks] == [8, 8, 8, 8, 8]  # 40 tokens in chunks of 8
+    assert [c[1] for c in long_chunks] == [0, 8, 16, 24, 32]
+    assert long_chunks[-1][3] and not any(c[3] for c in long_chunks[:-1])
+    # The short sequence kept decoding in every one of those steps.
+    assert all(0 in d for d in backend.decodes[:5])
+
+
+def test_step_token_budget_limits_prefill():
+    backend = Scripted([ord("z")], num_slots=4)
+    engine, sink = make_engine(backend, max_step_tokens=10, prefill_chunk=10)
+    for i in range(3):
+        engine.submit(seq(i, prompt=b"y" * 7, max_tokens=1))
+    sink.extend(engine.step())
+    assert sum(c[2] for c in backend.prefills[0]) == 10
+
+
+def test_cancel_frees_slot_at_next_step():
+    backend = Scripted([ord("a")], num_slots=1)
+    engine, sink = make_engine(backend)
+    s1, s2 = seq("one", max_tokens=1000), seq("two", max_tokens=2)
+    engine.submit(s1)
+    engine.submit(s2)
+    for _ in range(3):
+        sink.extend(engine.step())
+    assert engine.slots_used == 1 and engine.waiting == 1
+    engine.cancel(s1)
+    res = run(engine, sink)
+    assert res["one"]["finish"] == FinishReason.CANCELLED
+    assert res["two"]["finish"] == FinishReason.MAX_TOKENS
+    assert engine.slots_used == 0
+
+
+def test_cancel_while_waiting():
+    engine, sink = make_engine(Scripted([ord("a")], num_slots=1))
+    s1, s2 = seq("one", max_tokens=5), seq("two", max_tokens=5)
+    engine.submit(s1)
+    engine.submit(s2)
+    sink.extend(engine.step())
+    engine.cancel(s2)
+    res = run(engine, sink)
+    assert res["two"] == {"ids": [], "text": "", "finish": FinishReason.CANCELLED, "ends": 1}
+    assert engine.waiting == 0
+
+
+def test_bounded_queue_refuses_with_retry_hint():
+    engine, _ = make_engine(Scripted([1]), max_queue=2)
+    engine.submit(seq(1))
+    engine.submit(seq(2))
+    with pytest.raises(EngineOverloaded) as exc:
+        engine.submit(seq(3))
+    assert exc.value.retry_after_ms > 0
+    engine.stop_accepting()
+    with pytest.raises(EngineStopped):
+        engine.submit(seq(4))
+
+
+def test_max_context_caps_generation():
+    engine, sink = make_engine(Scripted([ord("a")], max_context=8))
+    engine.submit(seq("c", prompt=b"12345", max_tokens=100))
+    res = run(engine, sink)["c"]
+    assert len(res["ids"]) == 3 and res["finish"] == FinishReason.MAX_TOKENS
+
+
+def test_backend_failure_fails_sequences_not_engine():
+    class Broken(Scripted):
+        def decode(self, batch):
+            raise RuntimeError("device lost")
+
+    outputs: list[Output] = []
+    engine = Engine(Broken([1]), TOK, outputs.extend, max_queue=4, max_step_tokens=64,
+                    prefill_chunk=32)
+    engine.start()
+    try:
+        engine.submit(seq("x", max_tokens=5))
+        for _ in range(200):
+            if outputs:
+                break
+            time.sleep(0.01)
+        assert outputs and outputs[-1].finish == -1
+        assert engine.alive
+        assert engine.slots_used == 0
+    finally:
+        engine.stop()
+
+
+def test_synthetic_is_a_function_of_prompt_seed_position():
+    backend = SyntheticBackend(num_slots=8, vocab_size=300, max_context=512)
+    engine, sink = make_engine(backend)
+    engine.submit(seq("a", prompt=b"same", max_tokens=20))
+    engine.submit(seq("b", prompt=b"same", max_tokens=20))
+    engine.submit(seq("c", prompt=b"other", max_tokens=20))
+    engine.submit(seq("d", prompt=b"same", max_tokens=20, seed=5, seeded=True))
+    res = run(engine, sink)
+    assert res["a"]["ids"] == res["b"]["ids"]
+    assert res["a"]["ids"] != res["c"]["ids"]
+    assert res["a"]["ids"] != res["d"]["ids"]
+    # The same prompt prefilled in two chunks gives the same tokens.
+    engine, sink = make_engine(backend, prefill_chunk=2, max_step_tokens=2)
+    engine.submit(seq("e", prompt=b"same", max_tokens=20))
+    assert run(engine, sink)["e"]["ids"] == res["a"]["ids"]
