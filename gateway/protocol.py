@@ -349,7 +349,21 @@ def _json_float(stream: int, obj: dict, key: str, default: float) -> float:
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid(stream, f"{key} must be a number")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a JSON integer too large for a double
+        raise _invalid(stream, f"{key} is out of range") from None
+
+
+def _json_text(stream: int, key: str, value: object, allow_empty: bool = True) -> str:
+    """A JSON string that is also valid UTF-8: JSON admits lone surrogates (\\ud800), UTF-8 not."""
+    if not isinstance(value, str) or not (allow_empty or value):
+        raise _invalid(stream, f"{key} must be a {'' if allow_empty else 'non-empty '}string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _invalid(stream, f"{key} is not valid UTF-8 (lone surrogate)") from None
+    return value
 
 
 def _parse_json_request(stream: int, payload: memoryview) -> Request:
@@ -359,6 +373,8 @@ def _parse_json_request(stream: int, payload: memoryview) -> Request:
         raise _invalid(stream, f"JSON request is not valid UTF-8: {exc.reason}") from None
     except ValueError as exc:
         raise _invalid(stream, f"invalid JSON: {exc}") from None
+    except RecursionError:  # e.g. "[[[[..." nested deeper than the parser's stack
+        raise _invalid(stream, "invalid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise _invalid(stream, "JSON request must be an object")
     unknown = obj.keys() - _JSON_KEYS
@@ -381,17 +397,15 @@ def _parse_json_request(stream: int, payload: memoryview) -> Request:
     if "seed" in obj:
         req.seed = _json_int(stream, obj, "seed", 0, 0, 2**64 - 1)
     system = obj.get("system")
-    if system is not None and not isinstance(system, str):
-        raise _invalid(stream, "system must be a string")
+    if system is not None:
+        _json_text(stream, "system", system)
     req.system = system or None
     stops = obj.get("stop_sequences", [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+    if not isinstance(stops, list):
         raise _invalid(stream, "stop_sequences must be a list of non-empty strings")
-    req.stop_sequences = tuple(stops)
+    req.stop_sequences = tuple(_json_text(stream, "stop_sequences", s, False) for s in stops)
     if "prompt" in obj:
-        if not isinstance(obj["prompt"], str):
-            raise _invalid(stream, "prompt must be a string")
-        req.prompt_text = obj["prompt"]
+        req.prompt_text = _json_text(stream, "prompt", obj["prompt"])
         if not req.prompt_text and not req.prompt_id and not req.system:
             raise _invalid(stream, "empty prompt without a prompt_id")
     else:
@@ -409,6 +423,7 @@ def _parse_json_request(stream: int, payload: memoryview) -> Request:
                     stream,
                     'each message must be {"role": "user"|"assistant", "content": str}',
                 )
+            _json_text(stream, "message content", m["content"])
         req.messages = messages
     return req
 
@@ -612,7 +627,9 @@ def encode_done(stream: int, done: Done) -> bytes:
 
 # Hot-path packers: write straight into a caller's reusable bytearray (no intermediate bytes).
 _TOKEN_FRAME_HEAD = struct.Struct("<IBBHIHH")  # header + TOKEN's n_ids/reserved
+_TOKEN = int(FrameType.TOKEN)
 _DONE_FRAME = struct.Struct("<IBBHI" + "BBHIIIII")
+_DONE = int(FrameType.DONE)
 DONE_FRAME_SIZE = _DONE_FRAME.size
 
 
@@ -621,12 +638,12 @@ def token_frame_size(n_ids: int, text_len: int) -> int:
 
 
 def pack_token_into(
-    buf: bytearray, offset: int, stream: int, ids: list[int], text: bytes
+    buf: bytearray, offset: int, stream: int, ids: list[int] | tuple[int, ...], text: bytes
 ) -> int:
     """Write a TOKEN frame at ``offset`` (the buffer must have room); returns the new offset."""
     n = len(ids)
     length = TOKEN_HEAD.size + 4 * n + len(text)
-    _TOKEN_FRAME_HEAD.pack_into(buf, offset, length, FrameType.TOKEN, 0, 0, stream, n, 0)
+    _TOKEN_FRAME_HEAD.pack_into(buf, offset, length, _TOKEN, 0, 0, stream, n, 0)
     offset += HEADER_SIZE + TOKEN_HEAD.size
     if n == 1:
         struct.pack_into("<i", buf, offset, ids[0])
@@ -636,6 +653,23 @@ def pack_token_into(
     end = offset + len(text)
     buf[offset:end] = text
     return end
+
+
+TOKEN1_FRAME = struct.Struct("<IBBHIHHi")  # a TOKEN frame carrying exactly one id
+TOKEN1_FRAME_SIZE = TOKEN1_FRAME.size  # 20
+
+
+def pack_token1_into(buf: bytearray, offset: int, stream: int, token: int, text: bytes) -> int:
+    """The common case of ``pack_token_into``: one id and an optional text delta."""
+    TOKEN1_FRAME.pack_into(
+        buf, offset, 8 + len(text), _TOKEN, 0, 0, stream, 1, 0, token
+    )
+    offset += TOKEN1_FRAME_SIZE
+    if text:
+        end = offset + len(text)
+        buf[offset:end] = text
+        return end
+    return offset
 
 
 def pack_done_into(
@@ -654,7 +688,7 @@ def pack_done_into(
         buf,
         offset,
         DONE_BODY.size,
-        FrameType.DONE,
+        _DONE,
         0,
         0,
         stream,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from gateway import protocol as p
 from gateway.config import Settings
 from gateway.engine.engine import (
     FINISH_ERROR,
+    NO_TOKEN,
     NOT_FINISHED,
     Engine,
     EngineOverloaded,
@@ -33,6 +35,7 @@ from gateway.tokenizer import Detokenizer, Tokenizer
 log = logging.getLogger("zerolayer.server")
 
 _perf = time.perf_counter
+_pack_token1 = p.TOKEN1_FRAME.pack_into  # (buf, offset, 8, TOKEN, 0, 0, stream, 1, 0, id)
 
 
 class StreamError(Exception):
@@ -90,6 +93,7 @@ class Server:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self._all_closed = asyncio.Event()
+        self._pending_steps = threading.Semaphore(2)
         self.welcome = p.encode_welcome(
             self.cfg.max_frame_bytes,
             self.cfg.max_streams_per_connection,
@@ -125,9 +129,17 @@ class Server:
         return self._server.sockets[0].getsockname()[1]
 
     def deliver_threadsafe(self, outputs: list[Output]) -> None:
-        """The engine's deliver callback: one hand-off to the loop per engine step."""
+        """The engine's deliver callback: one hand-off to the loop per engine step.
+
+        At most two steps' outputs wait for the loop: a backend faster than the loop can write
+        is slowed to the loop's pace instead of queueing outputs without bound.
+        """
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self.deliver, outputs)
+        self._pending_steps.acquire(timeout=5.0)
+        try:
+            self.loop.call_soon_threadsafe(self.deliver, outputs)
+        except RuntimeError:  # the loop is closed: shutting down, nobody to deliver to
+            self._pending_steps.release()
 
     async def drain(self) -> None:
         """Stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
@@ -171,16 +183,27 @@ class Server:
     # ------------------------------------------------------------------ engine outputs
 
     def deliver(self, outputs: list[Output]) -> None:
+        self._pending_steps.release()
         dirty: list[Connection] = []
-        for out in outputs:
-            st: Stream = out.owner  # type: ignore[assignment]
-            if st.ended:
+        pack1 = _pack_token1
+        for st, token, text, finish, t_admit in outputs:
+            if st.ended:  # type: ignore[attr-defined]
                 continue
-            conn = st.conn
-            if out.ids or out.text:
-                conn.queue_token(st, out.ids, out.text)
-            if out.finish != NOT_FINISHED:
-                conn.finish_stream(st, out.finish, out.t_admit)
+            conn = st.conn  # type: ignore[attr-defined]
+            if token != NO_TOKEN and not (text and st.want_text):  # type: ignore[attr-defined]
+                # The common case, inlined: one id, no text, straight into the write buffer.
+                off = conn._out_len
+                if off + 20 > len(conn._out):
+                    conn._reserve(20)
+                pack1(conn._out, off, 8, 2, 0, 0, st.stream_id, 1, 0, token)  # type: ignore[attr-defined]
+                conn._out_len = off + 20
+                st.n_ids += 1  # type: ignore[attr-defined]
+                if not st.t_first:  # type: ignore[attr-defined]
+                    st.t_first = _perf()  # type: ignore[attr-defined]
+            elif token != NO_TOKEN or text:
+                conn.queue_token(st, token, text)
+            if finish != NOT_FINISHED:
+                conn.finish_stream(st, finish, t_admit)
             if not conn.dirty:
                 conn.dirty = True
                 dirty.append(conn)
@@ -418,13 +441,20 @@ class Connection(asyncio.BufferedProtocol):
         self._out[self._out_len : end] = data
         self._out_len = end
 
-    def queue_token(self, st: Stream, ids: list[int], text: str) -> None:
+    def queue_token(self, st: Stream, token: int, text: str) -> None:
+        """Pack one TOKEN frame (one id, or only text when token is NO_TOKEN)."""
         data = text.encode("utf-8") if (text and st.want_text) else b""
-        if not ids and not data:
+        if token == NO_TOKEN:
+            if not data:
+                return
+            self._reserve(p.token_frame_size(0, len(data)))
+            self._out_len = p.pack_token_into(self._out, self._out_len, st.stream_id, (), data)
             return
-        self._reserve(p.token_frame_size(len(ids), len(data)))
-        self._out_len = p.pack_token_into(self._out, self._out_len, st.stream_id, ids, data)
-        st.n_ids += len(ids)
+        end = self._out_len + p.TOKEN1_FRAME_SIZE + len(data)
+        if end > len(self._out):
+            self._reserve(end - self._out_len)
+        self._out_len = p.pack_token1_into(self._out, self._out_len, st.stream_id, token, data)
+        st.n_ids += 1
         if not st.t_first:
             st.t_first = _perf()
 

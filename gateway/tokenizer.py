@@ -19,8 +19,9 @@ REPLACEMENT = "\ufffd"
 class Tokenizer(ABC):
     vocab_size: int
     bos_token_id: int  # -1 when none
-    eos_token_id: int  # -1 when none
-    add_bos: bool  # prepend BOS to raw prompts
+    eos_token_id: int  # -1 when none; the one WELCOME reports
+    eos_token_ids: frozenset[int]  # every id that ends generation (generation_config may list several)
+    add_bos: bool  # prepend BOS to prompts that do not start with it
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -39,9 +40,10 @@ class Tokenizer(ABC):
         return self.render_chat([], system)
 
     def encode_prompt(self, text: str) -> np.ndarray:
-        """Prompt ids as int32, with BOS when the model expects one."""
+        """Prompt ids as int32, with BOS when the model expects one and the text (e.g. a rendered
+        chat template) does not already start with it."""
         ids = self.encode(text)
-        if self.add_bos and self.bos_token_id >= 0:
+        if self.add_bos and self.bos_token_id >= 0 and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return np.asarray(ids, dtype=np.int32)
 
@@ -58,6 +60,7 @@ class ByteTokenizer(Tokenizer):
         self.vocab_size = vocab_size
         self.bos_token_id = self.BOS
         self.eos_token_id = self.EOS
+        self.eos_token_ids = frozenset({self.EOS})
         self.add_bos = add_bos
 
     def encode(self, text: str) -> list[int]:

@@ -9,7 +9,10 @@ import pytest
 
 from gateway.engine.backend import Backend, ModelInfo
 from gateway.engine.engine import (
+    FINISH,
+    NO_TOKEN,
     NOT_FINISHED,
+    TEXT,
     Engine,
     EngineOverloaded,
     EngineStopped,
@@ -85,13 +88,14 @@ def run(engine: Engine, sink: list[Output], limit: int = 1000) -> dict:
         if not (engine._inbox or engine._waiting or engine._running):
             break
     streams: dict = {}
-    for out in sink:
-        s = streams.setdefault(out.owner, {"ids": [], "text": "", "finish": None, "ends": 0})
+    for owner, token, text, finish, _ in sink:
+        s = streams.setdefault(owner, {"ids": [], "text": "", "finish": None, "ends": 0})
         assert s["finish"] is None, "output after the stream ended"
-        s["ids"] += out.ids
-        s["text"] += out.text
-        if out.finish != NOT_FINISHED:
-            s["finish"] = out.finish
+        if token != NO_TOKEN:
+            s["ids"].append(token)
+        s["text"] += text
+        if finish != NOT_FINISHED:
+            s["finish"] = finish
             s["ends"] += 1
     return streams
 
@@ -132,7 +136,7 @@ def test_text_deltas_never_split_utf8():
     engine, sink = make_engine(Scripted(euro + [ord("x")] + euro[:2]))
     engine.submit(seq("u", max_tokens=6))
     run(engine, sink)
-    deltas = [o.text for o in sink]
+    deltas = [o[TEXT] for o in sink]
     for d in deltas:
         d.encode("utf-8")  # each delta is a valid string
     assert "".join(deltas) == "€x\ufffd"  # the unfinished tail is flushed as U+FFFD
@@ -226,7 +230,7 @@ def test_backend_failure_fails_sequences_not_engine():
             if outputs:
                 break
             time.sleep(0.01)
-        assert outputs and outputs[-1].finish == -1
+        assert outputs and outputs[-1][FINISH] == -1
         assert engine.alive
         assert engine.slots_used == 0
     finally:

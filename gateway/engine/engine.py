@@ -14,8 +14,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import numpy as np
 
 from gateway.engine.backend import Backend
@@ -58,6 +56,7 @@ class Sequence:
         "slot",
         "prefilled",
         "generated",
+        "position",
         "last_token",
         "held",
         "cancelled",
@@ -89,28 +88,22 @@ class Sequence:
         self.slot = -1
         self.prefilled = 0  # prompt ids written to the cache so far
         self.generated = 0
+        self.position = prefix_len + len(prompt)  # where the next sampled token will be written
         self.last_token = -1
         self.held = ""  # text withheld because it may start a stop sequence
         self.cancelled = False
         self.t_admit = 0.0
         self._max_stop = max((len(s) for s in stop_sequences), default=0)
 
-    @property
-    def context_len(self) -> int:
-        return self.prefix_len + len(self.prompt)
 
-
-@dataclass(slots=True)
-class Output:
-    """What one step produced for one sequence. ``finish`` is NOT_FINISHED, a FinishReason or
-    FINISH_ERROR; ids exclude the token that ended the stream."""
-
-    owner: object
-    ids: list[int]
-    text: str
-    finish: int
-    t_admit: float
-
+# What one step produced for one sequence, as a plain tuple (one is made per token, so no class):
+#   (owner, token, text, finish, t_admit)
+# token: the new token id, or NO_TOKEN (the token that ends a stream is never sent);
+# text: its UTF-8-safe text delta ("" when none or not wanted);
+# finish: NOT_FINISHED, a FinishReason, or FINISH_ERROR; t_admit: perf_counter at slot admission.
+Output = tuple[object, int, str, int, float]
+NO_TOKEN = -1
+OWNER, TOKEN, TEXT, FINISH, T_ADMIT = range(5)
 
 Deliver = Callable[[list[Output]], None]
 
@@ -139,7 +132,14 @@ class Engine:
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
-        self._free_slots = list(range(backend.num_slots - 1, -1, -1))
+        n = backend.num_slots
+        self._free_slots = list(range(n - 1, -1, -1))
+        self._max_context = backend.info.max_context
+        self._temperature = np.zeros(n, np.float32)
+        self._top_p = np.ones(n, np.float32)
+        self._top_k = np.zeros(n, np.int32)
+        self._seeds = np.zeros(n, np.uint64)
+        self._seeded = np.zeros(n, np.bool_)
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -286,9 +286,15 @@ class Engine:
                 self._queued -= 1
             seq.t_admit = time.perf_counter()
             if seq.cancelled:
-                outputs.append(self._end(seq, [], FinishReason.CANCELLED))
+                outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
                 continue
-            seq.slot = self._free_slots.pop()
+            seq.slot = slot = self._free_slots.pop()
+            sp = seq.sampling
+            self._temperature[slot] = sp.temperature
+            self._top_p[slot] = sp.top_p
+            self._top_k[slot] = sp.top_k
+            self._seeds[slot] = sp.seed
+            self._seeded[slot] = sp.seeded
             if seq.prefix is not None:
                 self.backend.load_prefix(seq.prefix, seq.slot)  # type: ignore[attr-defined]
             self._running.append(seq)
@@ -301,50 +307,42 @@ class Engine:
                 if seq.cancelled:
                     with self._lock:
                         self._queued -= 1
-                    outputs.append(self._end(seq, [], FinishReason.CANCELLED))
+                    outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
                 else:
                     keep.append(seq)
             self._waiting = keep
         for seq in [s for s in self._running if s.cancelled]:
-            outputs.append(self._end(seq, [], FinishReason.CANCELLED))
+            outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
             self._release(seq)
 
     def _decode_batch(self, rows: list[Sequence]) -> DecodeBatch:
-        b = len(rows)
-        batch = DecodeBatch(
-            slots=np.empty(b, np.int32),
-            tokens=np.empty(b, np.int32),
-            positions=np.empty(b, np.int32),
-            temperature=np.empty(b, np.float32),
-            top_p=np.empty(b, np.float32),
-            top_k=np.empty(b, np.int32),
-            seeds=np.empty(b, np.uint64),
-            seeded=np.empty(b, np.bool_),
+        # Sampling parameters live in per-slot arrays written once at admission; per step only
+        # the slot list, last tokens and positions are gathered.
+        slots = np.array([s.slot for s in rows], np.int32)
+        return DecodeBatch(
+            slots=slots,
+            tokens=np.array([s.last_token for s in rows], np.int32),
+            positions=np.array([s.position - 1 for s in rows], np.int32),
+            temperature=self._temperature[slots],
+            top_p=self._top_p[slots],
+            top_k=self._top_k[slots],
+            seeds=self._seeds[slots],
+            seeded=self._seeded[slots],
         )
-        for i, seq in enumerate(rows):
-            sp = seq.sampling
-            batch.slots[i] = seq.slot
-            batch.tokens[i] = seq.last_token
-            batch.positions[i] = seq.context_len + seq.generated - 1
-            batch.temperature[i] = sp.temperature
-            batch.top_p[i] = sp.top_p
-            batch.top_k[i] = sp.top_k
-            batch.seeds[i] = sp.seed
-            batch.seeded[i] = sp.seeded
-        return batch
 
     def _accept_token(
         self, seq: Sequence, token: int, outputs: list[Output], finished: list[Sequence]
     ) -> None:
         if token in self.tokenizer.eos_token_ids:
-            outputs.append(self._end(seq, [], FinishReason.EOS))
+            outputs.append(self._end(seq, NO_TOKEN, FinishReason.EOS))
             finished.append(seq)
             return
         if token in seq.stop_ids:
-            outputs.append(self._end(seq, [], FinishReason.STOP))
+            outputs.append(self._end(seq, NO_TOKEN, FinishReason.STOP))
             finished.append(seq)
             return
         seq.generated += 1
+        seq.position += 1
         seq.last_token = token
         text = ""
         if seq.detok is not None:
@@ -352,16 +350,14 @@ class Engine:
             if seq.stop_sequences:
                 text, hit = self._scan_stops(seq, text)
                 if hit:
-                    outputs.append(self._end(seq, [token], FinishReason.STOP, text, flush=False))
+                    outputs.append(self._end(seq, token, FinishReason.STOP, text, flush=False))
                     finished.append(seq)
                     return
-        if seq.generated >= seq.max_tokens or seq.context_len + seq.generated >= (
-            self.backend.info.max_context
-        ):
-            outputs.append(self._end(seq, [token], FinishReason.MAX_TOKENS, text))
+        if seq.generated >= seq.max_tokens or seq.position >= self._max_context:
+            outputs.append(self._end(seq, token, FinishReason.MAX_TOKENS, text))
             finished.append(seq)
             return
-        outputs.append(Output(seq.owner, [token], text, NOT_FINISHED, seq.t_admit))
+        outputs.append((seq.owner, token, text, NOT_FINISHED, seq.t_admit))
 
     @staticmethod
     def _scan_stops(seq: Sequence, text: str) -> tuple[str, bool]:
@@ -386,7 +382,7 @@ class Engine:
         return candidate[: len(candidate) - keep], False
 
     def _end(
-        self, seq: Sequence, ids: list[int], finish: int, text: str = "", flush: bool = True
+        self, seq: Sequence, token: int, finish: int, text: str = "", flush: bool = True
     ) -> Output:
         if flush and seq.detok is not None:
             rest = seq.detok.flush()
@@ -401,7 +397,7 @@ class Engine:
         if seq.t_admit:
             elapsed = time.perf_counter() - seq.t_admit
             self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
-        return Output(seq.owner, ids, text, finish, seq.t_admit)
+        return (seq.owner, token, text, finish, seq.t_admit)
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
@@ -413,6 +409,6 @@ class Engine:
     def _fail_all(self) -> list[Output]:
         outputs = []
         for seq in list(self._running):
-            outputs.append(Output(seq.owner, [], "", FINISH_ERROR, seq.t_admit))
+            outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))
             self._release(seq)
         return outputs

@@ -17,19 +17,27 @@ from gateway.engine.backend import Backend, ModelInfo
 from gateway.engine.types import DecodeBatch, PrefillChunk
 
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8).astype(np.int32)
-_MASK = (1 << 64) - 1
+_U64 = np.uint64
+_GOLDEN, _M1, _M2, _POS = (
+    _U64(0x9E3779B97F4A7C15),
+    _U64(0xBF58476D1CE4E5B9),
+    _U64(0x94D049BB133111EB),
+    _U64(0xD6E8FEB86659FD93),
+)
 
 
-def _mix(x: int) -> int:
-    """splitmix64 finaliser: a well-spread 64-bit hash of x."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser over uint64 arrays (arithmetic wraps mod 2**64)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> _U64(30))) * _M1
+    x = (x ^ (x >> _U64(27))) * _M2
+    return x ^ (x >> _U64(31))
 
 
-def synthetic_token(digest: int, position: int) -> int:
-    return int(_ALPHABET[_mix(digest ^ (position * 0xD6E8FEB86659FD93 & _MASK)) % len(_ALPHABET)])
+def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Token ids for (digest, position) pairs: int32 [n]."""
+    h = _mix(digests ^ (positions.astype(_U64) * _POS))
+    return _ALPHABET[(h % _U64(len(_ALPHABET))).astype(np.intp)]
 
 
 class SyntheticBackend(Backend):
@@ -41,7 +49,7 @@ class SyntheticBackend(Backend):
             name="synthetic", vocab_size=vocab_size, eos_token_id=257, max_context=max_context
         )
         self._step_s = step_ms / 1000.0
-        self._digest = [0] * num_slots
+        self._digest = np.zeros(num_slots, _U64)
 
     def _sleep(self) -> None:
         if self._step_s:
@@ -51,31 +59,29 @@ class SyntheticBackend(Backend):
         self._sleep()
         out = np.full(len(chunks), -1, np.int32)
         for i, chunk in enumerate(chunks):
-            d = 0 if chunk.start == 0 else self._digest[chunk.slot]
-            for t in chunk.tokens.tolist():
-                d = _mix(d ^ (t & _MASK))
-            self._digest[chunk.slot] = d
+            d = np.zeros(1, _U64) if chunk.start == 0 else self._digest[chunk.slot : chunk.slot + 1]
+            for t in chunk.tokens.astype(_U64):
+                d = _mix(d ^ t)
             if chunk.last:
                 if chunk.sampling.seeded:
-                    self._digest[chunk.slot] = d = _mix(d ^ chunk.sampling.seed)
-                out[i] = synthetic_token(d, chunk.start + len(chunk.tokens))
+                    d = _mix(d ^ _U64(chunk.sampling.seed))
+                end = np.array([chunk.start + len(chunk.tokens)], _U64)
+                out[i] = synthetic_tokens(d, end)[0]
+            self._digest[chunk.slot] = d[0]
         return out
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         self._sleep()
-        out = np.empty(batch.size, np.int32)
-        for i, (slot, pos) in enumerate(zip(batch.slots.tolist(), batch.positions.tolist())):
-            out[i] = synthetic_token(self._digest[slot], pos + 1)
-        return out
+        return synthetic_tokens(self._digest[batch.slots], batch.positions + 1)
 
     def free(self, slot: int) -> None:
         self._digest[slot] = 0
 
     def save_prefix(self, slot: int, length: int) -> object:
-        return self._digest[slot]
+        return int(self._digest[slot])
 
     def load_prefix(self, prefix: object, slot: int) -> None:
-        self._digest[slot] = int(prefix)  # type: ignore[call-overload]
+        self._digest[slot] = _U64(prefix)  # type: ignore[arg-type]
 
     def prefix_nbytes(self, prefix: object) -> int:
         return 8
