@@ -1,0 +1,76 @@
+# syntax=docker/dockerfile:1
+# Two targets:
+#   docker build --target cpu    -t zerolayer:0.1.0-cpu .     # laptops, CI, compose demo
+#   docker build --target neuron -t zerolayer:0.1.0-neuron .  # inf2 hosts (run with --device=/dev/neuron0)
+# Both listen on 0.0.0.0 inside the container: frames on 7070, metrics and health on 9464.
+
+# The Neuron base image (see the neuron target below); a global ARG, so FROM can use it.
+ARG NEURON_DLC=public.ecr.aws/neuron/pytorch-inference-neuronx:2.5.1-neuronx-py310-sdk2.22.0-ubuntu22.04
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the cpu and synthetic backends on torch's CPU build.
+FROM python:3.11-slim AS cpu
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    ZEROLAYER_SERVER__HOST=0.0.0.0 \
+    ZEROLAYER_METRICS__HOST=0.0.0.0
+
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /var/lib/zerolayer zerolayer
+
+WORKDIR /opt/zerolayer
+# torch first, from the CPU-only index: the default index resolves to a multi-GB CUDA build.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY kernels ./kernels
+COPY configs ./configs
+RUN pip install '.[cpu,redis]'
+
+USER zerolayer
+EXPOSE 7070 9464
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s \
+    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:9464/readyz', timeout=2).status != 200)"
+CMD ["zerolayer", "serve"]
+
+# ---------------------------------------------------------------------------------------------
+# Neuron: AWS's Neuron Deep Learning Container for inference. Pinned to Neuron SDK 2.22.0
+# (torch-neuronx on PyTorch 2.5.1, transformers-neuronx, neuronx-cc, Python 3.10, Ubuntu 22.04):
+# transformers-neuronx, which the neuron backend drives, is supported up to SDK 2.26. Change
+# NEURON_DLC to move SDKs; the host's aws-neuronx-dkms driver must support the SDK in the image.
+FROM ${NEURON_DLC} AS neuron
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    ZEROLAYER_SERVER__HOST=0.0.0.0 \
+    ZEROLAYER_METRICS__HOST=0.0.0.0 \
+    ZEROLAYER_ENGINE__BACKEND=neuron \
+    NEURON_COMPILE_CACHE_URL=/var/cache/zerolayer/neuron-compile-cache \
+    PATH=/opt/aws/neuron/bin:${PATH}
+
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /var/lib/zerolayer zerolayer \
+    && mkdir -p /var/cache/zerolayer && chown zerolayer:zerolayer /var/cache/zerolayer
+
+WORKDIR /opt/zerolayer
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY kernels ./kernels
+COPY configs ./configs
+# Keep the image's Neuron stack exactly as AWS built it: constrain every Neuron and torch
+# package to the version already installed, so pip cannot replace them.
+RUN pip freeze | grep -iE '^(torch|torch-neuronx|torchvision|transformers-neuronx|neuronx-cc|libneuronxla)==' \
+        > /tmp/neuron-constraints.txt \
+    && pip install --extra-index-url https://pip.repos.neuron.amazonaws.com \
+        -c /tmp/neuron-constraints.txt '.[neuron,redis]' \
+    && rm /tmp/neuron-constraints.txt
+
+USER zerolayer
+EXPOSE 7070 9464
+STOPSIGNAL SIGTERM
+# The DLC's own entrypoint starts TorchServe; ours is the daemon.
+ENTRYPOINT []
+CMD ["zerolayer", "serve"]

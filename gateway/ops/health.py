@@ -1,0 +1,151 @@
+"""The metrics and health HTTP endpoint, served from its own thread, never from the event loop.
+
+GET /metrics (Prometheus text), /healthz (process alive and engine thread stepping) and /readyz
+(model loaded, prompts compiled, not draining), each 200 or 503. A slow scraper costs a thread
+of its own, so a scrape never stalls token delivery on the event loop. ``Heartbeat`` is the
+engine-liveness signal shared by /healthz and the systemd watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from gateway.ops.metrics import CONTENT_TYPE_LATEST, Metrics
+
+__all__ = ["Heartbeat", "HttpServerHandle", "start_http_server"]
+
+log = logging.getLogger("zerolayer.ops.http")
+
+
+class Heartbeat:
+    """Engine liveness: the engine thread calls ``beat()`` after every step and every idle wait.
+
+    ``alive()`` is true while the last beat is younger than ``staleness_s``. A beat is one float
+    store, cheap enough for every step; the engine's idle wait must be shorter than the window.
+    """
+
+    __slots__ = ("last", "staleness_s")
+
+    def __init__(self, staleness_s: float = 10.0) -> None:
+        self.staleness_s = staleness_s
+        self.last = time.monotonic()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.last < self.staleness_s
+
+
+def _safe(check: Callable[[], bool]) -> bool:
+    # A probe that raises is a failed probe, not a crashed server thread.
+    try:
+        return bool(check())
+    except Exception:
+        log.exception("health check %r raised", check)
+        return False
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # an in-flight scrape never holds up shutdown
+    allow_reuse_address = True
+    metrics: Metrics
+    engine_alive: Callable[[], bool]
+    ready: Callable[[], bool]
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"  # keep-alive for scrapers that reuse connections
+
+    def do_GET(self) -> None:  # noqa: N802 - name fixed by BaseHTTPRequestHandler
+        self._serve(send_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._serve(send_body=False)
+
+    def _serve(self, send_body: bool) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._reply(200, self.server.metrics.render(), CONTENT_TYPE_LATEST, send_body)
+        elif path == "/healthz":
+            ok = _safe(self.server.engine_alive)
+            self._reply(*_probe(ok, "engine not stepping"), send_body=send_body)
+        elif path == "/readyz":
+            ok = _safe(self.server.ready)
+            self._reply(*_probe(ok, "not ready"), send_body=send_body)
+        else:
+            self._reply(404, b"not found\n", "text/plain; charset=utf-8", send_body)
+
+    def _reply(self, status: int, body: bytes, content_type: str, send_body: bool) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        # Scrapes every few seconds would flood the journal; errors still go through log_error.
+        pass
+
+    def log_error(self, format: str, *args: object) -> None:  # noqa: A002
+        log.debug("http: " + format, *args)
+
+
+def _probe(ok: bool, reason: str) -> tuple[int, bytes, str]:
+    if ok:
+        return 200, b"ok\n", "text/plain; charset=utf-8"
+    return 503, (reason + "\n").encode(), "text/plain; charset=utf-8"
+
+
+class HttpServerHandle:
+    """A running metrics/health server. ``port`` is the bound port (useful with port 0)."""
+
+    def __init__(self, server: _Server, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+        self.host: str = server.server_address[0]
+        self.port: int = server.server_address[1]
+
+    def close(self) -> None:
+        """Stop serving and release the port; idempotent."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+
+def start_http_server(
+    host: str,
+    port: int,
+    metrics: Metrics,
+    engine_alive: Callable[[], bool],
+    ready: Callable[[], bool],
+) -> HttpServerHandle:
+    """Bind ``host:port`` and serve /metrics, /healthz and /readyz on a daemon thread."""
+    server_cls = _Server6 if ":" in host else _Server
+    server = server_cls((host, port), _Handler)
+    server.metrics = metrics
+    server.engine_alive = engine_alive
+    server.ready = ready
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.1},  # bounds how long close() waits for the loop
+        name="zerolayer-metrics-http",
+        daemon=True,
+    )
+    thread.start()
+    handle = HttpServerHandle(server, thread)
+    log.info("metrics and health on http://%s:%d", host, handle.port)
+    return handle

@@ -1,0 +1,299 @@
+"""The daemon's Prometheus metrics: one dedicated registry and the cheap calls the hot path makes.
+
+Names follow vLLM's meaning with a ``zerolayer_`` prefix, so existing dashboards port by a rename.
+Every labelled child is resolved once here, at start-up; a call on the hot path is one attribute
+(or dict) lookup plus ``inc``/``observe``/``set``. No label ever names a key, client or connection,
+so the number of series is fixed by this file. docs/metrics.md lists every metric.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "ERROR_CODES",
+    "FINISH_REASONS",
+    "FRAME_TYPES",
+    "Metrics",
+]
+
+# The protocol's names (docs/protocol.md); each gets a pre-resolved child.
+FRAME_TYPES: tuple[str, ...] = (
+    "REQUEST",
+    "TOKEN",
+    "DONE",
+    "PING",
+    "PONG",
+    "ERROR",
+    "CANCEL",
+    "HELLO",
+    "WELCOME",
+    "GOAWAY",
+)
+FINISH_REASONS: tuple[str, ...] = ("eos", "max_tokens", "stop", "cancelled")
+ERROR_CODES: tuple[str, ...] = (
+    "MALFORMED_FRAME",
+    "FRAME_TOO_LARGE",
+    "UNSUPPORTED_VERSION",
+    "UNAUTHENTICATED",
+    "RATE_LIMITED",
+    "OVERLOADED",
+    "INVALID_REQUEST",
+    "PROMPT_TOO_LONG",
+    "UNKNOWN_PROMPT",
+    "STREAM_IN_USE",
+    "TOO_MANY_STREAMS",
+    "IDLE_TIMEOUT",
+    "SHUTTING_DOWN",
+    "SLOW_CONSUMER",
+    "INTERNAL",
+)
+DIRECTIONS: tuple[str, ...] = ("in", "out")
+PHASES: tuple[str, ...] = ("prefill", "decode")
+
+# LLM-sized buckets: a first token can take from a millisecond (cache hit) to minutes (long
+# prompt on a saturated host); a whole request up to many minutes.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)  # fmt: skip
+QUEUE_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class Metrics:
+    """All zerolayer_* metrics in a private CollectorRegistry, with hot-path methods.
+
+    Thread-safe (prometheus-client locks each child); callable from the event loop and the
+    engine thread alike. ``registry`` is where other collectors (neuron-monitor) register too.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "zerolayer_"
+
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Request received to first TOKEN frame written, seconds.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between consecutive output tokens of one stream, seconds.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Request received to DONE written, seconds (successful requests).",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds",
+            "Time a request waited for a batch slot, seconds.",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(p + "num_requests_running", "Sequences holding a KV slot.", registry=r)
+        self.waiting = Gauge(
+            p + "num_requests_waiting", "Requests queued for a KV slot.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            p + "generation_tokens", "Output tokens sent to clients.", registry=r
+        )
+        success = Counter(
+            p + "request_success",
+            "Requests that ended in DONE, by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        errors = Counter(
+            p + "request_errors",
+            "ERROR frames sent, by protocol error code name.",
+            ["code"],
+            registry=r,
+        )
+        busy = Counter(
+            p + "backend_busy_seconds",
+            "Backend (device) time spent in engine steps, seconds: the NeuronCore-seconds.",
+            ["phase"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            p + "batch_size",
+            "Sequences per engine step.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.kv_slots_used = Gauge(
+            p + "kv_slots_used_ratio", "Fraction of KV-cache slots in use (0..1).", registry=r
+        )
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Requests that asked for a precompiled prompt.", registry=r
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits",
+            "Requests whose precompiled prompt KV was reused.",
+            registry=r,
+        )
+        self.response_cache_hits = Counter(
+            p + "response_cache_hits", "Requests answered from the response cache.", registry=r
+        )
+        self.rate_limited_total = Counter(
+            p + "rate_limited", "Requests refused by the rate limiter.", registry=r
+        )
+        self.connections = Gauge(p + "connections", "Open client connections.", registry=r)
+        frames = Counter(
+            p + "frames",
+            "Protocol frames, by direction (in = from clients) and frame type.",
+            ["direction", "type"],
+            registry=r,
+        )
+        nbytes = Counter(
+            p + "bytes",
+            "Protocol bytes (headers and payloads), by direction.",
+            ["direction"],
+            registry=r,
+        )
+
+        # Pre-resolved children: the hot path never calls .labels().
+        self._success = {reason: success.labels(reason) for reason in FINISH_REASONS}
+        self._success_family = success
+        self._errors = {code: errors.labels(code) for code in ERROR_CODES}
+        self._errors_family = errors
+        self._busy = {phase: busy.labels(phase) for phase in PHASES}
+        self._frames = {(d, t): frames.labels(d, t) for d in DIRECTIONS for t in FRAME_TYPES}
+        self._bytes = {d: nbytes.labels(d) for d in DIRECTIONS}
+        # Aliases so a caller can pass the protocol enums (IntEnum hashes as its int) or their
+        # upper-case names without converting: FinishReason.EOS, "EOS", "eos" are one child.
+        for i, reason in enumerate(FINISH_REASONS):
+            self._success[i] = self._success[reason.upper()] = self._success[reason]
+        for i, code in enumerate(ERROR_CODES, start=1):
+            self._errors[i] = self._errors[code]
+        for i, t in enumerate(FRAME_TYPES, start=1):
+            for d in DIRECTIONS:
+                self._frames[(d, i)] = self._frames[(d, t)]
+        # Named children for the commonest calls, so a caller can hold them directly.
+        self.frames_in_request = self._frames[("in", "REQUEST")]
+        self.frames_out_token = self._frames[("out", "TOKEN")]
+        self.frames_out_done = self._frames[("out", "DONE")]
+        self.bytes_in = self._bytes["in"]
+        self.bytes_out = self._bytes["out"]
+
+    # -- requests -------------------------------------------------------------------------
+
+    def request_finished(
+        self,
+        finished_reason: str | int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        queue_s: float,
+        ttft_s: float | None,
+        e2e_s: float,
+    ) -> None:
+        """A stream ended in DONE. ``ttft_s`` is None when no token was sent.
+
+        ``finished_reason``: "eos"/"max_tokens"/"stop"/"cancelled", upper case, or the protocol's
+        FinishReason value.
+        """
+        child = self._success.get(finished_reason)
+        if child is None:
+            child = self._success_family.labels(finished_reason)
+            self._success[finished_reason] = child
+        child.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.queue_time.observe(queue_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+
+    def request_error(self, code_name: str | int) -> None:
+        """An ERROR frame was sent; ``code_name`` is the protocol name ("OVERLOADED") or the
+        ErrorCode value."""
+        child = self._errors.get(code_name)
+        if child is None:
+            # Only reachable for a code added to the protocol after this table: still bounded.
+            child = self._errors_family.labels(code_name)
+            self._errors[code_name] = child
+        child.inc()
+
+    def inter_token(self, seconds: float, n: int = 1) -> None:
+        """``n`` tokens arrived ``seconds`` after the stream's previous token delivery.
+
+        When one delivery carries several tokens, the gap is shared: each token counts as
+        ``seconds / n`` apart, so the histogram's sum stays the stream's real decode time.
+        """
+        if n <= 1:
+            self.itl.observe(seconds)
+            return
+        each = seconds / n
+        observe = self.itl.observe
+        for _ in range(n):
+            observe(each)
+
+    def prefix_query(self, hit: bool) -> None:
+        """A request named a precompiled prompt; ``hit`` when its KV was reused."""
+        self.prefix_queries.inc()
+        if hit:
+            self.prefix_hits.inc()
+
+    def response_cache_hit(self) -> None:
+        self.response_cache_hits.inc()
+
+    def rate_limited(self) -> None:
+        self.rate_limited_total.inc()
+
+    # -- engine ---------------------------------------------------------------------------
+
+    def engine_step(self, phase: str, busy_s: float, batch_size: int) -> None:
+        """One backend call: ``phase`` is "prefill" or "decode", ``busy_s`` its wall time."""
+        self._busy[phase].inc(busy_s)
+        self.batch_size.observe(batch_size)
+
+    def set_queue(self, running: int, waiting: int, slots_used: int, slots_total: int) -> None:
+        """Scheduler occupancy, set once per step (gauges: last value wins)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_slots_used.set(slots_used / slots_total if slots_total else 0.0)
+
+    # -- connections and frames -----------------------------------------------------------
+
+    def connection_opened(self) -> None:
+        self.connections.inc()
+
+    def connection_closed(self) -> None:
+        self.connections.dec()
+
+    def frames(self, direction: str, type_name: str | int, n: int = 1) -> None:
+        """Count ``n`` frames of one type ("TOKEN" or FrameType.TOKEN); callers batch (e.g. per
+        read or per engine step)."""
+        self._frames[(direction, type_name)].inc(n)
+
+    def bytes(self, direction: str, n: int) -> None:
+        self._bytes[direction].inc(n)
+
+    # -- exposition -----------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (what GET /metrics returns)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,183 @@
+"""Metrics: each hot-path call moves exactly the series it names, by the amount given."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.ops.metrics import ERROR_CODES, FRAME_TYPES, Metrics
+
+
+@pytest.fixture
+def m() -> Metrics:
+    return Metrics()
+
+
+def v(m: Metrics, name: str, **labels: str) -> float:
+    value = m.registry.get_sample_value(name, labels)
+    assert value is not None, f"{name}{labels} not exported"
+    return value
+
+
+def test_private_registry(m: Metrics) -> None:
+    assert m.registry is not REGISTRY
+    assert REGISTRY.get_sample_value("zerolayer_prompt_tokens_total") is None
+    # Two instances do not collide (a global registry would raise on duplicate names).
+    Metrics()
+
+
+def test_request_finished(m: Metrics) -> None:
+    m.request_finished("eos", 12, 30, queue_s=0.002, ttft_s=0.05, e2e_s=1.5)
+    m.request_finished("max_tokens", 8, 16, queue_s=0.5, ttft_s=None, e2e_s=3.0)
+    assert v(m, "zerolayer_request_success_total", finished_reason="eos") == 1
+    assert v(m, "zerolayer_request_success_total", finished_reason="max_tokens") == 1
+    assert v(m, "zerolayer_request_success_total", finished_reason="stop") == 0
+    assert v(m, "zerolayer_prompt_tokens_total") == 20
+    assert v(m, "zerolayer_generation_tokens_total") == 46
+    assert v(m, "zerolayer_request_queue_time_seconds_count") == 2
+    assert v(m, "zerolayer_request_queue_time_seconds_sum") == pytest.approx(0.502)
+    # No first token, no TTFT observation.
+    assert v(m, "zerolayer_time_to_first_token_seconds_count") == 1
+    assert v(m, "zerolayer_time_to_first_token_seconds_sum") == pytest.approx(0.05)
+    assert v(m, "zerolayer_time_to_first_token_seconds_bucket", le="0.06") == 1
+    assert v(m, "zerolayer_time_to_first_token_seconds_bucket", le="0.04") == 0
+    assert v(m, "zerolayer_e2e_request_latency_seconds_count") == 2
+    assert v(m, "zerolayer_e2e_request_latency_seconds_sum") == pytest.approx(4.5)
+
+
+def test_buckets_reach_minutes(m: Metrics) -> None:
+    m.request_finished("eos", 1, 1, queue_s=200.0, ttft_s=300.0, e2e_s=900.0)
+    assert v(m, "zerolayer_time_to_first_token_seconds_bucket", le="320.0") == 1
+    assert v(m, "zerolayer_e2e_request_latency_seconds_bucket", le="960.0") == 1
+    assert v(m, "zerolayer_request_queue_time_seconds_bucket", le="320.0") == 1
+
+
+def test_errors_every_code(m: Metrics) -> None:
+    for code in ERROR_CODES:
+        assert v(m, "zerolayer_request_errors_total", code=code) == 0
+    m.request_error("OVERLOADED")
+    m.request_error("OVERLOADED")
+    m.request_error("INTERNAL")
+    assert v(m, "zerolayer_request_errors_total", code="OVERLOADED") == 2
+    assert v(m, "zerolayer_request_errors_total", code="INTERNAL") == 1
+    assert v(m, "zerolayer_request_errors_total", code="RATE_LIMITED") == 0
+
+
+def test_inter_token_batched(m: Metrics) -> None:
+    m.inter_token(0.02)
+    m.inter_token(0.09, n=3)  # three tokens in one delivery: 0.03 each
+    assert v(m, "zerolayer_inter_token_latency_seconds_count") == 4
+    assert v(m, "zerolayer_inter_token_latency_seconds_sum") == pytest.approx(0.11)
+    assert v(m, "zerolayer_inter_token_latency_seconds_bucket", le="0.03") == 4
+    assert v(m, "zerolayer_inter_token_latency_seconds_bucket", le="0.015") == 0
+
+
+def test_engine_step_and_queue(m: Metrics) -> None:
+    m.engine_step("prefill", 0.25, 2)
+    m.engine_step("decode", 0.01, 32)
+    m.engine_step("decode", 0.02, 30)
+    assert v(m, "zerolayer_backend_busy_seconds_total", phase="prefill") == pytest.approx(0.25)
+    assert v(m, "zerolayer_backend_busy_seconds_total", phase="decode") == pytest.approx(0.03)
+    assert v(m, "zerolayer_batch_size_count") == 3
+    assert v(m, "zerolayer_batch_size_sum") == 64
+    assert v(m, "zerolayer_batch_size_bucket", le="2.0") == 1
+    m.set_queue(running=6, waiting=3, slots_used=6, slots_total=8)
+    assert v(m, "zerolayer_num_requests_running") == 6
+    assert v(m, "zerolayer_num_requests_waiting") == 3
+    assert v(m, "zerolayer_kv_slots_used_ratio") == 0.75
+    m.set_queue(running=0, waiting=0, slots_used=0, slots_total=0)
+    assert v(m, "zerolayer_kv_slots_used_ratio") == 0
+
+
+def test_caches_and_limits(m: Metrics) -> None:
+    m.prefix_query(hit=True)
+    m.prefix_query(hit=False)
+    m.prefix_query(hit=True)
+    m.response_cache_hit()
+    m.rate_limited()
+    m.rate_limited()
+    assert v(m, "zerolayer_prefix_cache_queries_total") == 3
+    assert v(m, "zerolayer_prefix_cache_hits_total") == 2
+    assert v(m, "zerolayer_response_cache_hits_total") == 1
+    assert v(m, "zerolayer_rate_limited_total") == 2
+
+
+def test_connections_frames_bytes(m: Metrics) -> None:
+    m.connection_opened()
+    m.connection_opened()
+    m.connection_closed()
+    assert v(m, "zerolayer_connections") == 1
+    m.frames("in", "REQUEST", 4)
+    m.frames("out", "TOKEN", 100)
+    m.frames("out", "TOKEN")
+    m.frames_out_done.inc(4)  # the pre-resolved child a caller may hold directly
+    m.bytes("in", 512)
+    m.bytes_out.inc(2048)
+    assert v(m, "zerolayer_frames_total", direction="in", type="REQUEST") == 4
+    assert v(m, "zerolayer_frames_total", direction="out", type="TOKEN") == 101
+    assert v(m, "zerolayer_frames_total", direction="out", type="DONE") == 4
+    assert v(m, "zerolayer_frames_total", direction="in", type="TOKEN") == 0
+    assert v(m, "zerolayer_bytes_total", direction="in") == 512
+    assert v(m, "zerolayer_bytes_total", direction="out") == 2048
+    with pytest.raises(KeyError):
+        m.frames("sideways", "TOKEN")
+
+
+def test_render_lists_every_family(m: Metrics) -> None:
+    names = {f.name for f in text_string_to_metric_families(m.render().decode())}
+    expected = {
+        "zerolayer_time_to_first_token_seconds",
+        "zerolayer_inter_token_latency_seconds",
+        "zerolayer_e2e_request_latency_seconds",
+        "zerolayer_request_queue_time_seconds",
+        "zerolayer_num_requests_running",
+        "zerolayer_num_requests_waiting",
+        "zerolayer_prompt_tokens",
+        "zerolayer_generation_tokens",
+        "zerolayer_request_success",
+        "zerolayer_request_errors",
+        "zerolayer_backend_busy_seconds",
+        "zerolayer_batch_size",
+        "zerolayer_kv_slots_used_ratio",
+        "zerolayer_prefix_cache_queries",
+        "zerolayer_prefix_cache_hits",
+        "zerolayer_response_cache_hits",
+        "zerolayer_rate_limited",
+        "zerolayer_connections",
+        "zerolayer_frames",
+        "zerolayer_bytes",
+    }
+    assert expected <= names
+    # Every frame type is pre-resolved, so a dashboard sees zeros rather than gaps.
+    text = m.render().decode()
+    for t in FRAME_TYPES:
+        assert f'zerolayer_frames_total{{direction="out",type="{t}"}} 0.0' in text
+
+
+def test_tables_match_the_protocol_enums() -> None:
+    from gateway.protocol import ErrorCode, FinishReason, FrameType
+
+    assert [c.name for c in sorted(ErrorCode)] == list(ERROR_CODES)
+    assert [t.name for t in sorted(FrameType)] == list(FRAME_TYPES)
+    assert [r.name.lower() for r in sorted(FinishReason)] == [
+        "eos",
+        "max_tokens",
+        "stop",
+        "cancelled",
+    ]
+
+
+def test_enum_and_name_aliases(m: Metrics) -> None:
+    from gateway.protocol import ErrorCode, FinishReason, FrameType
+
+    m.request_finished(FinishReason.STOP, 1, 1, 0.0, 0.0, 0.0)
+    m.request_finished("STOP", 1, 1, 0.0, 0.0, 0.0)
+    m.request_finished("stop", 1, 1, 0.0, 0.0, 0.0)
+    assert v(m, "zerolayer_request_success_total", finished_reason="stop") == 3
+    m.request_error(ErrorCode.SLOW_CONSUMER)
+    m.request_error("SLOW_CONSUMER")
+    assert v(m, "zerolayer_request_errors_total", code="SLOW_CONSUMER") == 2
+    m.frames("out", FrameType.GOAWAY, 2)
+    m.frames("out", "GOAWAY")
+    assert v(m, "zerolayer_frames_total", direction="out", type="GOAWAY") == 3
