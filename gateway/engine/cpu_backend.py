@@ -1,0 +1,158 @@
+"""The CPU backend: ``kernels.llama`` run eagerly by torch on a static slot KV cache.
+
+One ``CpuBackend`` owns the loaded model, the KV cache (allocated once, ``num_slots`` =
+``engine.max_batch_size``) and a ``Sampler``. Prefill chunks run one at a time (each is already a
+batch of tokens); decode runs all active slots in one step. ``free`` has nothing to clear: every
+attention masks positions past the sequence's own, and a new prompt overwrites the slot from 0.
+It also saves and restores a slot's leading KV positions, for precompiled system prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gateway.config import EngineConfig, ModelConfig
+from gateway.engine.backend import Backend, ModelInfo
+from gateway.engine.types import DecodeBatch, PrefillChunk
+from gateway.models.loader import LoadedModel, load_model
+from gateway.tokenizer import Tokenizer
+from kernels.llama import KVCache
+from kernels.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class KVPrefix:
+    """A copy of one slot's cache for positions [0, length): k and v are
+    [layers, kv_heads, length, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
+
+
+class CpuBackend(Backend):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_slots: int,
+        max_context: int,
+        sampler_seed: int | None = None,
+    ) -> None:
+        self.model = loaded.model
+        self.num_slots = num_slots
+        context = min(max_context, loaded.max_context)
+        self.info = ModelInfo(
+            name=loaded.name,
+            vocab_size=loaded.config.vocab_size,
+            eos_token_id=loaded.tokenizer.eos_token_id,
+            max_context=context,
+        )
+        self.cache = KVCache.allocate(loaded.config, num_slots, context, loaded.dtype)
+        self.sampler = Sampler(sampler_seed)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        out = np.full(len(chunks), -1, dtype=np.int32)
+        last_rows: list[int] = []
+        last_logits: list[torch.Tensor] = []
+        for i, chunk in enumerate(chunks):
+            self._check_slot(chunk.slot)
+            n = int(chunk.tokens.shape[0])
+            if n == 0:
+                raise ValueError("empty prefill chunk")
+            if chunk.start < 0 or chunk.start + n > self.info.max_context:
+                raise ValueError(
+                    f"chunk positions {chunk.start}..{chunk.start + n - 1} outside the context "
+                    f"of {self.info.max_context}"
+                )
+            tokens = torch.from_numpy(np.asarray(chunk.tokens, dtype=np.int64))
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.info.vocab_size:
+                raise ValueError(f"prompt token id outside [0, {self.info.vocab_size})")
+            logits = self.model.prefill(tokens, chunk.start, chunk.slot, self.cache)
+            if chunk.last:
+                last_rows.append(i)
+                last_logits.append(logits)
+        if last_rows:
+            rows = [chunks[i] for i in last_rows]
+            s = [c.sampling for c in rows]
+            out[last_rows] = self.sampler.sample(
+                torch.stack(last_logits),
+                temperature=np.array([r.temperature for r in s], np.float32),
+                top_k=np.array([r.top_k for r in s], np.int32),
+                top_p=np.array([r.top_p for r in s], np.float32),
+                seeds=np.array([r.seed for r in s], np.uint64),
+                seeded=np.array([r.seeded for r in s], bool),
+                # The sampled token will sit right after the chunk.
+                positions=np.array([c.start + len(c.tokens) for c in rows], np.int64),
+            )
+        return out
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> np.ndarray:
+        if batch.size == 0:
+            return np.empty(0, dtype=np.int32)
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        if positions.min() < 0 or positions.max() >= self.info.max_context:
+            raise ValueError(f"decode position outside the context of {self.info.max_context}")
+        logits = self.model.decode(
+            torch.from_numpy(np.asarray(batch.tokens, dtype=np.int64)),
+            torch.from_numpy(positions),
+            torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)),
+            self.cache,
+        )
+        return self.sampler.sample(
+            logits,
+            temperature=batch.temperature,
+            top_k=batch.top_k,
+            top_p=batch.top_p,
+            seeds=batch.seeds,
+            seeded=batch.seeded,
+            positions=positions + 1,
+        )
+
+    def free(self, slot: int) -> None:
+        self._check_slot(slot)
+
+    @torch.inference_mode()
+    def save_prefix(self, slot: int, length: int) -> KVPrefix:
+        """A copy of ``slot``'s cache for positions [0, length)."""
+        self._check_slot(slot)
+        if not 0 < length <= self.info.max_context:
+            raise ValueError(f"prefix length {length} outside (0, {self.info.max_context}]")
+        return KVPrefix(
+            self.cache.k[:, slot, :, :length].clone(), self.cache.v[:, slot, :, :length].clone()
+        )
+
+    @torch.inference_mode()
+    def load_prefix(self, prefix: KVPrefix, slot: int) -> None:
+        """Copy a saved prefix into ``slot``'s positions [0, prefix.length)."""
+        self._check_slot(slot)
+        self.cache.k[:, slot, :, : prefix.length] = prefix.k
+        self.cache.v[:, slot, :, : prefix.length] = prefix.v
+
+    def prefix_nbytes(self, prefix: KVPrefix) -> int:
+        return sum(t.numel() * t.element_size() for t in (prefix.k, prefix.v))
+
+    def close(self) -> None:
+        self.cache = KVCache(torch.empty(0), torch.empty(0))
+
+
+def create_cpu_backend(
+    model_cfg: ModelConfig, engine_cfg: EngineConfig
+) -> tuple[CpuBackend, Tokenizer]:
+    """Load the configured model and build a backend with ``engine.max_batch_size`` slots."""
+    if engine_cfg.threads > 0:
+        torch.set_num_threads(engine_cfg.threads)
+    loaded = load_model(model_cfg, engine_cfg.max_context)
+    backend = CpuBackend(loaded, engine_cfg.max_batch_size, engine_cfg.max_context)
+    return backend, loaded.tokenizer

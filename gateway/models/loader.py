@@ -1,0 +1,206 @@
+"""Loading a Llama-family checkpoint directory into ``kernels.llama``.
+
+A checkpoint is a local Hugging Face directory: config.json, *.safetensors (one file, or shards
+listed in model.safetensors.index.json), tokenizer.json and the optional tokenizer_config.json,
+chat_template.jinja and generation_config.json. Every problem a user can cause (wrong path,
+missing file, other architecture, missing tensors) is a ``ModelLoadError`` naming the path and
+what is wrong. ``load_model`` is what the engine calls; an empty ``model.path`` selects the
+built-in model (``gateway.models.builtin``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gateway.config import ModelConfig
+from gateway.tokenizer import Tokenizer
+from kernels.llama import Llama, LlamaConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("llama",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Checkpoint entries that are not weights of our modules (older exports save rope buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(Exception):
+    """A model directory cannot be loaded; the message names the path and the problem."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: LlamaConfig
+    model: Llama  # weights in the requested dtype, in eval mode
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    max_context: int  # min(requested max_context, max_position_embeddings)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def read_llama_config(directory: Path) -> LlamaConfig:
+    """Parse and check config.json of a checkpoint directory."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{directory}: config.json is missing (not a checkpoint directory?)")
+    raw = _read_json(path)
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if not (set(archs) & set(SUPPORTED_ARCHITECTURES) or model_type in SUPPORTED_MODEL_TYPES):
+        found = ", ".join(archs) if archs else f"model_type {model_type!r}"
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {found}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'llama')"
+        )
+    try:
+        return LlamaConfig.from_hf(raw)
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: required field {exc.args[0]!r} is missing") from exc
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, shards in index order."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: 'weight_map' is missing or empty")
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{directory}: shards listed in {index.name} are missing: {missing}"
+            )
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+            p.name for p in directory.glob("*.pth")
+        )
+        hint = f" (found {', '.join(other)}; only safetensors weights are loaded)" if other else ""
+        raise ModelLoadError(f"{directory}: no *.safetensors weight files{hint}")
+    return files
+
+
+def read_state_dict(directory: Path, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """Tensors named as ``kernels.llama.Llama`` names them, converted to ``dtype``."""
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(directory):
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    name = key.removeprefix("model.")
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # tied: the output projection is the embedding
+                    tensors[name] = fh.get_tensor(key).to(dtype)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read weights {file}: {exc}") from exc
+    return tensors
+
+
+def load_checkpoint(
+    directory: str | Path,
+    max_context: int,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: Tokenizer | None = None,
+    name: str = "",
+) -> LoadedModel:
+    """Load config, weights and (unless given) the tokenizer of a checkpoint directory."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise ModelLoadError(f"model directory {directory} does not exist")
+    cfg = read_llama_config(directory)
+    if tokenizer is None:
+        from gateway.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
+
+        try:
+            tokenizer = HFTokenizer(directory)
+        except TokenizerLoadError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    context = min(max_context, cfg.max_position_embeddings)
+
+    model = Llama(cfg, context, dtype=dtype, device="meta")
+    state = read_state_dict(directory, cfg, dtype)
+    expected = set(model.state_dict())
+    missing = sorted(expected - state.keys())
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ModelLoadError(f"{directory}: tensors missing from the weights: {shown}")
+    unexpected = sorted(state.keys() - expected)
+    if unexpected:
+        raise ModelLoadError(
+            f"{directory}: tensors the config does not account for: {', '.join(unexpected[:5])}"
+        )
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # shape mismatches between config.json and the weights
+        raise ModelLoadError(f"{directory}: weights do not match config.json: {exc}") from exc
+    model.eval()
+    return LoadedModel(
+        name=name or directory.name,
+        path=directory,
+        config=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_context=context,
+    )
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    model_cfg: ModelConfig, max_context: int, dtype: torch.dtype | str | None = None
+) -> LoadedModel:
+    """The model the daemon serves: ``model_cfg.path``, or the built-in model when it is empty.
+    ``dtype`` defaults to ``model_cfg.dtype``."""
+    torch_dtype = resolve_dtype(dtype if dtype is not None else model_cfg.dtype)
+    if model_cfg.path:
+        return load_checkpoint(model_cfg.path, max_context, torch_dtype, name=model_cfg.name)
+    from gateway.models.builtin import BUILTIN_NAME, builtin_tokenizer, ensure_builtin
+
+    try:
+        directory = ensure_builtin(model_cfg.data_dir)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot write the built-in model under {exc.filename}: {exc}"
+        ) from exc
+    return load_checkpoint(
+        directory,
+        max_context,
+        torch_dtype,
+        tokenizer=builtin_tokenizer(),
+        name=model_cfg.name or BUILTIN_NAME,
+    )

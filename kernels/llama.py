@@ -1,0 +1,409 @@
+"""Llama-family decoder in plain torch, on a static slot KV cache.
+
+Owns the model math: RMSNorm, rotary embeddings (plain, "linear" and "llama3" scaling),
+grouped-query attention, SwiGLU MLP. One ``Llama.forward`` serves both phases:
+
+* prefill: one slot, ``n`` prompt tokens at positions ``start .. start+n-1`` (a chunk; earlier
+  chunks of the same prompt are already in the cache),
+* decode: ``b`` slots, one token each.
+
+The KV cache is allocated once (``KVCache.allocate``) and passed in as two tensors that
+``forward`` updates in place, so the same code runs eagerly on CPU and traces to a fixed graph
+(``DecodeStep`` / ``PrefillStep``) for ahead-of-time compilers such as torch_neuronx. Attention
+reads only the first ``attn_len`` cache positions; callers pick ``attn_len`` from a small set
+of buckets (``attention_bucket``) so cost follows the real length while shapes stay fixed.
+Parameter names match Hugging Face ``LlamaForCausalLM`` with the ``model.`` prefix removed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MIN_ATTENTION_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # "default" (no scaling), "linear" or "llama3"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position: int = 8192  # llama3 only
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope scaling type {self.rope_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Build from the fields of a Hugging Face Llama ``config.json``.
+
+        Rope settings are read from ``rope_theta`` + ``rope_scaling`` (transformers 4.x files)
+        or from ``rope_parameters`` (transformers 5.x files).
+        """
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; Llama uses 'silu'")
+        heads = int(cfg["num_attention_heads"])
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict):
+            theta = float(params.get("rope_theta", theta))
+            scaling = params
+        scaling = scaling or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            rope_type=rope_type,
+            rope_factor=float(scaling.get("factor", 1.0)),
+            rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            rope_original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+
+def attention_bucket(length: int, max_context: int) -> int:
+    """Smallest power of two >= ``length`` (at least MIN_ATTENTION_BUCKET), capped at
+    ``max_context``: the attention lengths a compiled backend needs graphs for."""
+    if length > max_context:
+        raise ValueError(f"length {length} exceeds max_context {max_context}")
+    bucket = MIN_ATTENTION_BUCKET
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, max_context)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2], float32, after rope scaling."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    if cfg.rope_type == "linear":
+        # Positions are divided by the factor; the same as dividing every frequency.
+        inv_freq = inv_freq / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        # Llama 3.1: long wavelengths (low frequencies) are slowed by `factor`, short ones are
+        # kept, and the band in between is interpolated smoothly between the two.
+        old_len = cfg.rope_original_max_position
+        low_wavelen = old_len / cfg.rope_low_freq_factor
+        high_wavelen = old_len / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / cfg.rope_factor, inv_freq)
+        smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, smoothed, scaled)
+    return inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        hd, bias = cfg.head_dim, cfg.attention_bias
+        kw = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=bias, **kw)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias, **kw)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, n, hidden]
+        cos: torch.Tensor,  # [B, n, head_dim]
+        sin: torch.Tensor,  # [B, n, head_dim]
+        slots: torch.Tensor,  # [B] int64
+        positions: torch.Tensor,  # [B, n] int64
+        mask: torch.Tensor,  # [B, 1, 1, n, attn_len] bool, True = may attend
+        k_cache: torch.Tensor,  # [num_slots, kv_heads, max_context, head_dim], this layer's
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        B, n, _ = x.shape
+        attn_len = mask.shape[-1]
+        q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+
+        # Write the new keys/values, then attend over the slot's first attn_len positions; the
+        # mask hides positions after each query (later chunk tokens, stale data of old sequences).
+        # Indexing [slots[:, None], :, positions] selects [B, n, kv_heads, head_dim].
+        k_cache[slots[:, None], :, positions] = k
+        v_cache[slots[:, None], :, positions] = v
+        keys = k_cache[slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
+        values = v_cache[slots, :, :attn_len]
+
+        # Grouped-query attention without repeating K/V: query heads h = kv * group + j share kv
+        # head `kv`, so stack each group's queries into one [group * n] block per kv head and run
+        # plain batched matmuls (a broadcasting matmul would materialise the repeated K/V).
+        group = self.n_heads // self.n_kv
+        q = q.transpose(1, 2).reshape(B, self.n_kv, group * n, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv, group*n, len]
+        scores = scores.view(B, self.n_kv, group, n, attn_len).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs.view(B, self.n_kv, group * n, attn_len), values)
+        out = out.view(B, self.n_heads, n, self.head_dim).transpose(1, 2).reshape(B, n, -1)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        kw = {"bias": cfg.mlp_bias, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(cfg, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = MLP(cfg, device, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, slots, positions, mask, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class KVCache:
+    """The static cache: k and v are [layers, num_slots, kv_heads, max_context, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, cfg: LlamaConfig, num_slots: int, max_context: int, dtype: torch.dtype
+    ) -> KVCache:
+        shape = (
+            cfg.num_hidden_layers,
+            num_slots,
+            cfg.num_key_value_heads,
+            max_context,
+            cfg.head_dim,
+        )
+        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_context(self) -> int:
+        return self.k.shape[3]
+
+
+class Llama(nn.Module):
+    """Weights plus rope tables for ``max_context`` positions. Build with ``device="meta"`` to
+    skip weight initialisation when a checkpoint is loaded next (``load_state_dict(assign=True)``).
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        max_context: int,
+        dtype: torch.dtype = torch.float32,
+        device: Any = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_context = max_context
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
+        )
+        self.layers = nn.ModuleList(Block(cfg, device, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        )
+        # Rope tables [max_context, head_dim], computed in float32 then stored in the model dtype;
+        # always real CPU tensors (never meta) and not part of the checkpoint.
+        inv_freq = rope_inv_freq(cfg)
+        angles = torch.arange(max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, n] int64
+        positions: torch.Tensor,  # [B, n] int64, where each token is written
+        slots: torch.Tensor,  # [B] int64, distinct
+        k_cache: torch.Tensor,  # [layers, num_slots, kv_heads, max_context, head_dim]
+        v_cache: torch.Tensor,
+        attn_len: int,  # > every position; usually attention_bucket(max position + 1)
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run the tokens through the model, writing their K/V into the cache.
+
+        Returns float32 logits: [B, n, vocab] with ``all_logits``, else [B, vocab] for the last
+        token of each row.
+        """
+        x = self.embed_tokens(tokens)  # [B, n, hidden]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, n, head_dim]
+        key_pos = torch.arange(attn_len, device=tokens.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, slots, positions, mask, k_cache[i], v_cache[i])
+        if not all_logits:
+            x = x[:, -1]
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,  # [n] int64
+        start: int,
+        slot: int,
+        cache: KVCache,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Write one prompt chunk at positions start..start+n-1 of ``slot``. Returns [vocab]
+        logits of the last token, or [n, vocab] with ``all_logits``."""
+        n = int(tokens.shape[0])
+        end = start + n
+        positions = torch.arange(start, end, dtype=torch.int64)[None]
+        slots = torch.tensor([slot], dtype=torch.int64)
+        attn_len = attention_bucket(end, cache.max_context)
+        return self(tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits)[0]
+
+    def decode(
+        self,
+        tokens: torch.Tensor,  # [b] int64
+        positions: torch.Tensor,  # [b] int64
+        slots: torch.Tensor,  # [b] int64
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """One batched decode step. Returns [b, vocab] logits."""
+        attn_len = attention_bucket(int(positions.max()) + 1, cache.max_context)
+        return self(tokens[:, None], positions[:, None], slots, cache.k, cache.v, attn_len)
+
+
+class DecodeStep(nn.Module):
+    """A decode step at a fixed attention bucket, in the form a tracer wants: tensors in,
+    logits out, cache updated in place. Inputs: tokens/positions/slots [b] int64, k/v cache."""
+
+    def __init__(self, model: Llama, attn_len: int) -> None:
+        super().__init__()
+        self.model = model
+        self.attn_len = attn_len
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.model(
+            tokens[:, None], positions[:, None], slots, k_cache, v_cache, self.attn_len
+        )
+
+
+class PrefillStep(nn.Module):
+    """A prefill chunk of fixed length at a fixed attention bucket, for tracing.
+    Inputs: tokens/positions [n] int64, slot [1] int64, k/v cache. Returns [vocab] logits."""
+
+    def __init__(self, model: Llama, attn_len: int) -> None:
+        super().__init__()
+        self.model = model
+        self.attn_len = attn_len
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slot: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.model(tokens[None], positions[None], slot, k_cache, v_cache, self.attn_len)[0]

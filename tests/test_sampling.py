@@ -1,0 +1,132 @@
+"""Sampling: greedy, filters, batch-independent seeded draws, and the sampled distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.sampling import Sampler, sample_with_uniforms, seeded_uniform, splitmix64
+
+VOCAB = 500
+
+
+def _rows(b: int, **kw: object) -> dict[str, np.ndarray]:
+    params = {
+        "temperature": np.full(b, kw.get("temperature", 1.0), np.float32),
+        "top_k": np.full(b, kw.get("top_k", 0), np.int32),
+        "top_p": np.full(b, kw.get("top_p", 1.0), np.float32),
+        "seeds": np.arange(b, dtype=np.uint64) + np.uint64(kw.get("seed", 1)),
+        "seeded": np.full(b, kw.get("seeded", True), bool),
+        "positions": np.full(b, kw.get("position", 7), np.int64),
+    }
+    return params
+
+
+def test_splitmix64_known_values() -> None:
+    # First outputs of the reference splitmix64 generator started at state 0.
+    first = splitmix64(np.array([0], np.uint64))[0]
+    second = splitmix64(np.array([0x9E3779B97F4A7C15], np.uint64))[0]
+    assert first == np.uint64(0xE220A8397B1DCDAF)
+    assert second == np.uint64(0x6E789E6AA1B965F4)
+
+
+def test_seeded_uniform_range_and_dependence() -> None:
+    u = seeded_uniform(np.arange(1000, dtype=np.uint64), np.zeros(1000, np.int64))
+    assert ((u >= 0) & (u < 1)).all()
+    assert 0.4 < u.mean() < 0.6
+    a = seeded_uniform(np.array([5], np.uint64), np.array([3]))
+    assert a == seeded_uniform(np.array([5], np.uint64), np.array([3]))
+    assert a != seeded_uniform(np.array([5], np.uint64), np.array([4]))
+    assert a != seeded_uniform(np.array([6], np.uint64), np.array([3]))
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(16, VOCAB)
+    ids = Sampler(0).sample(logits, **_rows(16, temperature=0.0, seeded=False))
+    assert ids.dtype == np.int32
+    np.testing.assert_array_equal(ids, logits.argmax(-1).numpy())
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    logits = torch.randn(16, VOCAB)
+    sampler = Sampler(0)
+    expected = logits.argmax(-1).numpy()
+    np.testing.assert_array_equal(sampler.sample(logits, **_rows(16, top_k=1)), expected)
+    np.testing.assert_array_equal(sampler.sample(logits, **_rows(16, top_p=1e-6)), expected)
+    np.testing.assert_array_equal(
+        sampler.sample(logits, **_rows(16, top_p=1e-6, temperature=5.0, seeded=False)), expected
+    )
+
+
+def test_sampling_is_not_greedy_at_high_temperature() -> None:
+    logits = torch.randn(64, VOCAB)
+    ids = Sampler(0).sample(logits, **_rows(64, temperature=10.0))
+    assert (ids != logits.argmax(-1).numpy()).sum() > 32
+
+
+def test_top_k_restricts_to_k_best() -> None:
+    logits = torch.randn(1, VOCAB)
+    best5 = set(torch.topk(logits[0], 5).indices.tolist())
+    seen = set()
+    for seed in range(200):
+        ids = Sampler().sample(logits, **_rows(1, top_k=5, temperature=100.0, seed=seed))
+        seen.add(int(ids[0]))
+    assert seen <= best5
+    assert len(seen) == 5
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    seen = set()
+    for seed in range(300):
+        ids = Sampler().sample(logits, **_rows(1, top_p=0.7, seed=seed))
+        seen.add(int(ids[0]))
+    assert seen == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops there
+
+
+@pytest.mark.parametrize("params", [{}, {"top_k": 40}, {"top_p": 0.9}, {"temperature": 0.7}])
+def test_seeded_row_independent_of_batch(params: dict) -> None:
+    torch.manual_seed(1)
+    row = torch.randn(1, VOCAB)
+    others = torch.randn(32, VOCAB)
+    alone = Sampler(0).sample(row, **_rows(1, seed=1234, position=99, **params))
+    for where in (0, 13, 32):
+        batch = torch.cat([others[:where], row, others[where:]])
+        p = _rows(33, seeded=False, temperature=0.8, top_k=7, **{"position": 3})
+        p["seeded"][where] = True
+        p["seeds"][where] = 1234
+        p["positions"][where] = 99
+        p["temperature"][where] = params.get("temperature", 1.0)
+        p["top_k"][where] = params.get("top_k", 0)
+        p["top_p"][where] = params.get("top_p", 1.0)
+        assert Sampler(where + 1).sample(batch, **p)[where] == alone[0]
+
+
+def test_seeded_rows_reproducible_unseeded_vary() -> None:
+    logits = torch.zeros(1, VOCAB)  # uniform distribution
+    seeded = {int(Sampler(i).sample(logits, **_rows(1, seed=42))[0]) for i in range(5)}
+    assert len(seeded) == 1
+    sampler = Sampler(0)
+    unseeded = {int(sampler.sample(logits, **_rows(1, seeded=False))[0]) for _ in range(20)}
+    assert len(unseeded) > 5
+
+
+def test_distribution_matches_probabilities() -> None:
+    probs = np.array([0.6, 0.3, 0.1])
+    logits = torch.tensor(np.log(probs), dtype=torch.float32)[None].repeat(4000, 1)
+    p = _rows(4000, seed=0)
+    p["seeds"] = np.arange(4000, dtype=np.uint64) * np.uint64(7919)
+    ids = Sampler().sample(logits, **p)
+    freq = np.bincount(ids, minlength=3) / len(ids)
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+
+
+def test_inverse_cdf_boundaries() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, float("-inf")]])
+    t, k, p = torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1)
+    assert sample_with_uniforms(logits, t, k, p, torch.tensor([0.0], dtype=torch.float64)) == 0
+    near_one = torch.tensor([1 - 2**-53], dtype=torch.float64)
+    # Never lands on the zero-probability token, even at the top of [0, 1).
+    assert sample_with_uniforms(logits, t, k, p, near_one) == 2
