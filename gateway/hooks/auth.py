@@ -1,0 +1,77 @@
+"""Built-in hook: API-key authentication against the keys file (see keys.py).
+
+HELLO's key is hashed once and compared, in constant time, with every stored digest (no early
+exit, so the time depends only on how many keys exist). Per request, the principal is re-checked
+against the live table with one dict lookup: after a SIGHUP reload a revoked key stops working
+and changed limits apply, on connections that are already open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from pathlib import Path
+from typing import Any
+
+from gateway.hooks.keys import KeyEntry, KeysFileError, load_keys
+from gateway.hooks.registry import hook
+from gateway.hooks.types import UNAUTHENTICATED, HookConfigError, HookError, Principal
+
+log = logging.getLogger("zerolayer.hooks.auth")
+
+
+@hook
+class Auth:
+    """Active when ``auth.enabled``."""
+
+    def __init__(self, settings: Any) -> None:
+        auth = getattr(settings, "auth", None)
+        self.enabled = bool(auth is not None and auth.enabled)
+        self._entries: tuple[tuple[bytes, Principal], ...] = ()
+        self._by_id: dict[str, Principal] = {}
+        if not self.enabled:
+            return
+        self.path = Path(auth.keys_file)
+        try:
+            entries = load_keys(self.path)
+        except KeysFileError as exc:
+            raise HookConfigError(f"auth.keys_file: {exc}") from exc
+        if not entries:
+            log.warning("auth is on but %s holds no keys: every client will be refused", self.path)
+        self._install(entries)
+
+    def _install(self, entries: list[KeyEntry]) -> None:
+        table = tuple(
+            (bytes.fromhex(e.sha256), Principal(e.name, e.rpm, e.tpm, e.sha256)) for e in entries
+        )
+        # One assignment each: the event loop never sees a half-built table.
+        self._by_id = {p.key_id: p for _, p in table}
+        self._entries = table
+
+    def on_hello(self, key: bytes) -> Principal | None:
+        if not key:
+            return None
+        digest = hashlib.sha256(key).digest()
+        found = None
+        for stored, principal in self._entries:
+            if hmac.compare_digest(digest, stored):
+                found = principal
+        return found
+
+    def on_request(self, ctx: Any) -> None:
+        key_id = ctx.principal.key_id
+        if key_id:
+            current = self._by_id.get(key_id)
+            if current is None:
+                raise HookError(UNAUTHENTICATED, f"API key {ctx.principal.name!r} was revoked")
+            ctx.principal = current
+
+    def reload(self) -> None:
+        try:
+            entries = load_keys(self.path)
+        except KeysFileError as exc:
+            log.error("keys reload failed, keeping the %d loaded keys: %s", len(self._entries), exc)
+            return
+        self._install(entries)
+        log.info("reloaded %d keys from %s", len(entries), self.path)
