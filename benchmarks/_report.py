@@ -65,7 +65,9 @@ def write_section(name: str, markdown: str) -> None:
     block = f"{begin}\n{markdown.strip()}\n{end}"
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text + "\n" + block + "\n"
+    text = (
+        pattern.sub(lambda _: block, text) if pattern.search(text) else text + "\n" + block + "\n"
+    )
     DOC.write_text(text)
 
 

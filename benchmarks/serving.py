@@ -76,8 +76,22 @@ class FloorProtocol(asyncio.Protocol):
             self.sent[stream] += 1
             if not self.active[stream]:
                 del self.active[stream]
-                out += struct.pack("<IBBHIBBHIIIII", 24, 3, 0, 0, stream, 1, 0, 0, 0,
-                                   self.sent.pop(stream), 0, 0, 0)
+                out += struct.pack(
+                    "<IBBHIBBHIIIII",
+                    24,
+                    3,
+                    0,
+                    0,
+                    stream,
+                    1,
+                    0,
+                    0,
+                    0,
+                    self.sent.pop(stream),
+                    0,
+                    0,
+                    0,
+                )
         self.transport.write(out)
         if self.active:
             asyncio.get_running_loop().call_soon(self.step)
@@ -147,9 +161,21 @@ def run_client(port: int, streams: int, tokens: int, rounds: int) -> None:
 def load(port: int, pid: int, streams: int, tokens: int, rounds: int) -> dict:
     cpu0 = cpu_seconds(pid)
     out = subprocess.run(
-        [sys.executable, __file__, "--client", str(port), "--streams", str(streams),
-         "--tokens", str(tokens), "--rounds", str(rounds)],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            __file__,
+            "--client",
+            str(port),
+            "--streams",
+            str(streams),
+            "--tokens",
+            str(tokens),
+            "--rounds",
+            str(rounds),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     cpu = cpu_seconds(pid) - cpu0
     res = json.loads(out.stdout)
@@ -191,13 +217,17 @@ def main() -> None:
         "tokens": args.tokens,
         "rounds": args.rounds,
     }
-    floor = subprocess.Popen([sys.executable, __file__, "--floor-server"], stdout=subprocess.PIPE,
-                             text=True)
+    floor = subprocess.Popen(
+        [sys.executable, __file__, "--floor-server"], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(floor.stdout.readline())
         load(port, floor.pid, args.streams, args.tokens, args.rounds)  # warm-up
         results["floor"] = summarize(
-            [load(port, floor.pid, args.streams, args.tokens, args.rounds) for _ in range(args.runs)]
+            [
+                load(port, floor.pid, args.streams, args.tokens, args.rounds)
+                for _ in range(args.runs)
+            ]
         )
     finally:
         floor.kill()
@@ -211,15 +241,20 @@ def main() -> None:
     with Daemon(env) as d:
         load(d.port, d.proc.pid, args.streams, args.tokens, args.rounds)  # warm-up
         results["zerolayer"] = summarize(
-            [load(d.port, d.proc.pid, args.streams, args.tokens, args.rounds) for _ in range(args.runs)]
+            [
+                load(d.port, d.proc.pid, args.streams, args.tokens, args.rounds)
+                for _ in range(args.runs)
+            ]
         )
         d.terminate()
     ratio = results["zerolayer"]["cpu_us_per_token"] / results["floor"]["cpu_us_per_token"]
     results["ratio_cpu_per_token"] = ratio
     rows = [
         [name, f"{r['cpu_us_per_token']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['wall_s']:.3f}"]
-        for name, r in (("floor (no-logic uvloop server)", results["floor"]),
-                        ("zerolayer (synthetic backend)", results["zerolayer"]))
+        for name, r in (
+            ("floor (no-logic uvloop server)", results["floor"]),
+            ("zerolayer (synthetic backend)", results["zerolayer"]),
+        )
     ]
     md = (
         "## Serving layer: server CPU per streamed token\n\n"

@@ -9,6 +9,7 @@ import sys
 
 from gateway.client import DEFAULT_ENDPOINT, Client, ServerError
 from gateway.config import ConfigError, load_settings
+from gateway.hooks.keys import add_keys_subparser
 
 FINISH_NAMES = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled"}
 
@@ -21,15 +22,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from gateway.daemon import run
 
-    return run(settings)
+    try:
+        return run(settings, args.config)
+    except Exception as exc:  # a start-up failure: one clear line, no traceback soup
+        from gateway.hooks import HookConfigError
+        from gateway.models import ModelLoadError
+
+        if isinstance(exc, (HookConfigError, ModelLoadError, OSError)):
+            print(f"zerolayer: cannot start: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 async def _generate(args: argparse.Namespace) -> int:
     async with await Client.connect(args.endpoint, args.api_key) as client:
         if args.json:
-            request = {"max_tokens": args.max_tokens, "messages": [
-                {"role": "user", "content": args.prompt}
-            ], "temperature": args.temperature}
+            request = {
+                "max_tokens": args.max_tokens,
+                "messages": [{"role": "user", "content": args.prompt}],
+                "temperature": args.temperature,
+            }
             if args.system:
                 request["system"] = args.system
             if args.seed is not None:
@@ -100,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", default=None, help="API key (sent in HELLO)")
     gen.add_argument("-v", "--verbose", action="store_true", help="print DONE fields")
     gen.set_defaults(func=_cmd_generate)
+
+    add_keys_subparser(sub)
 
     cfg = sub.add_parser("config", help="print the effective configuration and exit")
     cfg.add_argument("--config", default=None)

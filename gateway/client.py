@@ -256,7 +256,9 @@ class Client:
                 self._welcome.set_exception(err)
                 self._welcome.exception()  # mark retrieved
 
-    def _on_frame(self, ftype: int, flags: int, sid: int, payload: memoryview) -> BaseException | None:
+    def _on_frame(
+        self, ftype: int, flags: int, sid: int, payload: memoryview
+    ) -> BaseException | None:
         if ftype == FrameType.TOKEN:
             stream = self._streams.get(sid)
             if stream is not None:
@@ -317,7 +319,9 @@ class SyncClient:
 
         return self._loop.run_until_complete(run())
 
-    def stream(self, prompt: str | list[int], max_tokens: int, **kwargs: object) -> Iterator[TokenEvent]:
+    def stream(
+        self, prompt: str | list[int], max_tokens: int, **kwargs: object
+    ) -> Iterator[TokenEvent]:
         """Yield TokenEvents as they arrive; the Result is the generator's return value."""
         stream = self._loop.run_until_complete(
             self._client.generate(prompt, max_tokens, **kwargs)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """Daemon configuration: one pydantic-settings model read from a TOML file plus ZEROLAYER_* env.
 
 Precedence, highest first: environment (``ZEROLAYER_SERVER__PORT=7071``), the TOML file, defaults.
-Every key is listed in docs/configuration.md; unknown keys are errors, so a typo never passes silently.
+Every key is listed in docs/configuration.md; unknown keys are errors, so a typo never passes
+silently.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,6 +77,8 @@ class MetricsConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(9464, ge=0, le=65535)
     neuron_monitor: bool | None = None  # None = on when the neuron-monitor binary exists
+    neuron_monitor_path: str = "neuron-monitor"
+    neuron_monitor_config: str = ""  # a neuron-monitor JSON config file; empty = its defaults
 
 
 class LoggingConfig(_Section):
@@ -95,6 +100,9 @@ class Settings(BaseSettings):
     auth: AuthConfig = AuthConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
+    hooks: HooksConfig = HooksConfig()
+    ratelimit: RateLimitConfig = RateLimitConfig()
+    cache: CacheConfig = CacheConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

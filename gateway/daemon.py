@@ -1,29 +1,45 @@
-"""Start-up and shutdown of one daemon process: backend, engine thread, server, signals.
+"""Start-up and shutdown of one daemon process: backend, hooks, engine thread, server, operations.
 
-Order: build the backend (loads the model), start the engine thread, bind the port, then report
-ready. SIGTERM/SIGINT drain (GOAWAY, finish streams in flight up to drain_timeout_s) and exit 0.
+Order: logging → backend (loads the model) → hook chain → engine thread → bind the port →
+metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT drain (GOAWAY, finish streams in flight
+up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file. With ``server.workers = N`` the
+parent starts N worker processes sharing the port through SO_REUSEPORT and forwards signals.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import subprocess
 import sys
+import time
 
 import uvloop
 
 from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.engine.factory import build_backend
+from gateway.hooks import Chain
+from gateway.ops.health import start_http_server
+from gateway.ops.logging import setup_logging
+from gateway.ops.metrics import Metrics
+from gateway.ops.neuron_monitor import start_neuron_monitor
+from gateway.ops.notify import Notifier
+from gateway.ops.sockets import make_listen_socket
 from gateway.server import Server
 
 log = logging.getLogger("zerolayer")
 
+ENGINE_STALE_S = 10.0  # /healthz fails when the engine thread has not looped for this long
+
 
 async def _serve(settings: Settings) -> None:
-    backend, tokenizer = build_backend(settings)
     loop = asyncio.get_running_loop()
+    metrics = Metrics()
+    backend, tokenizer = build_backend(settings)
+    chain = Chain.build(settings)
     server_ref: list[Server] = []
     engine = Engine(
         backend,
@@ -32,33 +48,94 @@ async def _serve(settings: Settings) -> None:
         max_queue=settings.engine.max_queue,
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,
+        on_step=metrics.engine_step,
     )
-    server = Server(settings, engine, tokenizer)
+    server = Server(settings, engine, tokenizer, chain, metrics)
     server_ref.append(server)
+
+    def engine_alive() -> bool:
+        return engine.alive and time.monotonic() - engine.last_beat < ENGINE_STALE_S
+
     engine.start()
-    await server.start()
+    cfg = settings.server
+    sock = make_listen_socket(cfg.host, cfg.port, cfg.backlog, cfg.reuse_port)
+    await server.start(sock)
+    http = None
+    if settings.metrics.enabled:
+        http = start_http_server(
+            settings.metrics.host,
+            settings.metrics.port,
+            metrics,
+            engine_alive,
+            lambda: engine_alive() and not server.draining,
+        )
+    monitor = start_neuron_monitor(
+        settings.metrics.neuron_monitor,
+        metrics.registry,
+        settings.metrics.neuron_monitor_path,
+        settings.metrics.neuron_monitor_config or None,
+    )
+    notifier = Notifier(alive=engine_alive)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, chain.reload)
     info = backend.info
-    # One machine-readable line: tests and scripts wait for it to learn the bound port.
+    # One machine-readable line: tests and scripts wait for it to learn the bound ports.
     print(
-        f"zerolayer: listening frame={settings.server.host}:{server.port} "
-        f"model={info.name} backend={settings.engine.backend}",
+        f"zerolayer: listening frame={cfg.host}:{server.port} "
+        f"metrics={http.host + ':' + str(http.port) if http else 'off'} "
+        f"model={info.name} backend={settings.engine.backend} hooks={','.join(chain.names)}",
         file=sys.stderr,
         flush=True,
     )
+    notifier.ready(f"serving {info.name} on {cfg.host}:{server.port}")
+    notifier.start_watchdog()
     await stop.wait()
     log.info("signal received, draining")
+    notifier.stopping("draining")
     await server.drain()
     engine.stop()
+    await chain.aclose()
+    if monitor is not None:
+        monitor.close()
+    if http is not None:
+        http.close()
+    notifier.close()
     log.info("stopped")
 
 
-def run(settings: Settings) -> int:
-    logging.basicConfig(
-        level=settings.logging.level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def run(settings: Settings, config_path: str | None = None) -> int:
+    setup_logging(settings.logging.level, settings.logging.json_lines, settings.logging.requests)
+    if settings.server.workers > 1:
+        return _run_workers(settings, config_path)
     uvloop.run(_serve(settings))
     return 0
+
+
+def _run_workers(settings: Settings, config_path: str | None) -> int:
+    """Start ``workers`` single-worker daemons on one port (SO_REUSEPORT); forward signals."""
+    if settings.server.port == 0:
+        log.error("server.workers > 1 needs a fixed server.port (0 would give each its own)")
+        return 2
+    cmd = [sys.executable, "-m", "gateway.cli", "serve"]
+    if config_path:
+        cmd += ["--config", config_path]
+    procs = []
+    for i in range(settings.server.workers):
+        env = dict(os.environ)
+        env["ZEROLAYER_SERVER__WORKERS"] = "1"
+        env["ZEROLAYER_SERVER__REUSE_PORT"] = "true"
+        if settings.metrics.port:  # each worker exposes its own metrics on port + index
+            env["ZEROLAYER_METRICS__PORT"] = str(settings.metrics.port + i)
+        procs.append(subprocess.Popen(cmd, env=env))
+
+    def forward(signum: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    codes = [proc.wait() for proc in procs]
+    return max(codes, default=0)

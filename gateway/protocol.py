@@ -4,8 +4,9 @@ The wire contract is docs/protocol.md. A ``FrameDecoder`` owns one preallocated 
 caller (a socket protocol, a test) writes into ``get_buffer()``, reports ``advance(n)``, and pulls
 frames with ``next_frame()`` as ``(type, flags, stream, payload)`` where ``payload`` is a memoryview
 into that buffer, valid until the next ``get_buffer()``. Header rules that do not depend on the
-server's state (types, flags, reserved bits, direction, stream kind, size) are checked here and raise
-``ProtocolError``; payload parsers raise ``ProtocolError`` with INVALID_REQUEST for stream errors.
+server's state (types, flags, reserved bits, direction, stream kind, size) are checked here and
+raise ``ProtocolError``; payload parsers raise ``ProtocolError`` with INVALID_REQUEST for stream
+errors.
 """
 
 from __future__ import annotations
@@ -99,9 +100,7 @@ SERVER_TO_CLIENT = frozenset(
 CONNECTION_FRAMES = frozenset(
     {FrameType.PING, FrameType.PONG, FrameType.HELLO, FrameType.WELCOME, FrameType.GOAWAY}
 )
-STREAM_FRAMES = frozenset(
-    {FrameType.REQUEST, FrameType.CANCEL, FrameType.TOKEN, FrameType.DONE}
-)
+STREAM_FRAMES = frozenset({FrameType.REQUEST, FrameType.CANCEL, FrameType.TOKEN, FrameType.DONE})
 # Allowed flag bits per type: only REQUEST has one.
 _ALLOWED_FLAGS = [0] * 256
 _ALLOWED_FLAGS[FrameType.REQUEST] = FLAG_JSON
@@ -661,9 +660,7 @@ TOKEN1_FRAME_SIZE = TOKEN1_FRAME.size  # 20
 
 def pack_token1_into(buf: bytearray, offset: int, stream: int, token: int, text: bytes) -> int:
     """The common case of ``pack_token_into``: one id and an optional text delta."""
-    TOKEN1_FRAME.pack_into(
-        buf, offset, 8 + len(text), _TOKEN, 0, 0, stream, 1, 0, token
-    )
+    TOKEN1_FRAME.pack_into(buf, offset, 8 + len(text), _TOKEN, 0, 0, stream, 1, 0, token)
     offset += TOKEN1_FRAME_SIZE
     if text:
         end = offset + len(text)

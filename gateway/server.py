@@ -1,18 +1,19 @@
 """The frame-protocol server: one uvloop event loop, one BufferedProtocol per connection.
 
 Owns the rules of docs/protocol.md that need state: HELLO/auth, stream ids, per-connection stream
-limits, idle timeout, slow consumers, drain. Bytes arrive straight into each connection's
-preallocated decoder buffer; outputs of one engine step are packed into each connection's reusable
-write buffer and written with one ``transport.write`` per connection per step.
+limits, idle timeout, slow consumers, drain; and the one request path: validate and tokenize →
+hook chain (auth, rate limit, response cache; fixed at start-up) → engine. Bytes arrive straight
+into each connection's preallocated decoder buffer; the outputs of one engine step are packed into
+each connection's reusable write buffer and written with one ``transport.write`` per connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -29,6 +30,10 @@ from gateway.engine.engine import (
     Sequence,
 )
 from gateway.engine.types import SamplingRow
+from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
+from gateway.ops.logging import REQUEST_LOG
+from gateway.ops.metrics import Metrics
+from gateway.ops.sockets import apply_socket_options
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
 from gateway.tokenizer import Detokenizer, Tokenizer
 
@@ -36,6 +41,8 @@ log = logging.getLogger("zerolayer.server")
 
 _perf = time.perf_counter
 _pack_token1 = p.TOKEN1_FRAME.pack_into  # (buf, offset, 8, TOKEN, 0, 0, stream, 1, 0, id)
+_FINISH_NAMES = ("eos", "max_tokens", "stop", "cancelled")
+_REPLAY_IDS_PER_FRAME = 256
 
 
 class StreamError(Exception):
@@ -55,6 +62,7 @@ class Stream:
         "conn",
         "stream_id",
         "seq",
+        "ctx",
         "t_recv",
         "t_first",
         "n_ids",
@@ -62,12 +70,16 @@ class Stream:
         "cache_bits",
         "want_text",
         "ended",
+        "cancel_requested",
+        "rec_ids",
+        "rec_text",
     )
 
     def __init__(self, conn: Connection, stream_id: int, t_recv: float, want_text: bool) -> None:
         self.conn = conn
         self.stream_id = stream_id
         self.seq: Sequence | None = None
+        self.ctx: RequestContext | None = None  # set when hooks run for this request
         self.t_recv = t_recv
         self.t_first = 0.0
         self.n_ids = 0
@@ -75,16 +87,28 @@ class Stream:
         self.cache_bits = 0
         self.want_text = want_text
         self.ended = False
+        self.cancel_requested = False  # CANCEL arrived while async hooks were still running
+        self.rec_ids: list[int] | None = None  # the stream, recorded for the response cache
+        self.rec_text: list[str] | None = None
 
 
 class Server:
     """Accepts connections and routes engine outputs to them. Lives on the event loop thread."""
 
-    def __init__(self, settings: Settings, engine: Engine, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        chain: Chain,
+        metrics: Metrics,
+    ) -> None:
         self.settings = settings
         self.cfg = settings.server
         self.engine = engine
         self.tokenizer = tokenizer
+        self.chain = chain
+        self.metrics = metrics
         self.info = engine.backend.info
         self.vocab_size = self.info.vocab_size
         self.connections: set[Connection] = set()
@@ -94,6 +118,7 @@ class Server:
         self._sweeper: asyncio.Task | None = None
         self._all_closed = asyncio.Event()
         self._pending_steps = threading.Semaphore(2)
+        self._conn_ids = itertools.count(1)
         self.welcome = p.encode_welcome(
             self.cfg.max_frame_bytes,
             self.cfg.max_streams_per_connection,
@@ -102,7 +127,15 @@ class Server:
             self.info.max_context,
             self.info.name,
         )
-        self.auth_required = settings.auth.enabled
+        self.per_request_hooks = chain.per_request
+        self.hooks_async = chain.is_async
+        self.records = chain.records
+        self.log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
+        m = metrics
+        self._m_tokens_out = m.frames_out_token
+        self._m_done_out = m.frames_out_done
+        self._m_bytes_out = m.bytes_out
+        self._m_bytes_in = m.bytes_in
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -127,6 +160,9 @@ class Server:
     def port(self) -> int:
         assert self._server is not None
         return self._server.sockets[0].getsockname()[1]
+
+    def next_conn_id(self) -> int:
+        return next(self._conn_ids)
 
     def deliver_threadsafe(self, outputs: list[Output]) -> None:
         """The engine's deliver callback: one hand-off to the loop per engine step.
@@ -164,15 +200,20 @@ class Server:
             self._sweeper.cancel()
 
     def connection_gone(self, conn: Connection) -> None:
-        self.connections.discard(conn)
+        if conn in self.connections:
+            self.connections.discard(conn)
+            self.metrics.connection_closed()
         if not self.connections:
             self._all_closed.set()
 
     async def _sweep_idle(self) -> None:
         timeout = self.cfg.idle_timeout_s
         interval = min(1.0, timeout / 4)
+        engine, metrics = self.engine, self.metrics
+        slots = engine.backend.num_slots
         while True:
             await asyncio.sleep(interval)
+            metrics.set_queue(engine.running, engine.waiting, engine.slots_used, slots)
             now = time.monotonic()
             for conn in list(self.connections):
                 if not conn.streams and now - conn.last_activity > timeout:
@@ -183,13 +224,18 @@ class Server:
     # ------------------------------------------------------------------ engine outputs
 
     def deliver(self, outputs: list[Output]) -> None:
+        """Write one engine step's outputs: TOKEN/DONE frames, one write per connection."""
         self._pending_steps.release()
         dirty: list[Connection] = []
         pack1 = _pack_token1
+        n_tokens = 0
         for st, token, text, finish, t_admit in outputs:
             if st.ended:  # type: ignore[attr-defined]
                 continue
             conn = st.conn  # type: ignore[attr-defined]
+            if st.rec_ids is not None and token != NO_TOKEN:  # type: ignore[attr-defined]
+                st.rec_ids.append(token)  # type: ignore[attr-defined]
+                st.rec_text.append(text)  # type: ignore[attr-defined]
             if token != NO_TOKEN and not (text and st.want_text):  # type: ignore[attr-defined]
                 # The common case, inlined: one id, no text, straight into the write buffer.
                 off = conn._out_len
@@ -198,17 +244,20 @@ class Server:
                 pack1(conn._out, off, 8, 2, 0, 0, st.stream_id, 1, 0, token)  # type: ignore[attr-defined]
                 conn._out_len = off + 20
                 st.n_ids += 1  # type: ignore[attr-defined]
+                n_tokens += 1
                 if not st.t_first:  # type: ignore[attr-defined]
                     st.t_first = _perf()  # type: ignore[attr-defined]
             elif token != NO_TOKEN or text:
-                conn.queue_token(st, token, text)
+                n_tokens += conn.queue_token(st, token, text)  # type: ignore[arg-type]
             if finish != NOT_FINISHED:
-                conn.finish_stream(st, finish, t_admit)
+                conn.finish_stream(st, finish, t_admit)  # type: ignore[arg-type]
             if not conn.dirty:
                 conn.dirty = True
                 dirty.append(conn)
         for conn in dirty:
             conn.flush()
+        if n_tokens:
+            self._m_tokens_out.inc(n_tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -254,7 +303,11 @@ class Server:
             seed=req.seed or 0,
             seeded=req.seed is not None,
         )
-        detok = Detokenizer(tok) if (req.want_text or req.stop_sequences) else None
+        # Deterministic requests are recorded (ids and text) when a hook caches responses.
+        record = self.records and (req.temperature == 0 or req.seed is not None)
+        if record:
+            st.rec_ids, st.rec_text = [], []
+        detok = Detokenizer(tok) if (req.want_text or req.stop_sequences or record) else None
         return Sequence(
             owner=st,
             prompt=np.ascontiguousarray(ids, dtype=np.int32),
@@ -265,6 +318,22 @@ class Server:
             detokenizer=detok,
         )
 
+    def context(self, principal: Principal, req: p.Request, seq: Sequence) -> RequestContext:
+        return RequestContext(
+            principal=principal,
+            model=self.info.name,
+            prompt_ids=seq.prompt,
+            prompt_id=req.prompt_id,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop_ids=tuple(sorted(seq.stop_ids)),
+            stop_sequences=req.stop_sequences,
+            want_text=req.want_text,
+        )
+
 
 class Connection(asyncio.BufferedProtocol):
     """One client connection: decodes frames in place, writes one buffer per step."""
@@ -273,11 +342,14 @@ class Connection(asyncio.BufferedProtocol):
         self.server = server
         cfg = server.cfg
         self.cfg = cfg
+        self.conn_id = server.next_conn_id()
         self.decoder = p.FrameDecoder("server", cfg.max_frame_bytes, cfg.read_buffer_bytes)
         self.streams: dict[int, Stream] = {}
         self.transport: asyncio.Transport | None = None
         self.first_frame = True
-        self.authenticated = not server.auth_required
+        self.principal: Principal | None = (
+            None if server.chain.auth_required else (server.chain.anonymous())
+        )
         self.closing = False
         self.slow = False
         self.dirty = False
@@ -291,11 +363,13 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
         server = self.server
         server.connections.add(self)
+        server.metrics.connection_opened()
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            apply_socket_options(sock, self.cfg)
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
         if len(server.connections) > self.cfg.max_connections:
-            self.connection_error(
-                ErrorCode.OVERLOADED, "too many connections", retry_after_ms=1000
-            )
+            self.connection_error(ErrorCode.OVERLOADED, "too many connections", retry_after_ms=1000)
         elif server.draining:
             self.goaway("server is draining")
 
@@ -306,6 +380,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closing:
             return
         self.decoder.advance(nbytes)
+        self.server._m_bytes_in.inc(nbytes)
         self.last_activity = time.monotonic()
         try:
             while (frame := self.decoder.next_frame()) is not None:
@@ -325,9 +400,11 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         for st in list(self.streams.values()):
-            st.ended = True
-            if st.seq is not None:
-                self.server.engine.cancel(st.seq)
+            if not st.ended:
+                st.ended = True
+                if st.seq is not None:
+                    self.server.engine.cancel(st.seq)
+                self._hooks_done(st, p.FinishReason.CANCELLED)
         self.streams.clear()
         self.server.connection_gone(self)
 
@@ -346,22 +423,26 @@ class Connection(asyncio.BufferedProtocol):
     def _on_frame(self, ftype: int, flags: int, stream: int, payload: memoryview) -> None:
         first = self.first_frame
         self.first_frame = False
+        self.server.metrics.frames("in", ftype)
         if ftype == FrameType.REQUEST:
-            if not self.authenticated:
-                self._unauthenticated()
+            if self.principal is None:
+                self._unauthenticated("HELLO with a valid API key required")
                 return
             self._on_request(stream, flags, payload)
         elif ftype == FrameType.CANCEL:
-            if not self.authenticated:
-                self._unauthenticated()
+            if self.principal is None:
+                self._unauthenticated("HELLO with a valid API key required")
                 return
             p.check_cancel(payload)
             st = self.streams.get(stream)
-            if st is not None and st.seq is not None:
-                self.server.engine.cancel(st.seq)
+            if st is not None:
+                if st.seq is not None:
+                    self.server.engine.cancel(st.seq)
+                else:
+                    st.cancel_requested = True
         elif ftype == FrameType.PING:
             p.check_ping(payload)
-            self._queue_bytes(p.encode_pong(bytes(payload)))
+            self._queue_frame(p.encode_pong(bytes(payload)), "PONG")
         elif ftype == FrameType.PONG:
             pass
         elif ftype == FrameType.HELLO:
@@ -369,8 +450,8 @@ class Connection(asyncio.BufferedProtocol):
                 raise ProtocolError(ErrorCode.MALFORMED_FRAME, "HELLO is only allowed first")
             self._on_hello(payload)
 
-    def _unauthenticated(self) -> None:
-        self.connection_error(ErrorCode.UNAUTHENTICATED, "HELLO with a valid API key required")
+    def _unauthenticated(self, message: str) -> None:
+        self.connection_error(ErrorCode.UNAUTHENTICATED, message)
 
     def _on_hello(self, payload: memoryview) -> None:
         version, key = p.parse_hello(payload)
@@ -379,18 +460,16 @@ class Connection(asyncio.BufferedProtocol):
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"protocol version {version} not supported (this server speaks {p.VERSION})",
             )
-        if self.server.auth_required:
-            self.authenticated = self.server.authenticate(key)  # type: ignore[attr-defined]
-            if not self.authenticated:
-                self._unauthenticated()
-                return
-        self._queue_bytes(self.server.welcome)
+        try:
+            self.principal = self.server.chain.on_hello(key)
+        except HookError as exc:
+            self.connection_error(ErrorCode(exc.code), exc.message, exc.retry_after_ms)
+            return
+        self._queue_frame(self.server.welcome, "WELCOME")
 
     def _on_request(self, stream: int, flags: int, payload: memoryview) -> None:
         if stream in self.streams:
-            raise ProtocolError(
-                ErrorCode.STREAM_IN_USE, f"stream {stream} is already in flight"
-            )
+            raise ProtocolError(ErrorCode.STREAM_IN_USE, f"stream {stream} is already in flight")
         t_recv = _perf()
         server = self.server
         try:
@@ -409,21 +488,114 @@ class Connection(asyncio.BufferedProtocol):
                 raise StreamError(exc.code, exc.message) from None
             st = Stream(self, stream, t_recv, req.want_text)
             seq = server.build_sequence(st, req)
-            st.seq = seq
-            try:
-                server.engine.submit(seq)
-            except EngineOverloaded as exc:
-                raise StreamError(
-                    ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms
-                ) from None
-            except EngineStopped:
-                raise StreamError(ErrorCode.SHUTTING_DOWN, "server is shutting down") from None
         except StreamError as exc:
-            self._queue_bytes(
-                p.encode_error(stream, exc.code, exc.message, exc.retry_after_ms)
-            )
+            self._stream_error(stream, exc.code, exc.message, exc.retry_after_ms)
             return
-        self.streams[stream] = st
+        st.seq = seq
+        if not server.per_request_hooks:
+            self._submit(st)
+            return
+        assert self.principal is not None
+        st.ctx = ctx = server.context(self.principal, req, seq)
+        if server.hooks_async:
+            # Redis-backed hooks: the stream is in flight (its id taken) while they run.
+            self.streams[stream] = st
+            st.seq = None  # not cancellable in the engine until submitted
+            assert server.loop is not None
+            server.loop.create_task(self._run_hooks_async(st, seq))
+            return
+        try:
+            cached = server.chain.on_request(ctx)
+        except HookError as exc:
+            self._hook_refused(st, exc)
+            return
+        st.seq = seq
+        if cached is not None:
+            self._replay(st, cached)
+        else:
+            self._submit(st)
+
+    async def _run_hooks_async(self, st: Stream, seq: Sequence) -> None:
+        assert st.ctx is not None
+        try:
+            cached = await self.server.chain.on_request_async(st.ctx)
+        except HookError as exc:
+            if not st.ended:
+                self.streams.pop(st.stream_id, None)
+                self._hook_refused(st, exc)
+                self.flush()
+            return
+        if st.ended:  # the connection went away meanwhile; on_done already ran
+            return
+        if st.cancel_requested:
+            self.streams.pop(st.stream_id, None)
+            st.ended = True
+            self._queue_done(st, p.FinishReason.CANCELLED, 0.0)
+            self._hooks_done(st, p.FinishReason.CANCELLED)
+        elif cached is not None:
+            self.streams.pop(st.stream_id, None)
+            st.seq = seq
+            self._replay(st, cached)
+        else:
+            self.streams.pop(st.stream_id, None)
+            st.seq = seq
+            self._submit(st)
+        self.flush()
+
+    def _hook_refused(self, st: Stream, exc: HookError) -> None:
+        if exc.code == ErrorCode.RATE_LIMITED:
+            self.server.metrics.rate_limited()
+        if exc.code == ErrorCode.UNAUTHENTICATED:  # the key was revoked by a reload
+            self.connection_error(ErrorCode.UNAUTHENTICATED, exc.message)
+            return
+        self._stream_error(st.stream_id, ErrorCode(exc.code), exc.message, exc.retry_after_ms)
+
+    def _submit(self, st: Stream) -> None:
+        assert st.seq is not None
+        try:
+            self.server.engine.submit(st.seq)
+        except EngineOverloaded as exc:
+            self._stream_error(
+                st.stream_id, ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms
+            )
+            st.prompt_tokens = 0  # nothing ran: the whole reservation goes back
+            self._hooks_done(st, FINISH_ERROR)
+            return
+        except EngineStopped:
+            self._stream_error(st.stream_id, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            st.prompt_tokens = 0
+            self._hooks_done(st, FINISH_ERROR)
+            return
+        self.streams[st.stream_id] = st
+
+    def _replay(self, st: Stream, cached: CachedResponse) -> None:
+        """Answer from the response cache: the stored stream, then DONE with cache bit 0."""
+        self.server.metrics.response_cache_hit()
+        ids = cached.token_ids.tolist()
+        text = cached.text.encode("utf-8") if st.want_text else b""
+        chunks = [
+            ids[i : i + _REPLAY_IDS_PER_FRAME] for i in range(0, len(ids), _REPLAY_IDS_PER_FRAME)
+        ]
+        for i, chunk in enumerate(chunks or [[]]):
+            data = text if i == len(chunks or [[]]) - 1 else b""
+            if not chunk and not data:
+                continue
+            self._reserve(p.token_frame_size(len(chunk), len(data)))
+            self._out_len = p.pack_token_into(self._out, self._out_len, st.stream_id, chunk, data)
+        st.n_ids = len(ids)
+        st.t_first = _perf()
+        st.cache_bits |= p.CACHE_RESPONSE
+        st.prompt_tokens = cached.prompt_tokens
+        st.ended = True
+        self.server._m_tokens_out.inc(len(chunks))
+        self._queue_done(st, cached.finish_reason, 0.0)
+        if st.ctx is not None:
+            self.server.chain.on_done(
+                st.ctx,
+                Completion(
+                    cached.finish_reason, st.prompt_tokens, st.n_ids, None, None, from_cache=True
+                ),
+            )
 
     # ------------------------------------------------------------------ frames out
 
@@ -441,15 +613,32 @@ class Connection(asyncio.BufferedProtocol):
         self._out[self._out_len : end] = data
         self._out_len = end
 
-    def queue_token(self, st: Stream, token: int, text: str) -> None:
-        """Pack one TOKEN frame (one id, or only text when token is NO_TOKEN)."""
+    def _queue_frame(self, data: bytes, type_name: str) -> None:
+        self._queue_bytes(data)
+        self.server.metrics.frames("out", type_name)
+
+    def _stream_error(self, stream: int, code: ErrorCode, message: str, retry_ms: int = 0) -> None:
+        self._queue_frame(p.encode_error(stream, code, message, retry_ms), "ERROR")
+        self.server.metrics.request_error(code.name)
+        if self.server.log_requests or code == ErrorCode.INTERNAL:
+            REQUEST_LOG.warning(
+                "request refused",
+                extra={
+                    "request_id": f"{self.conn_id}:{stream}",
+                    "code": code.name,
+                    "detail": message,
+                },
+            )
+
+    def queue_token(self, st: Stream, token: int, text: str) -> int:
+        """Pack one TOKEN frame (one id, or only text when token is NO_TOKEN); returns frames."""
         data = text.encode("utf-8") if (text and st.want_text) else b""
         if token == NO_TOKEN:
             if not data:
-                return
+                return 0
             self._reserve(p.token_frame_size(0, len(data)))
             self._out_len = p.pack_token_into(self._out, self._out_len, st.stream_id, (), data)
-            return
+            return 1
         end = self._out_len + p.TOKEN1_FRAME_SIZE + len(data)
         if end > len(self._out):
             self._reserve(end - self._out_len)
@@ -457,6 +646,51 @@ class Connection(asyncio.BufferedProtocol):
         st.n_ids += 1
         if not st.t_first:
             st.t_first = _perf()
+        return 1
+
+    def _queue_done(self, st: Stream, finish: int, t_admit: float) -> None:
+        now = _perf()
+        self._reserve(p.DONE_FRAME_SIZE)
+        queue_s = max(0.0, t_admit - st.t_recv) if t_admit else 0.0
+        ttft_s = (st.t_first - st.t_recv) if st.t_first else 0.0
+        total_s = now - st.t_recv
+        self._out_len = p.pack_done_into(
+            self._out,
+            self._out_len,
+            st.stream_id,
+            finish,
+            st.cache_bits,
+            st.prompt_tokens,
+            st.n_ids,
+            int(queue_s * 1e6),
+            int(ttft_s * 1e6),
+            int(total_s * 1e6),
+        )
+        server = self.server
+        server._m_done_out.inc()
+        server.metrics.request_finished(
+            _FINISH_NAMES[finish],
+            st.prompt_tokens,
+            st.n_ids,
+            queue_s,
+            ttft_s if st.t_first else None,
+            total_s,
+        )
+        if st.n_ids > 1:
+            server.metrics.inter_token(now - st.t_first, st.n_ids - 1)
+        if server.log_requests:
+            REQUEST_LOG.info(
+                "request finished",
+                extra={
+                    "request_id": f"{self.conn_id}:{st.stream_id}",
+                    "finish": _FINISH_NAMES[finish],
+                    "prompt_tokens": st.prompt_tokens,
+                    "completion_tokens": st.n_ids,
+                    "cache": st.cache_bits,
+                    "ttft_ms": round(ttft_s * 1000, 3),
+                    "total_ms": round(total_s * 1000, 3),
+                },
+            )
 
     def finish_stream(self, st: Stream, finish: int, t_admit: float) -> None:
         """Write DONE (or ERROR INTERNAL for an engine failure) and forget the stream."""
@@ -465,46 +699,46 @@ class Connection(asyncio.BufferedProtocol):
         if not self.streams:
             self.last_activity = time.monotonic()
         if finish == FINISH_ERROR:
-            self._queue_bytes(
-                p.encode_error(st.stream_id, ErrorCode.INTERNAL, "the model backend failed")
-            )
+            self._stream_error(st.stream_id, ErrorCode.INTERNAL, "the model backend failed")
         else:
-            now = _perf()
-            self._reserve(p.DONE_FRAME_SIZE)
-            self._out_len = p.pack_done_into(
-                self._out,
-                self._out_len,
-                st.stream_id,
-                finish,
-                st.cache_bits,
-                st.prompt_tokens,
-                st.n_ids,
-                int(max(0.0, t_admit - st.t_recv) * 1e6) if t_admit else 0,
-                int((st.t_first - st.t_recv) * 1e6) if st.t_first else 0,
-                int((now - st.t_recv) * 1e6),
-            )
+            self._queue_done(st, finish, t_admit)
+        self._hooks_done(st, finish)
         if self.server.draining and not self.streams:
             self.flush()
             self.close()
+
+    def _hooks_done(self, st: Stream, finish: int) -> None:
+        if st.ctx is None:
+            return
+        ctx, st.ctx = st.ctx, None  # exactly once per request
+        ids = text = None
+        if st.rec_ids is not None and finish in (0, 1, 2):
+            ids = np.asarray(st.rec_ids, dtype=np.int32)
+            text = "".join(st.rec_text or ())
+        self.server.chain.on_done(
+            ctx, Completion(finish, st.prompt_tokens, st.n_ids, ids, text, from_cache=False)
+        )
 
     def flush(self) -> None:
         self.dirty = False
         n, self._out_len = self._out_len, 0  # reset first: write() may re-enter via pause_writing
         if n and self.transport is not None and not self.transport.is_closing():
             self.transport.write(self._out[:n])
+            self.server._m_bytes_out.inc(n)
 
     def end_all_streams(self, code: ErrorCode, message: str) -> None:
         for st in list(self.streams.values()):
             st.ended = True
             if st.seq is not None:
                 self.server.engine.cancel(st.seq)
-            self._queue_bytes(p.encode_error(st.stream_id, code, message))
+            self._stream_error(st.stream_id, code, message)
+            self._hooks_done(st, FINISH_ERROR)
         self.streams.clear()
         self.last_activity = time.monotonic()
         self.flush()
 
     def goaway(self, reason: str) -> None:
-        self._queue_bytes(p.encode_goaway(len(self.streams), reason))
+        self._queue_frame(p.encode_goaway(len(self.streams), reason), "GOAWAY")
         self.flush()
         if not self.streams:
             self.close()
@@ -513,7 +747,8 @@ class Connection(asyncio.BufferedProtocol):
         """ERROR on stream 0, then close; the stream-0 ERROR stands for every stream."""
         if self.closing:
             return
-        self._queue_bytes(p.encode_error(0, code, message, retry_after_ms))
+        self._queue_frame(p.encode_error(0, code, message, retry_after_ms), "ERROR")
+        self.server.metrics.request_error(code.name)
         self.flush()
         self.close()
 
@@ -522,11 +757,10 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.closing = True
         for st in self.streams.values():
-            st.ended = True
-            if st.seq is not None:
-                self.server.engine.cancel(st.seq)
+            if not st.ended:
+                st.ended = True
+                if st.seq is not None:
+                    self.server.engine.cancel(st.seq)
+                self._hooks_done(st, FINISH_ERROR)
         if self.transport is not None:
             self.transport.close()
-
-
-OnStep = Callable[[str, float, int], None]

@@ -20,7 +20,9 @@ class Tokenizer(ABC):
     vocab_size: int
     bos_token_id: int  # -1 when none
     eos_token_id: int  # -1 when none; the one WELCOME reports
-    eos_token_ids: frozenset[int]  # every id that ends generation (generation_config may list several)
+    eos_token_ids: frozenset[
+        int
+    ]  # every id that ends generation (generation_config may list several)
     add_bos: bool  # prepend BOS to prompts that do not start with it
 
     @abstractmethod

@@ -32,9 +32,7 @@ class Daemon:
         cmd = [sys.executable, "-m", "gateway.cli", "serve"]
         if config:
             cmd += ["--config", config]
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, text=True
-        )
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -14,7 +14,9 @@ HDR = struct.Struct("<IBBHI")
 REQUEST, TOKEN, DONE, PING, PONG, ERROR, CANCEL, HELLO, WELCOME, GOAWAY = range(1, 11)
 
 
-def frame(ftype: int, stream: int, payload: bytes = b"", flags: int = 0, reserved: int = 0) -> bytes:
+def frame(
+    ftype: int, stream: int, payload: bytes = b"", flags: int = 0, reserved: int = 0
+) -> bytes:
     return HDR.pack(len(payload), ftype, flags, reserved, stream) + payload
 
 
@@ -45,7 +47,15 @@ def request(
     if options is not None:
         opts = options
     fixed = struct.pack(
-        "<IffIQIHH", max_tokens, temperature, top_p, top_k, seed or 0, prompt_id, len(stop_ids), opts
+        "<IffIQIHH",
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed or 0,
+        prompt_id,
+        len(stop_ids),
+        opts,
     )
     return frame(REQUEST, stream, fixed + struct.pack(f"<{len(stop_ids)}i", *stop_ids) + body)
 
@@ -60,7 +70,9 @@ def hello(key: bytes = b"", version: int = 1) -> bytes:
 
 
 class RawConnection:
-    def __init__(self, host: str, port: int, rcvbuf: int | None = None, timeout: float = 30) -> None:
+    def __init__(
+        self, host: str, port: int, rcvbuf: int | None = None, timeout: float = 30
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -111,8 +123,13 @@ def parse_done(payload: bytes) -> dict:
     assert len(payload) == 24
     reason, cache, _, pt, ct, q, ttft, total = struct.unpack("<BBHIIIII", payload)
     return dict(
-        finish_reason=reason, cache=cache, prompt_tokens=pt, completion_tokens=ct,
-        queue_us=q, ttft_us=ttft, total_us=total,
+        finish_reason=reason,
+        cache=cache,
+        prompt_tokens=pt,
+        completion_tokens=ct,
+        queue_us=q,
+        ttft_us=ttft,
+        total_us=total,
     )
 
 

@@ -49,7 +49,9 @@ def test_many_concurrent_streams_and_typed_errors(daemon):
             with pytest.raises(zc.UnknownPromptError):
                 await unknown.collect()
             # The connection is still fine.
-            assert (await (await client.generate("ok", max_tokens=3)).collect()).completion_tokens == 3
+            assert (
+                await (await client.generate("ok", max_tokens=3)).collect()
+            ).completion_tokens == 3
 
     asyncio.run(main())
 
@@ -64,8 +66,12 @@ def test_cancel_and_chat(daemon):
             result = await stream.collect()
             assert result.finish_reason == FinishReason.CANCELLED
             chat = await client.generate_json(
-                {"max_tokens": 7, "messages": [{"role": "user", "content": "hi"}], "seed": 3,
-                 "temperature": 0.8}
+                {
+                    "max_tokens": 7,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "seed": 3,
+                    "temperature": 0.8,
+                }
             )
             r = await chat.collect()
             assert r.completion_tokens == 7 and len(r.text) == 7
@@ -95,15 +101,31 @@ def test_sync_client(daemon):
 
 def test_cli_generate_prints_streamed_text(daemon):
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", daemon.endpoint,
-         "--max-tokens", "32", "-v", "hello"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "generate",
+            "--endpoint",
+            daemon.endpoint,
+            "--max-tokens",
+            "32",
+            "-v",
+            "hello",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.rstrip("\n")) == 32
     assert "finish=max_tokens" in proc.stderr and "completion_tokens=32" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", "tcp://127.0.0.1:1",
-         "hi"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", "tcp://127.0.0.1:1", "hi"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 1 and "cannot reach" in proc.stderr

@@ -64,7 +64,10 @@ def test_serve_refuses_bad_config_with_exit_2(tmp_path):
     cfg.write_text("[server]\nport = -5\n")
     proc = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "server.port" in proc.stderr

@@ -79,8 +79,16 @@ def test_text_prompt_with_deltas_is_deterministic(daemon):
 
 def test_json_chat_request(daemon):
     conn = connect(daemon)
-    conn.send(rc.json_request(3, {"max_tokens": 12, "system": "Be terse.",
-                                  "messages": [{"role": "user", "content": "Hi"}]}))
+    conn.send(
+        rc.json_request(
+            3,
+            {
+                "max_tokens": 12,
+                "system": "Be terse.",
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        )
+    )
     res = rc.collect(conn, {3})[3]
     assert res["done"]["finish_reason"] == 1
     assert len(res["text"]) == 12
@@ -176,8 +184,17 @@ def test_cancel_ends_stream_with_cancelled(daemon):
         rc.frame(rc.PING, 0) + rc.hello(),  # HELLO after the first frame
     ],
     ids=[
-        "unknown-type", "flag", "reserved", "direction", "request-stream0", "cancel-stream0",
-        "ping-stream", "ping-size", "cancel-payload", "hello-keylen", "hello-late",
+        "unknown-type",
+        "flag",
+        "reserved",
+        "direction",
+        "request-stream0",
+        "cancel-stream0",
+        "ping-stream",
+        "ping-size",
+        "cancel-payload",
+        "hello-keylen",
+        "hello-late",
     ],
 )
 def test_malformed_frames_close_the_connection(daemon, data):
@@ -226,8 +243,9 @@ def test_200_streams_on_one_connection(daemon):
     conn = connect(daemon)
     conn.send(b"".join(rc.request(s, b"s%d" % s, 16) for s in range(1, 201)))
     res = rc.collect(conn, set(range(1, 201)))
-    assert all(r["done"] and r["done"]["completion_tokens"] == 16 == len(r["ids"])
-               for r in res.values())
+    assert all(
+        r["done"] and r["done"]["completion_tokens"] == 16 == len(r["ids"]) for r in res.values()
+    )
     assert all(r["ends"] == 1 for r in res.values())
     conn.close()
 
@@ -311,9 +329,7 @@ def test_stream_limits_and_overload():
 
 
 def test_slow_consumer_ends_streams_but_keeps_connection():
-    with Daemon(
-        {"SERVER__WRITE_BUFFER_LIMIT_BYTES": "65536", "ENGINE__MAX_CONTEXT": "65536"}
-    ) as d:
+    with Daemon({"SERVER__WRITE_BUFFER_LIMIT_BYTES": "65536", "ENGINE__MAX_CONTEXT": "65536"}) as d:
         conn = connect(d, rcvbuf=4096)
         conn.send(b"".join(rc.request(s, b"flood", 60000) for s in range(1, 33)))
         time.sleep(3)  # do not read: the server's buffer passes the limit

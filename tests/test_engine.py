@@ -221,8 +221,9 @@ def test_backend_failure_fails_sequences_not_engine():
             raise RuntimeError("device lost")
 
     outputs: list[Output] = []
-    engine = Engine(Broken([1]), TOK, outputs.extend, max_queue=4, max_step_tokens=64,
-                    prefill_chunk=32)
+    engine = Engine(
+        Broken([1]), TOK, outputs.extend, max_queue=4, max_step_tokens=64, prefill_chunk=32
+    )
     engine.start()
     try:
         engine.submit(seq("x", max_tokens=5))

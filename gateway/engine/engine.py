@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+
 import numpy as np
 
 from gateway.engine.backend import Backend

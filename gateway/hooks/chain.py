@@ -225,6 +225,11 @@ class Chain:
         except Exception:
             log.exception("hook %s failed", label)
 
+    @property
+    def per_request(self) -> bool:
+        """Whether any hook runs per request; when not, the server skips building a context."""
+        return bool(self._on_request_flagged or self._on_done_flagged or self._on_refused)
+
     # ---- per connection ------------------------------------------------------------------------
 
     def anonymous(self) -> Principal:

@@ -257,6 +257,7 @@ def add_keys_subparser(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(
             "--keys-file", default=None, help="keys file (default: auth.keys_file of the config)"
         )
+        p.add_argument("--config", default=None, help="daemon config whose auth.keys_file to use")
         return p
 
     add = with_file(sub.add_parser("add", help="create a key, print it once, store its digest"))
