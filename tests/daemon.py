@@ -18,7 +18,12 @@ _LISTENING = re.compile(r"zerolayer: listening frame=([\d.]+):(\d+)")
 class Daemon:
     """A daemon subprocess. ``env`` entries are config overrides like {"SERVER__PORT": "0"}."""
 
-    def __init__(self, env: dict[str, str] | None = None, config: str | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        config: str | None = None,
+        raw_env: dict[str, str] | None = None,
+    ) -> None:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
         full_env.update(
             {
@@ -29,6 +34,7 @@ class Daemon:
             }
         )
         full_env.update({f"ZEROLAYER_{k}": str(v) for k, v in (env or {}).items()})
+        full_env.update(raw_env or {})
         cmd = [sys.executable, "-m", "gateway.cli", "serve"]
         if config:
             cmd += ["--config", config]
@@ -43,6 +49,10 @@ class Daemon:
             m = _LISTENING.search(line)
             if m:
                 self.host, self.port = m.group(1), int(m.group(2))
+                metrics = re.search(r"metrics=([\d.]+):(\d+)", line)
+                self.metrics_url = (
+                    f"http://{metrics.group(1)}:{metrics.group(2)}" if metrics else None
+                )
                 self.endpoint = f"tcp://{self.host}:{self.port}"
                 self.extra = dict(re.findall(r"(\w+)=(\S+)", line))
                 # Keep draining stderr so a chatty daemon never blocks on a full pipe.

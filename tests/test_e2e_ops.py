@@ -1,0 +1,177 @@
+"""Operations end to end: metrics after real requests, health during drain, systemd notify,
+SO_REUSEPORT workers. Each test runs a real daemon process (synthetic backend)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests import rawclient as rc
+from tests.daemon import ROOT, Daemon
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def status(url: str) -> int:
+    try:
+        return urllib.request.urlopen(url, timeout=5).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_scrape_after_requests_moves_counters_by_the_right_amounts():
+    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "1"}) as d:
+        before = scrape(d.metrics_url)
+        conn = rc.RawConnection(d.host, d.port)
+        conn.send(rc.request(4, b"abcd", 2000))
+        first = conn.read_frame()
+        assert (first[0], first[2]) == (rc.TOKEN, 4)
+        conn.send(rc.frame(rc.CANCEL, 4))
+        conn.send(rc.request(1, [1, 2, 3], 10) + rc.request(2, [4, 5], 7))
+        conn.send(rc.request(3, b"", 5))  # INVALID_REQUEST
+        res = rc.collect(conn, {1, 2, 3, 4})
+        cancelled_tokens = len(res[4]["ids"]) + len(rc.parse_token(first[3])[0])
+        completed = 17 + res[4]["done"]["completion_tokens"]
+        time.sleep(1.2)  # gauges refresh once a second
+        after = scrape(d.metrics_url)
+
+        def delta(name, **labels):
+            return value(after, name, **labels) - value(before, name, **labels)
+
+        assert res[4]["done"]["completion_tokens"] == cancelled_tokens
+        assert delta("zerolayer_generation_tokens_total") == completed
+        # prompt 3 + 2 ids, and "abcd" with BOS = 5 tokens
+        assert delta("zerolayer_prompt_tokens_total") == 3 + 2 + 5
+        assert delta("zerolayer_request_success_total", finished_reason="max_tokens") == 2
+        assert delta("zerolayer_request_success_total", finished_reason="cancelled") == 1
+        assert delta("zerolayer_request_errors_total", code="INVALID_REQUEST") == 1
+        assert delta("zerolayer_time_to_first_token_seconds_count") == 3
+        assert delta("zerolayer_e2e_request_latency_seconds_count") == 3
+        assert delta("zerolayer_request_queue_time_seconds_count") == 3
+        assert delta("zerolayer_frames_total", direction="out", type="DONE") == 3
+        assert delta("zerolayer_frames_total", direction="out", type="TOKEN") == completed
+        assert delta("zerolayer_frames_total", direction="in", type="REQUEST") == 4
+        assert delta("zerolayer_frames_total", direction="in", type="CANCEL") == 1
+        assert delta("zerolayer_bytes_total", direction="out") == (
+            20 * completed
+            + 36 * 3
+            + len(rc.frame(rc.ERROR, 3, b"\0" * 8))
+            + len("empty prompt without a prompt_id")
+        )
+        assert value(after, "zerolayer_connections") == 1
+        assert value(after, "zerolayer_num_requests_running") == 0
+        assert delta("zerolayer_backend_busy_seconds_total", phase="decode") > 0
+        assert delta("zerolayer_batch_size_count") > 0
+        conn.close()
+
+
+def test_readyz_flips_to_503_during_drain():
+    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "5"}) as d:
+        assert status(d.metrics_url + "/readyz") == 200
+        assert status(d.metrics_url + "/healthz") == 200
+        conn = rc.RawConnection(d.host, d.port)
+        conn.send(rc.request(1, b"keep busy", 400))
+        assert conn.read_frame()[0] == rc.TOKEN
+        d.proc.send_signal(15)
+        deadline = time.monotonic() + 10
+        codes = []
+        while time.monotonic() < deadline:
+            codes.append(status(d.metrics_url + "/readyz"))
+            if codes[-1] == 503:
+                break
+            time.sleep(0.05)
+        assert codes[-1] == 503, codes
+        assert status(d.metrics_url + "/healthz") == 200  # alive while draining
+        res = rc.collect(conn, {1})[1]
+        assert res["done"]["completion_tokens"] == 400
+        assert d.proc.wait(30) == 0
+
+
+def test_systemd_notify_ready_watchdog_stopping():
+    path = os.path.join(tempfile.mkdtemp(), "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(30)
+    try:
+        with Daemon(raw_env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}) as d:
+            got = []
+            while not any("WATCHDOG=1" in m for m in got):
+                got.append(sock.recv(4096).decode())
+            assert any("READY=1" in m for m in got)
+            d.proc.send_signal(15)
+            while not any("STOPPING=1" in m for m in got):
+                got.append(sock.recv(4096).decode())
+            assert d.proc.wait(30) == 0
+    finally:
+        sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_reuse_port_workers_share_one_port():
+    port, mport = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
+    env.update(
+        ZEROLAYER_ENGINE__BACKEND="synthetic",
+        ZEROLAYER_SERVER__PORT=str(port),
+        ZEROLAYER_SERVER__WORKERS="2",
+        ZEROLAYER_METRICS__PORT=str(mport),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = []
+        deadline = time.monotonic() + 60
+        while len(seen) < 2 and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            m = re.search(r"listening frame=[\d.]+:(\d+) metrics=[\d.]+:(\d+)", line)
+            if m:
+                seen.append((int(m.group(1)), int(m.group(2))))
+        assert sorted(seen) == [(port, mport), (port, mport + 1)]
+        conns = [rc.RawConnection("127.0.0.1", port) for _ in range(24)]
+        for c in conns:
+            c.send(rc.request(1, b"w", 4))
+            assert rc.collect(c, {1})[1]["done"]["completion_tokens"] == 4
+        per_worker = [
+            value(scrape(f"http://127.0.0.1:{mport + i}"), "zerolayer_connections")
+            for i in range(2)
+        ]
+        assert sum(per_worker) == 24
+        assert all(n > 0 for n in per_worker), per_worker  # the kernel spread them
+        for c in conns:
+            c.close()
+        proc.send_signal(15)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
