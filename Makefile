@@ -10,7 +10,6 @@ CONFIG ?= configs/default.toml
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[cpu,redis,dev]'
 	touch $(STAMP)
 

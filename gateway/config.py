@@ -58,6 +58,15 @@ class EngineConfig(_Section):
     synthetic_step_ms: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
+    # Precompiled system prompts (docs/prompts.md)
+    max_prefix_tokens: int = Field(1024, ge=1)
+    prefix_budget_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    # Neuron backend (docs/neuron.md)
+    neuron_tp_degree: int = Field(2, ge=1)
+    neuron_amp: Literal["", "f32", "bf16", "f16"] = ""  # empty = from model.dtype
+    neuron_context_buckets: list[int] = []
+    neuron_token_buckets: list[int] = []
+    neuron_compiled_dir: str = ""
 
 
 class ModelConfig(_Section):
