@@ -1,0 +1,145 @@
+"""The engine on the real CPU backend (built-in model): batch-independent seeded sampling,
+greedy determinism, and slots freed by cancel and by client disconnect."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from gateway.config import EngineConfig, ModelConfig
+from gateway.engine.cpu_backend import create_cpu_backend
+from gateway.engine.engine import NO_TOKEN, NOT_FINISHED, Engine, Sequence
+from gateway.engine.types import SamplingRow
+from tests import rawclient as rc
+from tests.daemon import Daemon
+
+
+@pytest.fixture(scope="module")
+def cpu(tmp_path_factory):
+    data_dir = str(tmp_path_factory.mktemp("builtin"))
+    cfg = EngineConfig(max_batch_size=32, max_context=256, prefill_chunk=64, max_step_tokens=256)
+    backend, tokenizer = create_cpu_backend(ModelConfig(data_dir=data_dir), cfg)
+    return backend, tokenizer, data_dir
+
+
+def run(backend, tokenizer, seqs: list[Sequence]) -> dict[object, list[int]]:
+    engine = Engine(
+        backend, tokenizer, lambda o: None, max_queue=64, max_step_tokens=256, prefill_chunk=64
+    )
+    for s in seqs:
+        engine.submit(s)
+    got: dict[object, list[int]] = {s.owner: [] for s in seqs}
+    for _ in range(500):
+        for owner, token, _text, _finish, _t in engine.step():
+            if token != NO_TOKEN:
+                got[owner].append(token)
+        if engine.running == 0 and engine.waiting == 0:
+            break
+    assert engine.slots_used == 0
+    return got
+
+
+def seq(owner, prompt: str, tokenizer, n=24, **sampling) -> Sequence:
+    return Sequence(owner, tokenizer.encode_prompt(prompt), n, SamplingRow(**sampling))
+
+
+def test_seeded_request_same_alone_and_among_31_others(cpu):
+    backend, tokenizer, _ = cpu
+    target = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, seeded=True)
+    alone = run(backend, tokenizer, [seq("t", "The same seeded request", tokenizer, **target)])
+    rng = np.random.default_rng(0)
+    others = [
+        seq(
+            i,
+            f"other prompt {i} " * int(rng.integers(1, 6)),
+            tokenizer,
+            n=int(rng.integers(5, 40)),
+            temperature=float(rng.uniform(0, 1.5)),
+        )
+        for i in range(31)
+    ]
+    crowd = run(
+        backend,
+        tokenizer,
+        others[:15] + [seq("t", "The same seeded request", tokenizer, **target)] + others[15:],
+    )
+    assert alone["t"] == crowd["t"]
+    assert len(alone["t"]) == 24 or alone["t"]  # stops at EOS at most early
+    other_seed = run(
+        backend,
+        tokenizer,
+        [seq("t", "The same seeded request", tokenizer, **{**target, "seed": 99})],
+    )
+    assert other_seed["t"] != alone["t"], "the seed must matter"
+
+
+def test_greedy_is_deterministic_and_batch_independent(cpu):
+    backend, tokenizer, _ = cpu
+    alone = run(backend, tokenizer, [seq("g", "greedy prompt", tokenizer)])
+    crowd = run(
+        backend,
+        tokenizer,
+        [seq(i, f"noise {i}", tokenizer) for i in range(8)]
+        + [seq("g", "greedy prompt", tokenizer)],
+    )
+    assert alone["g"] == crowd["g"]
+
+
+def test_cancel_frees_the_slot_at_the_next_step(cpu):
+    backend, tokenizer, _ = cpu
+    engine = Engine(
+        backend, tokenizer, lambda o: None, max_queue=8, max_step_tokens=256, prefill_chunk=64
+    )
+    s = seq("c", "cancel me", tokenizer, n=200)
+    engine.submit(s)
+    engine.step()
+    engine.step()
+    assert engine.slots_used == 1
+    engine.cancel(s)
+    finishes = [f for _, _, _, f, _ in engine.step() if f != NOT_FINISHED]
+    assert finishes == [3]
+    assert engine.slots_used == 0
+
+
+def _running(d: Daemon) -> float:
+    from tests.test_e2e_ops import scrape, value
+
+    return value(scrape(d.metrics_url), "zerolayer_num_requests_running")
+
+
+def _wait_for(pred, timeout=15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_disconnect_and_cancel_free_slots_in_the_daemon(cpu):
+    _, _, data_dir = cpu
+    env = {
+        "ENGINE__BACKEND": "cpu",
+        "MODEL__DATA_DIR": data_dir,
+        "ENGINE__MAX_BATCH_SIZE": "4",
+        "ENGINE__MAX_CONTEXT": "1024",
+    }
+    with Daemon(env) as d:
+        conn = rc.RawConnection(d.host, d.port)
+        conn.send(rc.request(1, b"a long one", 1000))
+        conn.send(rc.request(2, b"another long one", 1000))
+        assert conn.read_frame()[0] == rc.TOKEN
+        assert _wait_for(lambda: _running(d) == 2)
+        conn.close()  # disconnect mid-stream
+        assert _wait_for(lambda: _running(d) == 0), "slots not freed after disconnect"
+        conn = rc.RawConnection(d.host, d.port)
+        conn.send(rc.request(1, b"cancel this", 1000))
+        assert conn.read_frame()[0] == rc.TOKEN
+        assert _wait_for(lambda: _running(d) == 1)
+        conn.send(rc.frame(rc.CANCEL, 1))
+        res = rc.collect(conn, {1})[1]
+        assert res["done"]["finish_reason"] == 3
+        assert _wait_for(lambda: _running(d) == 0), "slot not freed after CANCEL"
+        conn.close()
