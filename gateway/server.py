@@ -233,9 +233,11 @@ class Server:
             if st.ended:  # type: ignore[attr-defined]
                 continue
             conn = st.conn  # type: ignore[attr-defined]
-            if st.rec_ids is not None and token != NO_TOKEN:  # type: ignore[attr-defined]
-                st.rec_ids.append(token)  # type: ignore[attr-defined]
-                st.rec_text.append(text)  # type: ignore[attr-defined]
+            if st.rec_ids is not None:  # type: ignore[attr-defined]
+                if token != NO_TOKEN:
+                    st.rec_ids.append(token)  # type: ignore[attr-defined]
+                if st.rec_text is not None:  # type: ignore[attr-defined]
+                    st.rec_text.append(text)  # type: ignore[attr-defined]
             if token != NO_TOKEN and not (text and st.want_text):  # type: ignore[attr-defined]
                 # The common case, inlined: one id, no text, straight into the write buffer.
                 off = conn._out_len
@@ -303,11 +305,13 @@ class Server:
             seed=req.seed or 0,
             seeded=req.seed is not None,
         )
-        # Deterministic requests are recorded (ids and text) when a hook caches responses.
-        record = self.records and (req.temperature == 0 or req.seed is not None)
-        if record:
-            st.rec_ids, st.rec_text = [], []
-        detok = Detokenizer(tok) if (req.want_text or req.stop_sequences or record) else None
+        # Deterministic requests are recorded when a hook caches responses: their ids, and the
+        # text deltas when the engine produces them anyway; otherwise the text is decoded once
+        # at DONE rather than per token.
+        detok = Detokenizer(tok) if (req.want_text or req.stop_sequences) else None
+        if self.records and (req.temperature == 0 or req.seed is not None):
+            st.rec_ids = []
+            st.rec_text = [] if detok is not None else None
         return Sequence(
             owner=st,
             prompt=np.ascontiguousarray(ids, dtype=np.int32),
@@ -714,7 +718,10 @@ class Connection(asyncio.BufferedProtocol):
         ids = text = None
         if st.rec_ids is not None and finish in (0, 1, 2):
             ids = np.asarray(st.rec_ids, dtype=np.int32)
-            text = "".join(st.rec_text or ())
+            if st.rec_text is not None:
+                text = "".join(st.rec_text)
+            else:
+                text = self.server.tokenizer.decode(st.rec_ids)
         self.server.chain.on_done(
             ctx, Completion(finish, st.prompt_tokens, st.n_ids, ids, text, from_cache=False)
         )

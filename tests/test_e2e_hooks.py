@@ -108,6 +108,13 @@ def test_response_cache_replays_deterministic_requests_only():
         third = rc.collect(conn, {1})[1]
         assert third["done"]["cache"] & 1 and third["ids"] == first["ids"]
         assert third["text"] == b""
+        # Stored from a stream without text, replayed with text: decoded from the ids.
+        conn.send(rc.request(1, b"ids first", 16))
+        plain = rc.collect(conn, {1})[1]
+        conn.send(rc.request(1, b"ids first", 16, text_deltas=True))
+        replay = rc.collect(conn, {1})[1]
+        assert replay["done"]["cache"] & 1 and replay["ids"] == plain["ids"]
+        assert replay["text"] == bytes(plain["ids"])  # byte tokenizer: one byte per id
         # Sampled without a seed: never from the cache.
         for _ in range(2):
             conn.send(rc.request(1, b"hot", 10, temperature=0.9))

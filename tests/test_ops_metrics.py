@@ -181,3 +181,22 @@ def test_enum_and_name_aliases(m: Metrics) -> None:
     m.frames("out", FrameType.GOAWAY, 2)
     m.frames("out", "GOAWAY")
     assert v(m, "zerolayer_frames_total", direction="out", type="GOAWAY") == 3
+
+
+def test_inter_token_many_equals_repeated_observe() -> None:
+    a, b = Metrics(), Metrics()
+    for seconds, n in ((0.5, 7), (0.0001, 3), (120.0, 2), (0.03, 1)):
+        a.inter_token(seconds, n)
+        for _ in range(n):
+            b.itl.observe(seconds / n)
+    text_a = a.render().decode()
+    text_b = b.render().decode()
+
+    def series(text: str) -> list[str]:
+        return [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("zerolayer_inter_token") and "_created" not in ln
+        ]
+
+    assert series(text_a) and series(text_a) == series(text_b)

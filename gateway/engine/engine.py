@@ -141,6 +141,8 @@ class Engine:
         self._top_k = np.zeros(n, np.int32)
         self._seeds = np.zeros(n, np.uint64)
         self._seeded = np.zeros(n, np.bool_)
+        self._last_rows: list[Sequence] = []
+        self._last_batch: DecodeBatch | None = None
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -318,7 +320,26 @@ class Engine:
 
     def _decode_batch(self, rows: list[Sequence]) -> DecodeBatch:
         # Sampling parameters live in per-slot arrays written once at admission; per step only
-        # the slot list, last tokens and positions are gathered.
+        # the slot list, last tokens and positions are gathered. In the steady state (the same
+        # rows as the previous step) even those are reused: only the tokens are new.
+        last = self._last_batch
+        if last is not None and rows == self._last_rows:
+            batch = DecodeBatch(
+                slots=last.slots,
+                tokens=np.array([s.last_token for s in rows], np.int32),
+                positions=last.positions + 1,
+                temperature=last.temperature,
+                top_p=last.top_p,
+                top_k=last.top_k,
+                seeds=last.seeds,
+                seeded=last.seeded,
+            )
+        else:
+            batch = self._gather_batch(rows)
+        self._last_rows, self._last_batch = rows, batch
+        return batch
+
+    def _gather_batch(self, rows: list[Sequence]) -> DecodeBatch:
         slots = np.array([s.slot for s in rows], np.int32)
         return DecodeBatch(
             slots=slots,

@@ -41,7 +41,8 @@ class SamplingRow:
 class DecodeBatch:
     """One decode step over ``b`` active slots, each feeding its last sampled token.
 
-    All arrays have length ``b``. ``positions[i]`` is the position ``tokens[i]`` is written at;
+    All arrays have length ``b`` and are read-only for the backend (the engine reuses them
+    across steps). ``positions[i]`` is the position ``tokens[i]`` is written at;
     a seeded row draws its randomness from (seed, position), so its output does not depend on
     which other rows share the batch.
     """
