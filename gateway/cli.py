@@ -10,6 +10,7 @@ import sys
 from gateway.client import DEFAULT_ENDPOINT, Client, ServerError
 from gateway.config import ConfigError, load_settings
 from gateway.hooks.keys import add_keys_subparser
+from gateway.prompts import add_compile_check_subparser
 
 FINISH_NAMES = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled"}
 
@@ -27,8 +28,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except Exception as exc:  # a start-up failure: one clear line, no traceback soup
         from gateway.hooks import HookConfigError
         from gateway.models import ModelLoadError
+        from gateway.prompts import PromptConfigError
 
-        if isinstance(exc, (HookConfigError, ModelLoadError, OSError)):
+        if isinstance(exc, (HookConfigError, ModelLoadError, PromptConfigError, OSError)):
             print(f"zerolayer: cannot start: {exc}", file=sys.stderr)
             return 1
         raise
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     add_keys_subparser(sub)
+    add_compile_check_subparser(sub)
 
     cfg = sub.add_parser("config", help="print the effective configuration and exit")
     cfg.add_argument("--config", default=None)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
+from gateway.prompts import PromptEntry, resolve_prompt_files
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -112,6 +113,7 @@ class Settings(BaseSettings):
     hooks: HooksConfig = HooksConfig()
     ratelimit: RateLimitConfig = RateLimitConfig()
     cache: CacheConfig = CacheConfig()
+    prompts: list[PromptEntry] = []  # precompiled system prompts, [[prompts]] (docs/prompts.md)
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -156,6 +158,8 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
             raise ConfigError(f"config file not found: {file}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+        # Prompt files are named relative to the config file, wherever the daemon runs.
+        resolve_prompt_files(data, file.resolve().parent)
     for section, values in overrides.items():
         data.setdefault(section, {}).update(values)
     try:

@@ -28,6 +28,7 @@ from gateway.ops.metrics import Metrics
 from gateway.ops.neuron_monitor import start_neuron_monitor
 from gateway.ops.notify import Notifier
 from gateway.ops.sockets import make_listen_socket
+from gateway.prompts import PromptRegistry
 from gateway.server import Server
 
 log = logging.getLogger("zerolayer")
@@ -39,6 +40,17 @@ async def _serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     metrics = Metrics()
     backend, tokenizer = build_backend(settings)
+    # Validate, tokenize and prefill every registered prompt once, in slot 0, before the engine
+    # thread owns the backend. An invalid prompt stops start-up, named (PromptConfigError).
+    prompts = PromptRegistry.build(
+        settings.prompts,
+        tokenizer,
+        max_prefix_tokens=settings.engine.max_prefix_tokens,
+        budget_bytes=settings.engine.prefix_budget_bytes,
+    )
+    prompts.compile(
+        backend, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
+    )
     chain = Chain.build(settings)
     server_ref: list[Server] = []
     engine = Engine(
@@ -50,7 +62,7 @@ async def _serve(settings: Settings) -> None:
         prefill_chunk=settings.engine.prefill_chunk,
         on_step=metrics.engine_step,
     )
-    server = Server(settings, engine, tokenizer, chain, metrics)
+    server = Server(settings, engine, tokenizer, chain, metrics, prompts)
     server_ref.append(server)
 
     def engine_alive() -> bool:
@@ -68,6 +80,7 @@ async def _serve(settings: Settings) -> None:
             metrics,
             engine_alive,
             lambda: engine_alive() and not server.draining,
+            prompts=prompts.describe,
         )
     monitor = start_neuron_monitor(
         settings.metrics.neuron_monitor,

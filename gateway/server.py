@@ -34,6 +34,7 @@ from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principa
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options
+from gateway.prompts import PromptRegistry, split_prompt
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
 from gateway.tokenizer import Detokenizer, Tokenizer
 
@@ -73,6 +74,7 @@ class Stream:
         "cancel_requested",
         "rec_ids",
         "rec_text",
+        "full_ids",
     )
 
     def __init__(self, conn: Connection, stream_id: int, t_recv: float, want_text: bool) -> None:
@@ -90,6 +92,7 @@ class Stream:
         self.cancel_requested = False  # CANCEL arrived while async hooks were still running
         self.rec_ids: list[int] | None = None  # the stream, recorded for the response cache
         self.rec_text: list[str] | None = None
+        self.full_ids: np.ndarray | None = None  # the whole prompt, precompiled prefix included
 
 
 class Server:
@@ -102,8 +105,10 @@ class Server:
         tokenizer: Tokenizer,
         chain: Chain,
         metrics: Metrics,
+        prompts: PromptRegistry | None = None,
     ) -> None:
         self.settings = settings
+        self.prompts = prompts
         self.cfg = settings.server
         self.engine = engine
         self.tokenizer = tokenizer
@@ -266,8 +271,24 @@ class Server:
     def build_sequence(self, st: Stream, req: p.Request) -> Sequence:
         """Validate and tokenize a request into an engine Sequence; raises StreamError."""
         tok = self.tokenizer
+        compiled = None
+        system = req.system
         if req.prompt_id:
-            raise StreamError(ErrorCode.UNKNOWN_PROMPT, f"no precompiled prompt {req.prompt_id}")
+            compiled = self.prompts.by_id(req.prompt_id) if self.prompts is not None else None
+            if compiled is None:
+                self.metrics.prefix_query(False)
+                raise StreamError(
+                    ErrorCode.UNKNOWN_PROMPT, f"no precompiled prompt {req.prompt_id}"
+                )
+            if system is not None and system != compiled.text:
+                raise StreamError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"system differs from the text of prompt {req.prompt_id}; send one of them",
+                )
+            system = compiled.text
+        elif system and self.prompts is not None:
+            compiled = self.prompts.by_system(system)  # O(1), by a digest of the exact text
+        # The full prompt ids, exactly as without the registry; the prefix is split off below.
         if req.prompt_ids is not None:
             ids = req.prompt_ids
             if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
@@ -275,14 +296,25 @@ class Server:
                     ErrorCode.INVALID_REQUEST,
                     f"prompt token id outside the vocabulary [0, {self.vocab_size})",
                 )
+            if compiled is not None:
+                ids = np.concatenate((compiled.ids, ids))
         else:
             if req.messages is not None:
-                text = tok.render_chat(req.messages, req.system)
-            elif req.system:
-                text = tok.render_system(req.system) + (req.prompt_text or "")
+                text = tok.render_chat(req.messages, system)
+            elif system:
+                text = tok.render_system(system) + (req.prompt_text or "")
             else:
                 text = req.prompt_text or ""
             ids = tok.encode_prompt(text)
+        st.full_ids = ids
+        prompt, prefix, prefix_len = ids, None, 0
+        if compiled is not None:
+            # Reuse the prefix only when the ids extend it token for token; else prefill inline.
+            rest = split_prompt(compiled, ids)
+            if rest is not None:
+                prompt, prefix, prefix_len = rest, compiled.prefix, compiled.prefix_len
+                st.cache_bits |= p.CACHE_PROMPT
+            self.metrics.prefix_query(rest is not None)
         if len(req.stop_ids) and (
             int(req.stop_ids.min()) < 0 or int(req.stop_ids.max()) >= self.vocab_size
         ):
@@ -314,19 +346,21 @@ class Server:
             st.rec_text = [] if detok is not None else None
         return Sequence(
             owner=st,
-            prompt=np.ascontiguousarray(ids, dtype=np.int32),
+            prompt=np.ascontiguousarray(prompt, dtype=np.int32),
             max_tokens=req.max_tokens,
             sampling=sampling,
             stop_ids=frozenset(req.stop_ids.tolist()),
             stop_sequences=req.stop_sequences,
             detokenizer=detok,
+            prefix=prefix,
+            prefix_len=prefix_len,
         )
 
     def context(self, principal: Principal, req: p.Request, seq: Sequence) -> RequestContext:
         return RequestContext(
             principal=principal,
             model=self.info.name,
-            prompt_ids=seq.prompt,
+            prompt_ids=seq.owner.full_ids,  # type: ignore[attr-defined]  # with the prefix
             prompt_id=req.prompt_id,
             max_tokens=req.max_tokens,
             temperature=req.temperature,
@@ -588,7 +622,7 @@ class Connection(asyncio.BufferedProtocol):
             self._out_len = p.pack_token_into(self._out, self._out_len, st.stream_id, chunk, data)
         st.n_ids = len(ids)
         st.t_first = _perf()
-        st.cache_bits |= p.CACHE_RESPONSE
+        st.cache_bits = p.CACHE_RESPONSE  # replayed: no precompiled KV was used either
         st.prompt_tokens = cached.prompt_tokens
         st.ended = True
         self.server._m_tokens_out.inc(len(chunks))

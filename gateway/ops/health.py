@@ -1,13 +1,15 @@
 """The metrics and health HTTP endpoint, served from its own thread, never from the event loop.
 
 GET /metrics (Prometheus text), /healthz (process alive and engine thread stepping) and /readyz
-(model loaded, prompts compiled, not draining), each 200 or 503. A slow scraper costs a thread
-of its own, so a scrape never stalls token delivery on the event loop. ``Heartbeat`` is the
-engine-liveness signal shared by /healthz and the systemd watchdog.
+(model loaded, prompts compiled, not draining), each 200 or 503; GET /prompts lists the
+precompiled system prompts as JSON when the daemon passes a ``prompts`` callable. A slow
+scraper costs a thread of its own, so a scrape never stalls token delivery on the event loop.
+``Heartbeat`` is the engine-liveness signal shared by /healthz and the systemd watchdog.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -57,6 +59,7 @@ class _Server(ThreadingHTTPServer):
     metrics: Metrics
     engine_alive: Callable[[], bool]
     ready: Callable[[], bool]
+    prompts: Callable[[], list[dict]] | None
 
 
 class _Server6(_Server):
@@ -83,6 +86,14 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/readyz":
             ok = _safe(self.server.ready)
             self._reply(*_probe(ok, "not ready"), send_body=send_body)
+        elif path == "/prompts" and self.server.prompts is not None:
+            try:
+                body = json.dumps({"prompts": self.server.prompts()}).encode()
+            except Exception:
+                log.exception("listing prompts failed")
+                self._reply(500, b"internal error\n", "text/plain; charset=utf-8", send_body)
+                return
+            self._reply(200, body, "application/json", send_body)
         else:
             self._reply(404, b"not found\n", "text/plain; charset=utf-8", send_body)
 
@@ -132,13 +143,16 @@ def start_http_server(
     metrics: Metrics,
     engine_alive: Callable[[], bool],
     ready: Callable[[], bool],
+    prompts: Callable[[], list[dict]] | None = None,
 ) -> HttpServerHandle:
-    """Bind ``host:port`` and serve /metrics, /healthz and /readyz on a daemon thread."""
+    """Bind ``host:port`` and serve /metrics, /healthz and /readyz (and /prompts when
+    ``prompts`` is given: it returns the JSON-ready list) on a daemon thread."""
     server_cls = _Server6 if ":" in host else _Server
     server = server_cls((host, port), _Handler)
     server.metrics = metrics
     server.engine_alive = engine_alive
     server.ready = ready
+    server.prompts = prompts
     thread = threading.Thread(
         target=server.serve_forever,
         kwargs={"poll_interval": 0.1},  # bounds how long close() waits for the loop

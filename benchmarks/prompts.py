@@ -1,0 +1,250 @@
+"""Precompiled system prompts: time to first token, registered versus inline.
+
+One real daemon (CPU backend, built-in model, byte tokenizer) with a ~1,000-token system prompt
+registered through a temporary config file ([[prompts]]). Each request is that system prompt plus
+a short user turn, greedy, MAX_TOKENS tokens. Three ways to send the same tokens, interleaved
+round by round on one connection so they share the machine's state:
+- inline: binary REQUEST with the full prompt as token ids (the registry is not consulted);
+- registered (prompt_id): binary REQUEST with prompt_id and the user turn's ids;
+- registered (JSON system): JSON chat request whose ``system`` equals the registered text.
+At 1 stream (requests one after another) and 16 concurrent streams. TTFT is the daemon's own
+DONE ``ttft_us`` (request received -> first TOKEN written); the client-observed TTFT (send ->
+first TOKEN read) is recorded too. Each registered answer is checked token-identical to inline.
+
+    python benchmarks/prompts.py [--rounds 8] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from gateway.client import Client  # noqa: E402
+from gateway.prompts import system_ids  # noqa: E402
+from gateway.protocol import CACHE_PROMPT  # noqa: E402
+from gateway.tokenizer import ByteTokenizer  # noqa: E402
+from tests.daemon import Daemon  # noqa: E402
+
+PROMPT_ID = 1
+TARGET_TOKENS = 1000
+MAX_TOKENS = 8
+CONCURRENCY = (1, 16)
+MODES = ("inline", "registered (prompt_id)", "registered (JSON system)")
+TOK = ByteTokenizer()
+
+_SENTENCES = [
+    "You are the support assistant of a company that sells bicycles and spare parts.",
+    "Answer in plain English, in at most three short sentences, without marketing language.",
+    "When a customer asks about an order, ask for the order number before anything else.",
+    "Never promise a delivery date; say that the tracking page shows the carrier's estimate.",
+    "Returns are accepted within thirty days when the part is unused and in its box.",
+    "Warranty claims need a photo of the fault and the serial number under the bottom bracket.",
+    "If a question is about safety, such as brakes or a cracked frame, tell the customer to "
+    "stop riding and visit a workshop.",
+    "Do not give medical, legal or financial advice; suggest a professional instead.",
+    "Prices and stock change daily, so point to the product page rather than quoting numbers.",
+    "Be polite, stay on topic, and end with a question only when you need more information.",
+]
+
+
+def system_prompt(tokens: int = TARGET_TOKENS) -> str:
+    """Readable text whose chat-template system part is exactly ``tokens`` byte tokens."""
+    overhead = len(system_ids(TOK, "x")) - 1  # BOS, the role header, the closing newline
+    text, i = "", 0
+    while len(text) < tokens - overhead:
+        text += ("" if not text else " ") + _SENTENCES[i % len(_SENTENCES)]
+        i += 1
+    text = text[: tokens - overhead].rstrip()
+    while len(system_ids(TOK, text)) < tokens:  # rstrip may have dropped a character or two
+        text += "."
+    assert len(system_ids(TOK, text)) == tokens
+    return text
+
+
+def user_turn(n: int) -> str:
+    return f"Question {n}: which tyre pressure suits a touring bike?"
+
+
+def config_file(directory: Path, text: str) -> str:
+    path = directory / "prompts-bench.toml"
+    # A JSON string is a valid TOML basic string.
+    path.write_text(
+        "[engine]\n"
+        'backend = "cpu"\n'
+        "max_batch_size = 16\n"
+        "max_context = 2048\n"
+        f"max_prefix_tokens = {TARGET_TOKENS + 24}\n"
+        # Greedy repeats of one user turn would otherwise be answered from the response cache.
+        "\n[cache]\nenabled = false\n"
+        "\n[[prompts]]\n"
+        f"id = {PROMPT_ID}\n"
+        'name = "support"\n'
+        f"text = {json.dumps(text)}\n"
+    )
+    return str(path)
+
+
+async def one_request(client: Client, mode: str, system: str, n: int) -> dict:
+    messages = [{"role": "user", "content": user_turn(n)}]
+    chat_ids = TOK.encode_prompt(TOK.render_chat(messages, system))
+    prefix = len(system_ids(TOK, system))
+    t0 = time.perf_counter()
+    if mode == "inline":
+        stream = await client.generate(chat_ids.tolist(), MAX_TOKENS, text=False)
+    elif mode == "registered (prompt_id)":
+        user_ids = chat_ids[prefix:].tolist()
+        stream = await client.generate(user_ids, MAX_TOKENS, prompt_id=PROMPT_ID, text=False)
+    else:
+        req = {"max_tokens": MAX_TOKENS, "system": system, "messages": messages}
+        stream = await client.generate_json(req)
+    first = 0.0
+    async for event in stream:
+        if not first and event.ids:
+            first = time.perf_counter()
+    result = stream.result
+    assert result is not None
+    return {
+        "ttft_ms": result.ttft_us / 1000,
+        "client_ttft_ms": (first - t0) * 1000 if first else float("nan"),
+        "prompt_tokens": result.prompt_tokens,
+        "reused": bool(result.cache & CACHE_PROMPT),
+        "ids": result.ids,
+    }
+
+
+async def measure(endpoint: str, system: str, rounds: int) -> dict:
+    samples: dict[int, dict[str, list[dict]]] = {c: {m: [] for m in MODES} for c in CONCURRENCY}
+    async with await Client.connect(endpoint) as client:
+        for mode in MODES:  # warm-up: first allocations, first kernels
+            await one_request(client, mode, system, 0)
+        n = 1
+        for _ in range(rounds):
+            for concurrency in CONCURRENCY:
+                for mode in MODES:  # the same user turns in every mode
+                    batch = [one_request(client, mode, system, n + i) for i in range(concurrency)]
+                    if concurrency == 1:
+                        samples[1][mode].append(await batch[0])
+                    else:
+                        samples[concurrency][mode] += await asyncio.gather(*batch)
+                n += concurrency
+    return samples
+
+
+def summarise(samples: dict, system: str) -> dict:
+    tokens = len(system_ids(TOK, system))
+    out: dict = {"system_prompt_tokens": tokens, "max_tokens": MAX_TOKENS, "runs": {}}
+    for concurrency, by_mode in samples.items():
+        inline_ids = [s["ids"] for s in by_mode["inline"]]
+        row = {}
+        for mode, got in by_mode.items():
+            ttft = [s["ttft_ms"] for s in got]
+            client = [s["client_ttft_ms"] for s in got]
+            row[mode] = {
+                "requests": len(got),
+                "ttft_ms_median": statistics.median(ttft),
+                "ttft_ms_p90": statistics.quantiles(ttft, n=10)[-1] if len(ttft) > 1 else ttft[0],
+                "client_ttft_ms_median": statistics.median(client),
+                "prefix_reused": sum(s["reused"] for s in got),
+                # Greedy, same user turns in the same order: must equal inline token for token.
+                "identical_to_inline": [s["ids"] for s in got] == inline_ids,
+                "prompt_tokens": sorted({s["prompt_tokens"] for s in got}),
+            }
+        base = row["inline"]["ttft_ms_median"]
+        for mode in MODES:
+            row[mode]["ttft_vs_inline"] = row[mode]["ttft_ms_median"] / base
+        out["runs"][str(concurrency)] = row
+    return out
+
+
+def markdown(result: dict, m: dict, rounds: int) -> str:
+    rows = []
+    for concurrency, row in result["runs"].items():
+        for mode in MODES:
+            r = row[mode]
+            rows.append(
+                [
+                    concurrency,
+                    mode,
+                    f"{r['ttft_ms_median']:.1f}",
+                    f"{r['ttft_ms_p90']:.1f}",
+                    f"{r['client_ttft_ms_median']:.1f}",
+                    f"{r['ttft_vs_inline']:.3f}",
+                    f"{r['prefix_reused']}/{r['requests']}",
+                    "yes" if r["identical_to_inline"] else "**no**",
+                ]
+            )
+    headers = [
+        "streams",
+        "request",
+        "TTFT median ms",
+        "TTFT p90 ms",
+        "client TTFT median ms",
+        "vs inline",
+        "prefix reused",
+        "tokens = inline",
+    ]
+    return "\n".join(
+        [
+            "## Precompiled system prompts: time to first token",
+            "",
+            f"`python benchmarks/prompts.py` — a {result['system_prompt_tokens']}-token system "
+            f"prompt plus a short user turn, greedy, {MAX_TOKENS} tokens per request; CPU backend, "
+            "built-in model (byte tokenizer). The same tokens are sent inline (token ids), by "
+            "`prompt_id`, and as a JSON chat whose `system` is the registered text, interleaved "
+            f"round by round after a warm-up; {rounds} rounds at each concurrency. TTFT is the "
+            "daemon's DONE `ttft_us` (request received to first TOKEN written); client TTFT adds "
+            'the loopback round trip. "tokens = inline" checks every registered answer against '
+            "the inline one.",
+            "",
+            table(headers, rows),
+            "",
+            machine_line(m),
+        ]
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    system = system_prompt()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = config_file(Path(tmp), system)
+        env = {"LOGGING__LEVEL": "warning", "ENGINE__BACKEND": "cpu"}
+        with Daemon(env, config=config) as daemon:
+            samples = asyncio.run(measure(daemon.endpoint, system, args.rounds))
+            daemon.terminate()
+    result = summarise(samples, system)
+    m = machine()
+    report = {"machine": m, "rounds": args.rounds, **result}
+    text = markdown(result, m, args.rounds)
+    print(text)
+    if not args.no_write:
+        write_json("prompts", report)
+        write_section("prompts", text)
+    bad = [
+        (c, mode)
+        for c, row in result["runs"].items()
+        for mode, r in row.items()
+        if not r["identical_to_inline"]
+        or r["prefix_reused"] != (0 if mode == "inline" else r["requests"])
+    ]
+    if bad:
+        print(f"registered answers differ from inline or missed the prefix: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

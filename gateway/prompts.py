@@ -1,0 +1,608 @@
+"""Precompiled system prompts: validation, the registry, and the ``compile-check`` command.
+
+A prompt registered in the config (``[[prompts]]``) is validated and tokenized as the model's
+chat-template system part at start-up, then prefilled once into slot 0 of the backend before the
+engine thread starts; the backend's copy of that KV (its "prefix handle") is kept for the life of
+the process. A request that names the prompt starts from that KV instead of prefilling it again.
+
+The prefix saved is every prompt token but the last: the request re-feeds the last one as the
+first token of its own prefill, so the backend samples the first output token from a real
+forward pass at the right position, exactly as it does inline. ``split_prompt`` is the one rule
+the server applies per request; it only reuses the prefix when the request's full token ids
+(computed exactly as without the registry) start with the prompt's ids, so output is identical.
+
+Validation is shared by start-up (``PromptRegistry.build``) and ``zerolayer compile-check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gateway.engine.types import PrefillChunk, SamplingRow
+from gateway.tokenizer import Tokenizer
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "DEFAULT_MAX_PREFIX_TOKENS",
+    "DEFAULT_PREFIX_BUDGET_BYTES",
+    "MAX_PROMPT_CHARS",
+    "CompiledPrompt",
+    "PromptConfigError",
+    "PromptEntry",
+    "PromptRegistry",
+    "add_compile_check_subparser",
+    "dynamic_variable",
+    "resolve_prompt_files",
+    "split_prompt",
+    "system_ids",
+    "text_problems",
+]
+
+log = logging.getLogger("zerolayer.prompts")
+
+MAX_PROMPT_CHARS = 4096
+DEFAULT_MAX_PREFIX_TOKENS = 1024
+DEFAULT_PREFIX_BUDGET_BYTES = 256 * 1024 * 1024
+U32_MAX = 2**32 - 1
+
+# Template syntax that would make a "static" prompt change per request. Alternatives are tried
+# left to right at each position, so "{{user}}" is reported whole, not as "{user}".
+_DYNAMIC = re.compile(
+    r"\{\{[^{}]*\}\}"  # {{user}}, {{ user.name }}   (jinja, mustache, handlebars)
+    r"|\{%.*?%\}"  # {% if x %}                      (jinja statements)
+    r"|\$\{[^{}]*\}"  # ${DATE}                      (shell, JS template literals)
+    r"|\{[A-Za-z_][\w.]*\}"  # {date}, {current_date}, {user.name}   (str.format, f-strings)
+    r"|\{\d+\}"  # {0}                               (positional str.format)
+)
+
+
+class PromptConfigError(Exception):
+    """A registered prompt is invalid or cannot be compiled; the message names it."""
+
+
+class PromptEntry(BaseModel):
+    """One ``[[prompts]]`` table of the config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: int = Field(ge=1, le=U32_MAX)
+    name: str = Field(min_length=1)
+    text: str | None = None
+    file: str | None = None  # relative to the config file's directory, or absolute
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptEntry:
+        if (self.text is None) == (self.file is None):
+            raise ValueError("give exactly one of text and file")
+        return self
+
+    @property
+    def label(self) -> str:
+        return f'{self.id} "{self.name}"'
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def dynamic_variable(text: str) -> str | None:
+    """The first template variable in ``text`` (as written), or None."""
+    m = _DYNAMIC.search(text)
+    return m.group(0) if m else None
+
+
+def decode_utf8(data: bytes) -> tuple[str | None, str | None]:
+    """(text, None) for valid UTF-8, else (None, the problem)."""
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        return None, f"invalid UTF-8 at byte {exc.start}: {exc.reason}"
+
+
+def text_problems(text: str) -> list[str]:
+    """Everything wrong with ``text`` as a compiled prompt that does not need a tokenizer."""
+    if not text.strip():
+        return ["empty prompt"]
+    problems = []
+    if len(text) > MAX_PROMPT_CHARS:
+        problems.append(f"prompt is {len(text)} characters; the limit is {MAX_PROMPT_CHARS}")
+    var = dynamic_variable(text)
+    if var is not None:
+        problems.append(f"dynamic variable {var} not allowed in compiled prompt")
+    return problems
+
+
+def system_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """The prompt's ids: the chat template's system part, with BOS when the model uses one."""
+    ids = tokenizer.encode_prompt(tokenizer.render_system(text))
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
+def token_problems(n_tokens: int, max_prefix_tokens: int) -> list[str]:
+    if n_tokens > max_prefix_tokens:
+        return [
+            f"prompt is {n_tokens} tokens; the prefix budget is {max_prefix_tokens} tokens "
+            "(engine.max_prefix_tokens)"
+        ]
+    if n_tokens < 2:
+        # The prefix is every token but the last; with one token there is nothing to reuse.
+        return [f"the chat template renders this prompt to {n_tokens} token(s); nothing to compile"]
+    return []
+
+
+@dataclass(slots=True)
+class _Checked:
+    """A validated (or rejected) entry: the outcome compile-check prints per prompt."""
+
+    entry: PromptEntry
+    text: str
+    ids: np.ndarray | None
+    problems: list[str]
+
+
+def _entry_text(entry: PromptEntry, base_dir: Path) -> tuple[str, list[str]]:
+    if entry.text is not None:
+        return entry.text, []
+    path = Path(entry.file or "")
+    if not path.is_absolute():
+        path = base_dir / path
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return "", [f"cannot read file {path}: {exc.strerror or exc}"]
+    text, problem = decode_utf8(data)
+    return _file_text(text or ""), ([f"{path}: {problem}"] if problem else [])
+
+
+def _file_text(text: str) -> str:
+    # Editors end files with a line break nobody means as part of the prompt (as $(cat f)).
+    return text.rstrip("\r\n")
+
+
+def check_entries(
+    entries: Iterable[PromptEntry],
+    tokenizer: Tokenizer,
+    *,
+    base_dir: Path,
+    max_prefix_tokens: int,
+) -> list[_Checked]:
+    """Validate every entry (text, tokens, unique id, name and text); never raises."""
+    out: list[_Checked] = []
+    seen_id: dict[int, str] = {}
+    seen_name: dict[str, str] = {}
+    seen_text: dict[str, str] = {}
+    for entry in entries:
+        text, problems = _entry_text(entry, base_dir)
+        if not problems:
+            problems = text_problems(text)
+        ids = None
+        if not problems:
+            ids = system_ids(tokenizer, text)
+            problems = token_problems(len(ids), max_prefix_tokens)
+        if entry.id in seen_id:
+            problems.append(f"id {entry.id} is also used by prompt {seen_id[entry.id]}")
+        if entry.name in seen_name:
+            problems.append(f'name "{entry.name}" is also used by prompt {seen_name[entry.name]}')
+        if text and text in seen_text:
+            # A JSON request's system text must resolve to one prompt.
+            problems.append(f"same text as prompt {seen_text[text]}")
+        seen_id.setdefault(entry.id, entry.label)
+        seen_name.setdefault(entry.name, entry.label)
+        if text:
+            seen_text.setdefault(text, entry.label)
+        out.append(_Checked(entry, text, ids, problems))
+    return out
+
+
+def resolve_prompt_files(data: dict[str, Any], base_dir: str | Path) -> None:
+    """Make relative ``file`` paths of raw ``[[prompts]]`` tables absolute against
+    ``base_dir`` (the config file's directory), in place. For load_settings."""
+    prompts = data.get("prompts")
+    if not isinstance(prompts, list):
+        return
+    for table in prompts:
+        if isinstance(table, dict) and isinstance(table.get("file"), str):
+            path = Path(table["file"])
+            if not path.is_absolute():
+                table["file"] = str(Path(base_dir) / path)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@dataclass(slots=True)
+class CompiledPrompt:
+    """A registered prompt. ``prefix`` (the backend's KV of ids[:-1]) is set by compile()."""
+
+    id: int
+    name: str
+    text: str
+    ids: np.ndarray  # int32, the full system part (read-only)
+    prefix: object | None
+    prefix_len: int  # len(ids) - 1: positions the saved KV covers
+    last_token: int  # ids[-1]: re-fed as the first token of every request's own prefill
+    kv_bytes: int
+
+
+def split_prompt(compiled: CompiledPrompt, full_ids: np.ndarray) -> np.ndarray | None:
+    """The ids a request prefills after loading ``compiled``'s prefix, or None to prefill
+    ``full_ids`` inline. ``full_ids`` is the request's prompt computed exactly as without the
+    registry; the prefix is reused only when it starts with the prompt's ids (a tokenizer may
+    merge the system text with what follows, and then the KV would differ)."""
+    n = len(compiled.ids)
+    if len(full_ids) < n or not np.array_equal(full_ids[:n], compiled.ids):
+        return None
+    return full_ids[compiled.prefix_len :]
+
+
+def _text_key(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+class PromptRegistry:
+    """The registered prompts, looked up by id or by exact system text in O(1)."""
+
+    def __init__(
+        self, prompts: Sequence[CompiledPrompt], budget_bytes: int = DEFAULT_PREFIX_BUDGET_BYTES
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self._by_id = {c.id: c for c in prompts}
+        # Keyed by a digest of the exact text: a request's system string is hashed once, and a
+        # digest match is confirmed by comparing the text, so a collision can never mis-route.
+        self._by_text = {_text_key(c.text): c for c in prompts}
+        self.compiled = not prompts  # an empty registry needs no compile step
+
+    @classmethod
+    def build(
+        cls,
+        entries: Iterable[PromptEntry | dict[str, Any]],
+        tokenizer: Tokenizer,
+        *,
+        base_dir: str | Path = ".",
+        max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS,
+        budget_bytes: int = DEFAULT_PREFIX_BUDGET_BYTES,
+    ) -> PromptRegistry:
+        """Validate and tokenize ``entries``; raises PromptConfigError naming every bad one."""
+        parsed: list[PromptEntry] = []
+        errors: list[str] = []
+        for i, raw in enumerate(entries):
+            if isinstance(raw, PromptEntry):
+                parsed.append(raw)
+                continue
+            try:
+                parsed.append(PromptEntry.model_validate(raw))
+            except ValidationError as exc:
+                errors.append(f"prompts[{i}]: {_pydantic_reasons(exc)}")
+        checked = check_entries(
+            parsed, tokenizer, base_dir=Path(base_dir), max_prefix_tokens=max_prefix_tokens
+        )
+        for c in checked:
+            errors += [f"prompt {c.entry.label}: {p}" for p in c.problems]
+        if errors:
+            raise PromptConfigError("invalid precompiled prompt:\n  " + "\n  ".join(errors))
+        prompts = []
+        for c in checked:
+            assert c.ids is not None
+            c.ids.setflags(write=False)
+            prompts.append(
+                CompiledPrompt(
+                    id=c.entry.id,
+                    name=c.entry.name,
+                    text=c.text,
+                    ids=c.ids,
+                    prefix=None,
+                    prefix_len=len(c.ids) - 1,
+                    last_token=int(c.ids[-1]),
+                    kv_bytes=0,
+                )
+            )
+            _warn_if_chat_splits(tokenizer, prompts[-1])
+        return cls(prompts, budget_bytes)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def total_kv_bytes(self) -> int:
+        return sum(c.kv_bytes for c in self._by_id.values())
+
+    def compile(
+        self, backend: Any, *, chunk: int = 256, backend_name: str = ""
+    ) -> list[dict[str, Any]]:
+        """Prefill every prompt once into slot 0 and keep the backend's copy of its KV.
+
+        Call before the engine thread starts (slot 0 is borrowed). ``chunk`` should be the
+        engine's prefill_chunk: the prefix is then chunked exactly as an inline prompt is, so the
+        saved KV is computed with the same shapes. Returns one fact dict per prompt (as logged).
+        """
+        if not self._by_id:
+            self.compiled = True
+            return []
+        name = backend_name or type(backend).__name__
+        if not all(hasattr(backend, m) for m in ("save_prefix", "load_prefix", "prefix_nbytes")):
+            raise PromptConfigError(f"precompiled prompts are not supported by the {name} backend")
+        if chunk < 1:
+            raise ValueError("chunk must be >= 1")
+        max_context = backend.info.max_context
+        total = 0
+        facts = []
+        for c in self._by_id.values():
+            label = f'{c.id} "{c.name}"'
+            if len(c.ids) >= max_context:
+                raise PromptConfigError(
+                    f"prompt {label}: {len(c.ids)} tokens leave no room in the context of "
+                    f"{max_context} (engine.max_context)"
+                )
+            body = c.ids[:-1]
+            for start in range(0, len(body), chunk):
+                piece = body[start : start + chunk]
+                backend.prefill([PrefillChunk(0, piece, start, False, SamplingRow())])
+            handle = backend.save_prefix(0, len(body))
+            backend.free(0)
+            nbytes = int(backend.prefix_nbytes(handle))
+            total += nbytes
+            if total > self.budget_bytes:
+                raise PromptConfigError(
+                    f"prompt {label}: its KV needs {nbytes} bytes, {total} bytes with the prompts "
+                    f"before it, over the prefix budget of {self.budget_bytes} bytes "
+                    "(engine.prefix_budget_bytes)"
+                )
+            c.prefix = handle
+            c.kv_bytes = nbytes
+            fact = {"id": c.id, "name": c.name, "tokens": len(c.ids), "kv_bytes": nbytes}
+            facts.append(fact)
+            log.info("precompiled prompt %s: %d tokens, %d KV bytes", label, len(c.ids), nbytes)
+        log.info(
+            "precompiled %d prompts: %d of %d prefix budget bytes",
+            len(facts),
+            total,
+            self.budget_bytes,
+        )
+        self.compiled = True
+        return facts
+
+    def by_id(self, prompt_id: int) -> CompiledPrompt | None:
+        return self._by_id.get(prompt_id)
+
+    def by_system(self, text: str) -> CompiledPrompt | None:
+        """The prompt registered with exactly this text, or None."""
+        found = self._by_text.get(_text_key(text))
+        return found if found is not None and found.text == text else None
+
+    def describe(self) -> list[dict[str, Any]]:
+        """For GET /prompts: id, name, tokens and KV bytes of each prompt, by id."""
+        return [
+            {"id": c.id, "name": c.name, "tokens": len(c.ids), "kv_bytes": c.kv_bytes}
+            for c in sorted(self._by_id.values(), key=lambda c: c.id)
+        ]
+
+
+def _pydantic_reasons(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{key}: {msg}" if key else msg)
+    return "; ".join(parts)
+
+
+def _warn_if_chat_splits(tokenizer: Tokenizer, c: CompiledPrompt) -> None:
+    # A chat template or tokenizer that does not extend the system part token for token makes
+    # every JSON chat request with this prompt fall back to inline prefill: say so at start-up.
+    try:
+        chat = tokenizer.encode_prompt(
+            tokenizer.render_chat([{"role": "user", "content": "Hello"}], c.text)
+        )
+    except Exception:  # a template may refuse a probe conversation; the request will tell
+        return
+    if split_prompt(c, chat) is None:
+        log.warning(
+            'prompt %d "%s": the chat template does not extend its system part token for token; '
+            "JSON chat requests naming it will be prefilled inline",
+            c.id,
+            c.name,
+        )
+
+
+# --------------------------------------------------------------------------- compile-check
+
+
+class _UsageError(Exception):
+    """Input compile-check cannot read at all (exit status 2)."""
+
+
+def _read_input(file: str) -> tuple[bytes, str, Path]:
+    """(bytes, display name, base directory for relative prompt files)."""
+    if file == "-":
+        return sys.stdin.buffer.read(), "stdin", Path.cwd()
+    path = Path(file)
+    try:
+        return path.read_bytes(), path.name, path.resolve().parent
+    except OSError as exc:
+        raise _UsageError(f"cannot read {file}: {exc.strerror or exc}") from exc
+
+
+def _parse_input(data: bytes, name: str, suffix: str) -> tuple[list[Any], bool] | str:
+    """(raw prompt tables or single texts, whether it was TOML), or the UTF-8 problem."""
+    text, problem = decode_utf8(data)
+    if text is None:
+        return problem or "invalid UTF-8"
+    stripped = text.lstrip()
+    if suffix == ".json" or (suffix != ".toml" and stripped.startswith("{")):
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            if suffix == ".json":
+                raise _UsageError(f"{name} is not valid JSON: {exc}") from exc
+            obj = None
+        if isinstance(obj, dict):
+            if not isinstance(obj.get("system"), str):
+                raise _UsageError(f"{name}: a JSON input needs a string field 'system'")
+            return [obj["system"]], False
+        if suffix == ".json":
+            raise _UsageError(f"{name}: a JSON input must be an object with a 'system' field")
+    if suffix == ".toml" or "[[prompts]]" in text:
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            if suffix == ".toml":
+                raise _UsageError(f"{name} is not valid TOML: {exc}") from exc
+            doc = None
+        if doc is not None:
+            tables = doc.get("prompts", [])
+            if not isinstance(tables, list):
+                raise _UsageError(f"{name}: 'prompts' must be an array of tables ([[prompts]])")
+            return tables, True
+    return [_file_text(text)], False
+
+
+def _load_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int, Any]:
+    """(tokenizer, max_prefix_tokens, settings or None) from --model / --config."""
+    settings = None
+    if args.config:
+        from gateway.config import ConfigError, load_settings
+
+        try:
+            settings = load_settings(args.config)
+        except ConfigError as exc:
+            raise _UsageError(str(exc)) from exc
+    max_tokens = args.max_prefix_tokens
+    if max_tokens is None:
+        max_tokens = (
+            getattr(settings.engine, "max_prefix_tokens", DEFAULT_MAX_PREFIX_TOKENS)
+            if settings is not None
+            else DEFAULT_MAX_PREFIX_TOKENS
+        )
+    path = args.model
+    if path is None and settings is not None:
+        if settings.engine.backend == "synthetic":
+            from gateway.tokenizer import ByteTokenizer
+
+            return ByteTokenizer(settings.engine.synthetic_vocab_size), max_tokens, settings
+        path = settings.model.path
+    if path:
+        from gateway.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
+
+        try:
+            return HFTokenizer(path), max_tokens, settings
+        except TokenizerLoadError as exc:
+            raise _UsageError(str(exc)) from exc
+    from gateway.models.builtin import builtin_tokenizer
+
+    if settings is None:
+        print(
+            "note: counting tokens with the built-in byte tokenizer; pass --model PATH or "
+            "--config FILE to count with the served model's tokenizer",
+            file=sys.stderr,
+        )
+    return builtin_tokenizer(), max_tokens, settings
+
+
+def run_compile_check(args: argparse.Namespace) -> int:
+    """``zerolayer compile-check``: 0 when every prompt passes, 1 when one fails, 2 when the
+    input or the tokenizer cannot be read."""
+    try:
+        tokenizer, max_tokens, settings = _load_tokenizer(args)
+        if args.file is None:
+            if settings is None:
+                raise _UsageError("give a FILE (or - for stdin), or --config FILE")
+            if not hasattr(settings, "prompts"):
+                raise _UsageError("this build's configuration has no [[prompts]] key")
+            tables: list[Any] = [e.model_dump() for e in settings.prompts]
+            is_toml, name = True, args.config
+            base_dir = Path(args.config).resolve().parent
+        else:
+            data, name, base_dir = _read_input(args.file)
+            parsed = _parse_input(data, name, Path(args.file).suffix.lower())
+            if isinstance(parsed, str):
+                print(f"ERROR: {parsed}")
+                return 1
+            tables, is_toml = parsed
+    except _UsageError as exc:
+        print(f"zerolayer compile-check: {exc}", file=sys.stderr)
+        return 2
+    if not is_toml:
+        entries = [PromptEntry(id=1, name="system", text=tables[0])]
+        bad_tables: list[str] = []
+    else:
+        entries, bad_tables = [], []
+        for i, raw in enumerate(tables):
+            try:
+                entries.append(PromptEntry.model_validate(raw))
+            except ValidationError as exc:
+                bad_tables.append(f"ERROR: prompts[{i}]: {_pydantic_reasons(exc)}")
+        if not tables:
+            print(f"ERROR: {name} has no [[prompts]] entries")
+            return 1
+    for line in bad_tables:
+        print(line)
+    failed = bool(bad_tables)
+    for c in check_entries(entries, tokenizer, base_dir=base_dir, max_prefix_tokens=max_tokens):
+        # Single-prompt inputs (JSON, plain text) print bare reasons; TOML names the prompt.
+        where = f" (prompt {c.entry.label})" if is_toml else ""
+        if c.problems:
+            failed = True
+            for problem in c.problems:
+                print(f"ERROR: {problem}{where}")
+        else:
+            assert c.ids is not None
+            print(f"OK {c.entry.name}: {len(c.ids)} tokens")
+    return 1 if failed else 0
+
+
+def add_compile_check_subparser(subparsers: Any) -> None:
+    """Register ``compile-check`` on the ``zerolayer`` command's subparsers."""
+    cc = subparsers.add_parser(
+        "compile-check",
+        help="validate precompiled system prompts the way daemon start-up does",
+        description=(
+            "Validate precompiled prompts: no template variables, at most "
+            f"{MAX_PROMPT_CHARS} characters, valid UTF-8, not empty, within the prefix token "
+            "budget. Exit status 0 only when every prompt passes."
+        ),
+    )
+    cc.add_argument(
+        "file",
+        nargs="?",
+        default=None,
+        help="TOML with [[prompts]], a JSON object with a 'system' field, or plain text; "
+        "- reads stdin; omitted with --config: the config's own prompts",
+    )
+    cc.add_argument("--model", default=None, help="checkpoint directory whose tokenizer to use")
+    cc.add_argument(
+        "--config", default=None, help="daemon config: its model's tokenizer and token budget"
+    )
+    cc.add_argument(
+        "--max-prefix-tokens",
+        type=int,
+        default=None,
+        help=f"token budget per prompt (default: the config's, else {DEFAULT_MAX_PREFIX_TOKENS})",
+    )
+    cc.set_defaults(func=run_compile_check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gateway.prompts FILE``: compile-check without the zerolayer command."""
+    parser = argparse.ArgumentParser(prog="zerolayer")
+    add_compile_check_subparser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["compile-check", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,667 @@
+"""Precompiled system prompts: validation, the registry, compile() on real backends, and the
+correctness guarantee (registered prefix + user turn == the same text inline, token for token)
+on the built-in model and on a transformers-made checkpoint, through the real Engine."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gateway.config import EngineConfig, ModelConfig
+from gateway.engine.backend import Backend, ModelInfo
+from gateway.engine.engine import FINISH, NOT_FINISHED, OWNER, TOKEN, Engine, Output, Sequence
+from gateway.engine.synthetic import SyntheticBackend
+from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from gateway.prompts import (
+    MAX_PROMPT_CHARS,
+    CompiledPrompt,
+    PromptConfigError,
+    PromptEntry,
+    PromptRegistry,
+    dynamic_variable,
+    resolve_prompt_files,
+    split_prompt,
+    system_ids,
+    text_problems,
+)
+from gateway.tokenizer import ByteTokenizer, Tokenizer
+
+TOK = ByteTokenizer()
+SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise."
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("You are a helpful assistant on {date}", "{date}"),
+        ("Today is {current_date}.", "{current_date}"),
+        ("Hello {{user}}, welcome", "{{user}}"),
+        ("Hi {{ user.name }}!", "{{ user.name }}"),
+        ("{% if vip %}Be nice{% endif %}", "{% if vip %}"),
+        ("Home is ${HOME}", "${HOME}"),
+        ("Argument {0} first", "{0}"),
+        ("Dear {user.first_name}", "{user.first_name}"),
+    ],
+)
+def test_dynamic_variables_are_found(text: str, found: str) -> None:
+    assert dynamic_variable(text) == found
+    assert text_problems(text) == [f"dynamic variable {found} not allowed in compiled prompt"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Answer as JSON like {"answer": 42}.',
+        "An empty object is {} and a set is {1, 2}.",
+        "Use braces { like this } sparingly.",
+        SYSTEM,
+    ],
+)
+def test_braces_that_are_not_variables_pass(text: str) -> None:
+    assert dynamic_variable(text) is None
+    assert text_problems(text) == []
+
+
+def test_length_limit_is_inclusive() -> None:
+    assert text_problems("a" * MAX_PROMPT_CHARS) == []
+    assert text_problems("a" * (MAX_PROMPT_CHARS + 1)) == [
+        f"prompt is {MAX_PROMPT_CHARS + 1} characters; the limit is {MAX_PROMPT_CHARS}"
+    ]
+    # Characters, not bytes: 4096 two-byte characters are allowed.
+    assert text_problems("é" * MAX_PROMPT_CHARS) == []
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\n\t\n"])
+def test_empty_prompts_are_rejected(text: str) -> None:
+    assert text_problems(text) == ["empty prompt"]
+
+
+def test_system_ids_are_the_chat_templates_system_part_with_bos() -> None:
+    ids = system_ids(TOK, SYSTEM)
+    assert ids.dtype == np.int32
+    assert ids[0] == ByteTokenizer.BOS
+    assert bytes(ids[1:].tolist()).decode() == f"<|system|>\n{SYSTEM}\n"
+    # A chat with this system prompt starts with exactly these ids.
+    chat = TOK.encode_prompt(TOK.render_chat([{"role": "user", "content": "Hi"}], SYSTEM))
+    assert np.array_equal(chat[: len(ids)], ids)
+
+
+# --------------------------------------------------------------------------- entries and build
+
+
+def test_entry_needs_exactly_one_source_and_a_valid_id() -> None:
+    with pytest.raises(ValueError, match="exactly one of text and file"):
+        PromptEntry(id=1, name="a")
+    with pytest.raises(ValueError, match="exactly one of text and file"):
+        PromptEntry(id=1, name="a", text="x", file="y")
+    for bad_id in (0, -1, 2**32):
+        with pytest.raises(ValueError):
+            PromptEntry(id=bad_id, name="a", text="x")
+    with pytest.raises(ValueError):
+        PromptEntry(id=1, name="", text="x")
+    with pytest.raises(ValueError, match="Extra inputs"):
+        PromptEntry.model_validate({"id": 1, "name": "a", "text": "x", "txt": "y"})
+    assert PromptEntry(id=2**32 - 1, name="a", text="x").id == 2**32 - 1
+
+
+def build(entries: list, **kw) -> PromptRegistry:
+    kw.setdefault("base_dir", ".")
+    return PromptRegistry.build(entries, TOK, **kw)
+
+
+def test_build_names_the_bad_prompt_and_the_reason() -> None:
+    with pytest.raises(PromptConfigError) as err:
+        build(
+            [
+                {"id": 1, "name": "fine", "text": SYSTEM},
+                {"id": 7, "name": "dated", "text": "You are a helpful assistant on {date}"},
+            ]
+        )
+    msg = str(err.value)
+    assert 'prompt 7 "dated": dynamic variable {date} not allowed in compiled prompt' in msg
+    assert "fine" not in msg
+
+
+def test_build_reports_every_bad_prompt_at_once() -> None:
+    with pytest.raises(PromptConfigError) as err:
+        build(
+            [
+                {"id": 1, "name": "empty", "text": "  "},
+                {"id": 2, "name": "long", "text": "x" * 5000},
+                {"id": 3, "name": "ok", "text": SYSTEM},
+                {"id": 0, "name": "zero", "text": SYSTEM + "!"},
+            ]
+        )
+    msg = str(err.value)
+    assert 'prompt 1 "empty": empty prompt' in msg
+    assert 'prompt 2 "long": prompt is 5000 characters; the limit is 4096' in msg
+    assert "prompts[3]: id:" in msg
+
+
+def test_duplicates_are_rejected() -> None:
+    with pytest.raises(PromptConfigError, match='prompt 1 "b": id 1 is also used by prompt 1 "a"'):
+        build([{"id": 1, "name": "a", "text": "one"}, {"id": 1, "name": "b", "text": "two"}])
+    with pytest.raises(
+        PromptConfigError, match='prompt 2 "a": name "a" is also used by prompt 1 "a"'
+    ):
+        build([{"id": 1, "name": "a", "text": "one"}, {"id": 2, "name": "a", "text": "two"}])
+    with pytest.raises(PromptConfigError, match='prompt 2 "b": same text as prompt 1 "a"'):
+        build([{"id": 1, "name": "a", "text": "one"}, {"id": 2, "name": "b", "text": "one"}])
+
+
+def test_token_budget_is_checked_with_the_models_tokenizer() -> None:
+    n = len(system_ids(TOK, SYSTEM))
+    assert len(build([{"id": 1, "name": "a", "text": SYSTEM}], max_prefix_tokens=n)) == 1
+    with pytest.raises(PromptConfigError) as err:
+        build([{"id": 1, "name": "a", "text": SYSTEM}], max_prefix_tokens=n - 1)
+    assert (
+        f'prompt 1 "a": prompt is {n} tokens; the prefix budget is {n - 1} tokens '
+        "(engine.max_prefix_tokens)"
+    ) in str(err.value)
+
+
+def test_file_entries(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "rel.txt").write_text(SYSTEM + "\n")  # the final line break is dropped
+    absolute = tmp_path / "abs.txt"
+    absolute.write_text("Absolute prompt.")
+    reg = build(
+        [
+            {"id": 1, "name": "rel", "file": "sub/rel.txt"},
+            {"id": 2, "name": "abs", "file": str(absolute)},
+        ],
+        base_dir=tmp_path,
+    )
+    assert reg.by_id(1).text == SYSTEM
+    assert reg.by_id(2).text == "Absolute prompt."
+
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
+    with pytest.raises(PromptConfigError) as err:
+        build(
+            [
+                {"id": 3, "name": "bad", "file": "bad.txt"},
+                {"id": 4, "name": "gone", "file": "missing.txt"},
+            ],
+            base_dir=tmp_path,
+        )
+    msg = str(err.value)
+    assert f'prompt 3 "bad": {tmp_path / "bad.txt"}: invalid UTF-8 at byte 3' in msg
+    assert f'prompt 4 "gone": cannot read file {tmp_path / "missing.txt"}' in msg
+
+
+def test_resolve_prompt_files_anchors_relative_paths_at_the_config(tmp_path: Path) -> None:
+    data = {
+        "prompts": [
+            {"id": 1, "name": "a", "file": "a.txt"},
+            {"id": 2, "name": "b", "file": "/etc/b.txt"},
+            {"id": 3, "name": "c", "text": "x"},
+        ]
+    }
+    resolve_prompt_files(data, tmp_path)
+    assert data["prompts"][0]["file"] == str(tmp_path / "a.txt")
+    assert data["prompts"][1]["file"] == "/etc/b.txt"
+    assert "file" not in data["prompts"][2]
+
+
+def test_lookup_by_id_and_by_exact_system_text() -> None:
+    reg = build([{"id": 5, "name": "terse", "text": SYSTEM}, {"id": 9, "name": "b", "text": "B."}])
+    c = reg.by_id(5)
+    assert c is not None and c.name == "terse"
+    assert reg.by_id(6) is None
+    assert reg.by_system(SYSTEM) is c
+    assert reg.by_system(SYSTEM + " ") is None
+    assert reg.by_system(SYSTEM.lower()) is None
+    assert reg.by_system("B.").id == 9
+    assert c.prefix_len == len(c.ids) - 1
+    assert c.last_token == c.ids[-1]
+    assert not c.ids.flags.writeable
+
+
+# --------------------------------------------------------------------------- split_prompt
+
+
+def _compiled(ids: list[int]) -> CompiledPrompt:
+    a = np.array(ids, np.int32)
+    return CompiledPrompt(1, "p", "p", a, object(), len(a) - 1, int(a[-1]), 0)
+
+
+def test_split_prompt_reuses_the_prefix_only_when_ids_extend_it() -> None:
+    c = _compiled([256, 10, 11, 12])
+    full = np.array([256, 10, 11, 12, 20, 21], np.int32)
+    rest = split_prompt(c, full)
+    assert rest is not None and rest.tolist() == [12, 20, 21]  # starts with the last token
+    assert split_prompt(c, full[:4]).tolist() == [12]  # the prompt alone
+    # The tokenizer merged across the boundary, a shorter prompt, a different prompt: inline.
+    assert split_prompt(c, np.array([256, 10, 11, 99, 20], np.int32)) is None
+    assert split_prompt(c, np.array([256, 10, 11], np.int32)) is None
+    assert split_prompt(c, np.array([256, 10, 12, 12, 20], np.int32)) is None
+
+
+# --------------------------------------------------------------------------- compile()
+
+
+def test_compile_on_synthetic_backend_and_its_budget() -> None:
+    reg = build([{"id": 1, "name": "a", "text": SYSTEM}, {"id": 2, "name": "b", "text": "B."}])
+    backend = SyntheticBackend(num_slots=2, vocab_size=259, max_context=512)
+    facts = reg.compile(backend, chunk=16)
+    assert facts == [
+        {"id": 1, "name": "a", "tokens": len(reg.by_id(1).ids), "kv_bytes": 8},
+        {"id": 2, "name": "b", "tokens": len(reg.by_id(2).ids), "kv_bytes": 8},
+    ]
+    assert reg.compiled and reg.describe() == facts
+
+    small = build(
+        [{"id": 1, "name": "a", "text": SYSTEM}, {"id": 2, "name": "b", "text": "B."}],
+        budget_bytes=15,
+    )
+    with pytest.raises(PromptConfigError) as err:
+        small.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=512))
+    assert 'prompt 2 "b": its KV needs 8 bytes, 16 bytes with the prompts before it' in str(
+        err.value
+    )
+    assert "(engine.prefix_budget_bytes)" in str(err.value)
+
+
+class NoPrefixBackend(Backend):
+    """A backend like neuron's: slots and steps, no prefix save/load."""
+
+    def __init__(self) -> None:
+        self.num_slots = 1
+        self.info = ModelInfo("n", 259, 257, 512)
+
+    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        return np.full(len(chunks), -1, np.int32)
+
+    def decode(self, batch: DecodeBatch) -> np.ndarray:
+        return np.zeros(batch.size, np.int32)
+
+
+def test_backend_without_prefix_support_is_refused_only_with_prompts() -> None:
+    with pytest.raises(
+        PromptConfigError, match="precompiled prompts are not supported by the neuron backend"
+    ):
+        build([{"id": 1, "name": "a", "text": SYSTEM}]).compile(
+            NoPrefixBackend(), backend_name="neuron"
+        )
+    empty = build([])
+    assert empty.compile(NoPrefixBackend(), backend_name="neuron") == []
+    assert empty.compiled and len(empty) == 0
+
+
+def test_prompt_longer_than_the_context_is_refused() -> None:
+    reg = build([{"id": 1, "name": "a", "text": SYSTEM}])
+    with pytest.raises(PromptConfigError, match="leave no room in the context of 32"):
+        reg.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=32))
+
+
+@pytest.fixture(scope="module")
+def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the built-in model is written once for this module."""
+    return tmp_path_factory.mktemp("builtin")
+
+
+@pytest.fixture(scope="module")
+def builtin(builtin_dir: Path):
+    from gateway.engine.cpu_backend import create_cpu_backend
+
+    engine_cfg = EngineConfig(
+        max_batch_size=2, max_context=512, prefill_chunk=16, max_step_tokens=64
+    )
+    return create_cpu_backend(ModelConfig(data_dir=str(builtin_dir)), engine_cfg)
+
+
+def test_compile_on_cpu_backend_saves_the_kv_of_all_but_the_last_token(builtin) -> None:
+    backend, tok = builtin
+    reg = PromptRegistry.build(
+        [{"id": 3, "name": "terse", "text": SYSTEM}], tok, budget_bytes=10**9
+    )
+    facts = reg.compile(backend, chunk=16)
+    c = reg.by_id(3)
+    layers, kv_heads, _, head_dim = c.prefix.k.shape
+    assert c.prefix.length == c.prefix_len == len(c.ids) - 1
+    assert c.kv_bytes == 2 * layers * kv_heads * c.prefix_len * head_dim * 4  # float32 k and v
+    assert facts == [{"id": 3, "name": "terse", "tokens": len(c.ids), "kv_bytes": c.kv_bytes}]
+    # The saved KV equals a straight prefill of the same ids in one chunk in another slot.
+    backend.prefill([PrefillChunk(1, c.ids[:-1], 0, False, SamplingRow())])
+    k = backend.cache.k[:, 1, :, : c.prefix_len]
+    assert np.allclose(k.numpy(), c.prefix.k.numpy(), atol=1e-5)
+    # One byte under what the prompt needs: refused, naming the prompt.
+    tight = PromptRegistry.build(
+        [{"id": 3, "name": "terse", "text": SYSTEM}], tok, budget_bytes=c.kv_bytes - 1
+    )
+    with pytest.raises(PromptConfigError, match='prompt 3 "terse": its KV needs'):
+        tight.compile(backend, chunk=16)
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def scramble(backend: Backend) -> None:
+    cache = getattr(backend, "cache", None)
+    if cache is not None:
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        for t in (cache.k, cache.v):
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+
+
+def run_engine(backend: Backend, tok: Tokenizer, seqs: list[Sequence]) -> dict[int, list]:
+    """Drive a real Engine step by step until every sequence finished; tokens per owner.
+
+    The KV cache is filled with noise first, so nothing a previous run (or compile) left in a
+    slot can stand in for the prefix the engine is supposed to load."""
+    scramble(backend)
+    outputs: list[Output] = []
+    engine = Engine(
+        backend, tok, outputs.extend, max_queue=16, max_step_tokens=64, prefill_chunk=16
+    )
+    for s in seqs:
+        engine.submit(s)
+    got: dict[int, list] = {s.owner: [] for s in seqs}  # type: ignore[misc]
+    done: set = set()
+    for _ in range(1000):
+        outputs.extend(engine.step())
+        for out in outputs:
+            if out[TOKEN] >= 0:
+                got[out[OWNER]].append(out[TOKEN])
+            if out[FINISH] != NOT_FINISHED:
+                got[out[OWNER]].append(("end", int(out[FINISH])))
+                done.add(out[OWNER])
+        outputs.clear()
+        if len(done) == len(seqs):
+            return got
+    raise AssertionError("engine did not finish")
+
+
+def registered_and_inline(
+    backend: Backend,
+    tok: Tokenizer,
+    c: CompiledPrompt,
+    full: np.ndarray,
+    max_tokens: int,
+    sampling: SamplingRow | None = None,
+) -> tuple[list, list]:
+    """Outputs of (registered prefix + rest) and of ``full`` inline, greedy unless given."""
+    rest = split_prompt(c, full)
+    assert rest is not None, "the prompt's ids must prefix the request's"
+    row = sampling or SamplingRow()
+
+    def registered() -> Sequence:
+        return Sequence(1, rest, max_tokens, row, prefix=c.prefix, prefix_len=c.prefix_len)
+
+    # Alone, then side by side in one batch (different slots, shared steps).
+    alone = run_engine(backend, tok, [registered()])[1]
+    inline = run_engine(backend, tok, [Sequence(2, full, max_tokens, row)])[2]
+    together = run_engine(backend, tok, [Sequence(2, full, max_tokens, row), registered()])
+    assert together[1] == alone and together[2] == inline
+    return alone, inline
+
+
+# Seeded sampling at temperature 1 draws from the whole distribution, so it notices a changed
+# logit even where greedy output is the same token over and over (as on the built-in model's
+# random weights).
+SAMPLED = SamplingRow(temperature=1.0, seed=1234, seeded=True)
+
+
+def requests_for(tok: Tokenizer, c: CompiledPrompt) -> list[np.ndarray]:
+    """A binary prompt_id request (prompt ids + user ids) and a JSON chat with the same system."""
+    user = np.asarray(tok.encode(" and then some more words here"), np.int32)
+    binary = np.concatenate([c.ids, user])
+    chat = tok.encode_prompt(
+        tok.render_chat([{"role": "user", "content": "What is a haiku?"}], c.text)
+    )
+    return [binary, chat]
+
+
+def test_registered_prompt_output_is_identical_to_inline_on_the_builtin_model(builtin) -> None:
+    backend, tok = builtin
+    text = SYSTEM + " " + "Keep every reply under twenty words. " * 3
+    reg = PromptRegistry.build([{"id": 1, "name": "p", "text": text}], tok)
+    reg.compile(backend, chunk=16)
+    c = reg.by_id(1)
+    assert c.prefix_len > 3 * 16  # the prefix spans several chunks
+    for full in requests_for(tok, c):
+        registered, inline = registered_and_inline(backend, tok, c, full, max_tokens=24)
+        assert len(registered) == 25 and registered[-1] == ("end", 1)  # max_tokens, no early EOS
+        assert registered == inline
+        registered, inline = registered_and_inline(backend, tok, c, full, 24, SAMPLED)
+        assert len(set(registered[:-1])) > 5  # a varied stream, not one repeated token
+        assert registered == inline
+
+
+def test_registered_prompt_output_is_identical_to_inline_on_synthetic() -> None:
+    backend = SyntheticBackend(num_slots=2, vocab_size=259, max_context=512)
+    reg = build([{"id": 1, "name": "p", "text": SYSTEM}])
+    reg.compile(backend, chunk=16)
+    c = reg.by_id(1)
+    for full in requests_for(TOK, c):
+        registered, inline = registered_and_inline(backend, TOK, c, full, max_tokens=16)
+        assert registered == inline and len(registered) == 17
+
+
+# A tiny Llama checkpoint made with transformers, with a tokenizer.json whose chat template has
+# real special tokens (as in tests/test_parity.py, which has no template).
+VOCAB = 300
+SPECIAL = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def write_checkpoint(directory: Path) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # wider weights than the default: decisive greedy choices
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(directory, safe_serialization=True)
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    words = ["you", "are", "a", "terse", "assistant", "answer", "in", "one", "short"]
+    words += ["sentence", "what", "is", "haiku"]
+    vocab.update({w: len(SPECIAL) + i for i, w in enumerate(words)})
+    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB)})
+    tok = RustTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIAL[:2] + SPECIAL[3:])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "chat_template": TEMPLATE,
+            }
+        )
+    )
+
+
+def test_registered_prompt_output_is_identical_to_inline_on_a_transformers_checkpoint(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    from gateway.engine.cpu_backend import CpuBackend
+    from gateway.models import load_checkpoint
+
+    write_checkpoint(tmp_path)
+    loaded = load_checkpoint(tmp_path, max_context=256)
+    tok = loaded.tokenizer
+    backend = CpuBackend(loaded, num_slots=2, max_context=256)
+    text = "you are a terse assistant w40 w41 w42 answer in one short sentence " * 4
+    reg = PromptRegistry.build([{"id": 2, "name": "t", "text": text.strip()}], tok)
+    reg.compile(backend, chunk=16)
+    c = reg.by_id(2)
+    # The template's system part: BOS, the role token, the words, the end token; no <unk>.
+    assert c.ids[0] == 0 and c.ids[1] == SPECIAL.index("<|system|>")
+    assert c.last_token == SPECIAL.index("<|end|>") and 2 not in c.ids.tolist()
+    assert c.prefix_len > 2 * 16
+    for full in requests_for(tok, c):
+        registered, inline = registered_and_inline(backend, tok, c, full, max_tokens=20)
+        assert len(registered) >= 2
+        assert registered == inline
+        registered, inline = registered_and_inline(backend, tok, c, full, 20, SAMPLED)
+        assert registered == inline
+
+
+# --------------------------------------------------------------------------- GET /prompts
+
+
+def test_prompts_are_listed_on_the_metrics_port() -> None:
+    from gateway.ops.health import start_http_server
+    from gateway.ops.metrics import Metrics
+
+    reg = build([{"id": 9, "name": "b", "text": "B."}, {"id": 4, "name": "a", "text": SYSTEM}])
+    reg.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=512))
+    handle = start_http_server("127.0.0.1", 0, Metrics(), lambda: True, lambda: True, reg.describe)
+    plain = start_http_server("127.0.0.1", 0, Metrics(), lambda: True, lambda: True)
+    try:
+        url = f"http://127.0.0.1:{handle.port}/prompts"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.headers["Content-Type"] == "application/json"
+            body = json.loads(resp.read())
+        assert body == {
+            "prompts": [
+                {"id": 4, "name": "a", "tokens": len(reg.by_id(4).ids), "kv_bytes": 8},
+                {"id": 9, "name": "b", "tokens": len(reg.by_id(9).ids), "kv_bytes": 8},
+            ]
+        }
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{plain.port}/prompts", timeout=10)
+        assert err.value.code == 404
+    finally:
+        handle.close()
+        plain.close()
+
+
+# --------------------------------------------------------------------------- end to end
+
+WIRED = "prompts" in __import__("gateway.config", fromlist=["Settings"]).Settings.model_fields
+needs_wiring = pytest.mark.skipif(not WIRED, reason="Settings has no [[prompts]] key yet")
+E2E_ENV = {
+    "ENGINE__BACKEND": "cpu",
+    "ENGINE__MAX_BATCH_SIZE": "4",
+    "ENGINE__MAX_CONTEXT": "512",
+    "ENGINE__PREFILL_CHUNK": "64",
+    "ENGINE__MAX_STEP_TOKENS": "128",
+    # Deterministic repeats would be answered from the response cache (DONE bit 0), which
+    # replays a stored answer instead of running the model: off, to test the prefix path.
+    "CACHE__ENABLED": "false",
+}
+
+
+def e2e_config(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "zerolayer.toml"
+    path.write_text(body)
+    return str(path)
+
+
+@needs_wiring
+def test_daemon_serves_registered_prompts_identically_to_inline(
+    tmp_path: Path, builtin_dir: Path
+) -> None:
+    import asyncio
+
+    from gateway.client import Client, ServerError
+    from gateway.protocol import CACHE_PROMPT, ErrorCode
+    from tests.daemon import Daemon
+
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "second.txt").write_text("Answer in French.\n")
+    config = e2e_config(
+        tmp_path,
+        f'[[prompts]]\nid = 1\nname = "terse"\ntext = "{SYSTEM}"\n'
+        '[[prompts]]\nid = 7\nname = "french"\nfile = "prompts/second.txt"\n',
+    )
+    env = dict(E2E_ENV, MODEL__DATA_DIR=str(builtin_dir))
+    user = TOK.encode("<|user|>\nWhat is a haiku?\n<|assistant|>\n")
+    full = system_ids(TOK, SYSTEM).tolist() + user
+    messages = [{"role": "user", "content": "What is a haiku?"}]
+    sampled = {"temperature": 1.0, "seed": 99}
+
+    async def run(endpoint: str) -> dict:
+        out = {}
+        async with await Client.connect(endpoint) as c:
+
+            async def binary(ids: list[int], prompt_id: int = 0):
+                s = await c.generate(ids, 20, prompt_id=prompt_id, text=False, **sampled)
+                return await s.collect()
+
+            async def chat(**extra):
+                req = {"max_tokens": 20, "messages": messages, **sampled, **extra}
+                return await (await c.generate_json(req)).collect()
+
+            out["by_id"] = await binary(user, prompt_id=1)
+            out["inline"] = await binary(full)
+            out["json_system"] = await chat(system=SYSTEM)
+            out["json_prompt_id"] = await chat(prompt_id=1)
+            out["json_other"] = await chat(system=SYSTEM + " ")
+            try:
+                await binary(user, prompt_id=99)
+            except ServerError as exc:
+                out["unknown"] = exc
+        return out
+
+    with Daemon(env, config=config) as d:
+        got = asyncio.run(run(d.endpoint))
+        with urllib.request.urlopen(d.metrics_url + "/prompts", timeout=10) as resp:
+            listed = json.loads(resp.read())["prompts"]
+        metrics = urllib.request.urlopen(d.metrics_url + "/metrics", timeout=10).read().decode()
+    french = system_ids(TOK, "Answer in French.")  # the file's final line break is dropped
+    assert [(p["id"], p["name"], p["tokens"]) for p in listed] == [
+        (1, "terse", len(full) - len(user)),
+        (7, "french", len(french)),
+    ]
+    assert all(p["kv_bytes"] > 0 for p in listed)
+    by_id, inline = got["by_id"], got["inline"]
+    assert by_id.ids == inline.ids and len(by_id.ids) == 20
+    assert by_id.prompt_tokens == inline.prompt_tokens == len(full)
+    assert by_id.cache & CACHE_PROMPT and not inline.cache & CACHE_PROMPT
+    # JSON by system text (found by hash) and by prompt_id: the same KV reused, same tokens.
+    # The JSON chat renders to the same ids as the binary request: the same tokens come back.
+    assert got["json_system"].ids == got["json_prompt_id"].ids == by_id.ids
+    assert got["json_system"].cache & CACHE_PROMPT and got["json_prompt_id"].cache & CACHE_PROMPT
+    assert not got["json_other"].cache & CACHE_PROMPT  # not a registered text: inline
+    assert got["unknown"].code == ErrorCode.UNKNOWN_PROMPT
+    # Queries: three that reused the KV, and the unknown id (a miss).
+    assert "zerolayer_prefix_cache_queries_total 4.0" in metrics
+    assert "zerolayer_prefix_cache_hits_total 3.0" in metrics
+
+
+@needs_wiring
+def test_daemon_refuses_to_start_with_an_invalid_prompt_and_names_it(tmp_path: Path) -> None:
+    from tests.daemon import Daemon
+
+    config = e2e_config(
+        tmp_path,
+        '[[prompts]]\nid = 3\nname = "dated"\ntext = "You are a helpful assistant on {date}"\n',
+    )
+    with pytest.raises(RuntimeError) as err:
+        Daemon({"ENGINE__BACKEND": "synthetic"}, config=config)
+    assert 'prompt 3 "dated": dynamic variable {date} not allowed in compiled prompt' in str(
+        err.value
+    )
