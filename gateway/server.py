@@ -462,15 +462,13 @@ class Connection(asyncio.BufferedProtocol):
         first = self.first_frame
         self.first_frame = False
         self.server.metrics.frames("in", ftype)
+        if self.principal is None and ftype != FrameType.HELLO:
+            # Auth is on and the first frame was not HELLO.
+            self._unauthenticated("HELLO with a valid API key must be the first frame")
+            return
         if ftype == FrameType.REQUEST:
-            if self.principal is None:
-                self._unauthenticated("HELLO with a valid API key required")
-                return
             self._on_request(stream, flags, payload)
         elif ftype == FrameType.CANCEL:
-            if self.principal is None:
-                self._unauthenticated("HELLO with a valid API key required")
-                return
             p.check_cancel(payload)
             st = self.streams.get(stream)
             if st is not None:

@@ -36,6 +36,10 @@ def test_auth_refuses_without_valid_key_and_reloads_on_sighup(tmp_path):
         conn = hello(d, None)
         conn.send(rc.request(1, b"x", 3))
         expect_unauthenticated(conn)
+        # A PING first is no better: HELLO must be the first frame.
+        conn = hello(d, None)
+        conn.send(rc.frame(rc.PING, 0, b"hi"))
+        expect_unauthenticated(conn)
         # Wrong key, empty key.
         for bad in (b"zl_wrong", b""):
             conn = hello(d, bad)
