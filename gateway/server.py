@@ -44,6 +44,7 @@ _perf = time.perf_counter
 _pack_token1 = p.TOKEN1_FRAME.pack_into  # (buf, offset, 8, TOKEN, 0, 0, stream, 1, 0, id)
 _FINISH_NAMES = ("eos", "max_tokens", "stop", "cancelled")
 _REPLAY_IDS_PER_FRAME = 256
+MAX_PENDING_STEPS = 8
 
 
 class StreamError(Exception):
@@ -122,7 +123,8 @@ class Server:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self._all_closed = asyncio.Event()
-        self._pending_steps = threading.Semaphore(2)
+        self._handoff = threading.Condition()
+        self._pending: list[list[Output]] = []  # engine steps waiting for the loop
         self._conn_ids = itertools.count(1)
         self.welcome = p.encode_welcome(
             self.cfg.max_frame_bytes,
@@ -170,17 +172,30 @@ class Server:
         return next(self._conn_ids)
 
     def deliver_threadsafe(self, outputs: list[Output]) -> None:
-        """The engine's deliver callback: one hand-off to the loop per engine step.
-
-        At most two steps' outputs wait for the loop: a backend faster than the loop can write
-        is slowed to the loop's pace instead of queueing outputs without bound.
-        """
+        """The engine's deliver callback, on the engine thread: at most one hand-off to the loop
+        per step. Steps that finish while a hand-off is still waiting for the loop join it
+        instead of waking the loop again, so the engine never waits for the loop unless more
+        than MAX_PENDING_STEPS steps are waiting (then it is slowed to the loop's pace rather
+        than queueing outputs without bound)."""
         assert self.loop is not None
-        self._pending_steps.acquire(timeout=5.0)
-        try:
-            self.loop.call_soon_threadsafe(self.deliver, outputs)
-        except RuntimeError:  # the loop is closed: shutting down, nobody to deliver to
-            self._pending_steps.release()
+        with self._handoff:
+            self._pending.append(outputs)
+            wake = len(self._pending) == 1
+            if len(self._pending) > MAX_PENDING_STEPS:
+                self._handoff.wait(timeout=5.0)
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver_pending)
+            except RuntimeError:  # the loop is closed: shutting down, nobody to deliver to
+                with self._handoff:
+                    self._pending.clear()
+
+    def _deliver_pending(self) -> None:
+        with self._handoff:
+            steps, self._pending = self._pending, []
+            self._handoff.notify_all()
+        for outputs in steps:
+            self.deliver(outputs)
 
     async def drain(self) -> None:
         """Stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
@@ -230,7 +245,6 @@ class Server:
 
     def deliver(self, outputs: list[Output]) -> None:
         """Write one engine step's outputs: TOKEN/DONE frames, one write per connection."""
-        self._pending_steps.release()
         dirty: list[Connection] = []
         pack1 = _pack_token1
         n_tokens = 0

@@ -116,6 +116,15 @@ def attention_bucket(length: int, max_context: int) -> int:
     return min(bucket, max_context)
 
 
+def eager_attention_len(length: int, max_context: int) -> int:
+    """Attention length for eager CPU calls: ``length`` rounded up to a multiple of 64. Eager
+    torch needs no fixed set of shapes, so this avoids the up-to-2x masked work of power-of-two
+    buckets; traced modules (DecodeStep, PrefillStep) take ``attention_bucket`` sizes."""
+    if length > max_context:
+        raise ValueError(f"length {length} exceeds max_context {max_context}")
+    return min(-(-length // 64) * 64, max_context)
+
+
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """Per-pair rotation frequencies [head_dim // 2], float32, after rope scaling."""
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
@@ -182,6 +191,7 @@ class Attention(nn.Module):
         mask: torch.Tensor,  # [B, 1, 1, n, attn_len] bool, True = may attend
         k_cache: torch.Tensor,  # [num_slots, kv_heads, max_context, head_dim], this layer's
         v_cache: torch.Tensor,
+        slot_start: int | None = None,  # rows are slots slot_start.. in order: read in place
     ) -> torch.Tensor:
         B, n, _ = x.shape
         attn_len = mask.shape[-1]
@@ -197,8 +207,12 @@ class Attention(nn.Module):
         # Indexing [slots[:, None], :, positions] selects [B, n, kv_heads, head_dim].
         k_cache[slots[:, None], :, positions] = k
         v_cache[slots[:, None], :, positions] = v
-        keys = k_cache[slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
-        values = v_cache[slots, :, :attn_len]
+        if slot_start is None:  # any slots: a gather (a copy of each row's first attn_len)
+            keys = k_cache[slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
+            values = v_cache[slots, :, :attn_len]
+        else:  # consecutive slots: a view of the cache, no copy per layer and step
+            keys = k_cache.narrow(0, slot_start, B).narrow(2, 0, attn_len)
+            values = v_cache.narrow(0, slot_start, B).narrow(2, 0, attn_len)
 
         # Grouped-query attention without repeating K/V: query heads h = kv * group + j share kv
         # head `kv`, so stack each group's queries into one [group * n] block per kv head and run
@@ -243,9 +257,10 @@ class Block(nn.Module):
         mask: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        slot_start: int | None = None,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, slots, positions, mask, k_cache, v_cache)
+        x = x + self.self_attn(h, cos, sin, slots, positions, mask, k_cache, v_cache, slot_start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -320,6 +335,7 @@ class Llama(nn.Module):
         v_cache: torch.Tensor,
         attn_len: int,  # > every position; usually attention_bucket(max position + 1)
         all_logits: bool = False,
+        slot_start: int | None = None,  # set when slots == slot_start, slot_start + 1, ...
     ) -> torch.Tensor:
         """Run the tokens through the model, writing their K/V into the cache.
 
@@ -331,7 +347,7 @@ class Llama(nn.Module):
         key_pos = torch.arange(attn_len, device=tokens.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, positions, mask, k_cache[i], v_cache[i])
+            x = layer(x, cos, sin, slots, positions, mask, k_cache[i], v_cache[i], slot_start)
         if not all_logits:
             x = x[:, -1]
         x = self.norm(x)
@@ -352,8 +368,10 @@ class Llama(nn.Module):
         end = start + n
         positions = torch.arange(start, end, dtype=torch.int64)[None]
         slots = torch.tensor([slot], dtype=torch.int64)
-        attn_len = attention_bucket(end, cache.max_context)
-        return self(tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits)[0]
+        attn_len = eager_attention_len(end, cache.max_context)
+        return self(
+            tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits, slot
+        )[0]
 
     def decode(
         self,
@@ -362,9 +380,26 @@ class Llama(nn.Module):
         slots: torch.Tensor,  # [b] int64
         cache: KVCache,
     ) -> torch.Tensor:
-        """One batched decode step. Returns [b, vocab] logits."""
-        attn_len = attention_bucket(int(positions.max()) + 1, cache.max_context)
-        return self(tokens[:, None], positions[:, None], slots, cache.k, cache.v, attn_len)
+        """One batched decode step. Returns [b, vocab] logits, rows in the order given.
+
+        Rows are processed in slot order; when the slots are then consecutive (the usual case
+        once the engine has filled its lowest free slots) attention reads the cache in place.
+        """
+        attn_len = eager_attention_len(int(positions.max()) + 1, cache.max_context)
+        order = torch.argsort(slots)
+        sorted_slots = slots[order]
+        first, b = int(sorted_slots[0]), int(slots.shape[0])
+        consecutive = int(sorted_slots[-1]) - first == b - 1
+        logits = self(
+            tokens[order, None],
+            positions[order, None],
+            sorted_slots,
+            cache.k,
+            cache.v,
+            attn_len,
+            slot_start=first if consecutive else None,
+        )
+        return torch.empty_like(logits).index_copy_(0, order, logits)
 
 
 class DecodeStep(nn.Module):

@@ -10,6 +10,7 @@ the event loop in ONE call. The waiting queue is bounded: ``submit`` refuses whe
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import threading
 import time
@@ -134,7 +135,7 @@ class Engine:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
         n = backend.num_slots
-        self._free_slots = list(range(n - 1, -1, -1))
+        self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
         self._max_context = backend.info.max_context
         self._temperature = np.zeros(n, np.float32)
         self._top_p = np.ones(n, np.float32)
@@ -291,7 +292,9 @@ class Engine:
             if seq.cancelled:
                 outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
                 continue
-            seq.slot = slot = self._free_slots.pop()
+            # Lowest slot first keeps the active slots consecutive, which lets the CPU kernels
+            # read the KV cache in place instead of gathering it.
+            seq.slot = slot = heapq.heappop(self._free_slots)
             sp = seq.sampling
             self._temperature[slot] = sp.temperature
             self._top_p[slot] = sp.top_p
@@ -424,7 +427,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             self.backend.free(seq.slot)
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
             seq.slot = -1
         self._running.remove(seq)
 
