@@ -281,7 +281,7 @@ def test_decode_in_place_and_gather_paths_agree() -> None:
     results = []
     for slots in ([0, 1, 2], [2, 1, 0], [0, 3, 1], [3, 0, 2]):  # in place, reversed, gaps
         cache = KVCache.allocate(CFG, 4, CONTEXT, torch.float32)
-        for slot, prompt in zip(slots, prompts):
+        for slot, prompt in zip(slots, prompts, strict=True):
             model.prefill(prompt, 0, slot, cache)
         logits = model.decode(
             torch.tensor([7, 8, 9]),
