@@ -175,3 +175,15 @@ def test_reuse_port_workers_share_one_port():
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def test_scrape_shows_every_serving_metric_in_the_docs():
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    section = doc.split("## Serving metrics", 1)[1].split("\n## ", 1)[0]
+    names = re.findall(r"^\| `([a-z_]+)`", section, re.M)
+    assert len(names) >= 19
+    with Daemon() as d:
+        text = urllib.request.urlopen(d.metrics_url + "/metrics", timeout=10).read().decode()
+    exposed = {f.name for f in text_string_to_metric_families(text)}
+    missing = [n for n in names if n not in exposed and n.removesuffix("_total") not in exposed]
+    assert not missing, missing
