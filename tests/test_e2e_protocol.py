@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+import urllib.request
 
 import pytest
 
@@ -332,7 +333,14 @@ def test_slow_consumer_ends_streams_but_keeps_connection():
     with Daemon({"SERVER__WRITE_BUFFER_LIMIT_BYTES": "65536", "ENGINE__MAX_CONTEXT": "65536"}) as d:
         conn = connect(d, rcvbuf=4096)
         conn.send(b"".join(rc.request(s, b"flood", 60000) for s in range(1, 33)))
-        time.sleep(3)  # do not read: the server's buffer passes the limit
+        # Do not read: once the kernel's buffers are full the server's passes the limit. Wait
+        # for the server to report it (its metrics), however long the flood takes here.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = urllib.request.urlopen(d.metrics_url + "/metrics", timeout=10).read()
+            if b'zerolayer_request_errors_total{code="SLOW_CONSUMER"} 32.0' in text:
+                break
+            time.sleep(0.5)
         res = rc.collect(conn, set(range(1, 33)))
         assert all(r["error"] and r["error"][0] == SLOW for r in res.values())
         conn.send(rc.frame(rc.PING, 0, b"alive"))
