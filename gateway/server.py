@@ -454,9 +454,9 @@ class Connection(asyncio.BufferedProtocol):
         for st in list(self.streams.values()):
             if not st.ended:
                 st.ended = True
-                if st.seq is not None:
+                if st.seq is not None:  # else its async hooks are running; their task ends it
                     self.server.engine.cancel(st.seq)
-                self._hooks_done(st, p.FinishReason.CANCELLED)
+                    self._hooks_done(st, p.FinishReason.CANCELLED)
         self.streams.clear()
         self.server.connection_gone(self)
 
@@ -575,7 +575,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._hook_refused(st, exc)
                 self.flush()
             return
-        if st.ended:  # the connection went away meanwhile; on_done already ran
+        if st.ended:  # the connection went away while the hooks ran: on_done comes after them
+            st.prompt_tokens = 0  # nothing ran: the whole reservation goes back
+            self._hooks_done(st, p.FinishReason.CANCELLED)
             return
         if st.cancel_requested:
             self.streams.pop(st.stream_id, None)
@@ -782,10 +784,10 @@ class Connection(asyncio.BufferedProtocol):
     def end_all_streams(self, code: ErrorCode, message: str) -> None:
         for st in list(self.streams.values()):
             st.ended = True
-            if st.seq is not None:
-                self.server.engine.cancel(st.seq)
             self._stream_error(st.stream_id, code, message)
-            self._hooks_done(st, FINISH_ERROR)
+            if st.seq is not None:  # else its async hooks are running; their task ends it
+                self.server.engine.cancel(st.seq)
+                self._hooks_done(st, FINISH_ERROR)
         self.streams.clear()
         self.last_activity = time.monotonic()
         self.flush()
@@ -812,8 +814,8 @@ class Connection(asyncio.BufferedProtocol):
         for st in self.streams.values():
             if not st.ended:
                 st.ended = True
-                if st.seq is not None:
+                if st.seq is not None:  # else its async hooks are running; their task ends it
                     self.server.engine.cancel(st.seq)
-                self._hooks_done(st, FINISH_ERROR)
+                    self._hooks_done(st, FINISH_ERROR)
         if self.transport is not None:
             self.transport.close()
