@@ -138,3 +138,31 @@ def test_response_cache_replays_deterministic_requests_only():
         assert res["done"]["cache"] & 1 == 0, "a cancelled stream must not be cached"
         assert res["done"]["completion_tokens"] == 1500
         conn.close()
+
+
+def test_daemon_refuses_to_start_with_a_broken_hook_module(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.daemon import ROOT
+
+    bad = tmp_path / "broken_hook.py"
+    bad.write_text("import not_a_module_anywhere\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ZEROLAYER_")}
+    env.update(
+        ZEROLAYER_ENGINE__BACKEND="synthetic",
+        ZEROLAYER_SERVER__PORT="0",
+        ZEROLAYER_METRICS__PORT="0",
+        ZEROLAYER_HOOKS__MODULES=f'["{bad}"]',
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "cannot start" in proc.stderr and "broken_hook" in proc.stderr
+    assert "listening" not in proc.stderr
