@@ -126,6 +126,7 @@ class Server:
         self._handoff = threading.Condition()
         self._pending: list[list[Output]] = []  # engine steps waiting for the loop
         self._conn_ids = itertools.count(1)
+        self.hook_tasks: set[asyncio.Task] = set()  # async on_request hooks in flight
         self.welcome = p.encode_welcome(
             self.cfg.max_frame_bytes,
             self.cfg.max_streams_per_connection,
@@ -552,7 +553,9 @@ class Connection(asyncio.BufferedProtocol):
             self.streams[stream] = st
             st.seq = None  # not cancellable in the engine until submitted
             assert server.loop is not None
-            server.loop.create_task(self._run_hooks_async(st, seq))
+            task = server.loop.create_task(self._run_hooks_async(st, seq))
+            server.hook_tasks.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(server.hook_tasks.discard)
             return
         try:
             cached = server.chain.on_request(ctx)
