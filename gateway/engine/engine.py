@@ -228,7 +228,7 @@ class Engine:
     def step(self) -> list[Output]:
         """One scheduling step. Public so tests can drive the engine without the thread."""
         outputs: list[Output] = []
-        self._take_inbox(outputs)
+        self._take_inbox()
         self._admit(outputs)
         self._drop_cancelled(outputs)
         if not self._running:
@@ -279,7 +279,7 @@ class Engine:
         if self._on_step is not None:
             self._on_step(phase, seconds, batch)
 
-    def _take_inbox(self, outputs: list[Output]) -> None:
+    def _take_inbox(self) -> None:
         while self._inbox:
             self._waiting.append(self._inbox.popleft())
 
