@@ -4,7 +4,8 @@ Owns the model math: RMSNorm, rotary embeddings (plain, "linear" and "llama3" sc
 grouped-query attention, SwiGLU MLP. One ``Llama.forward`` serves both phases:
 
 * prefill: one slot, ``n`` prompt tokens at positions ``start .. start+n-1`` (a chunk; earlier
-  chunks of the same prompt are already in the cache),
+  chunks of the same prompt are already in the cache), or chunks of several slots at once
+  (``prefill_batch``: rows right-padded to the longest, the padding skipped outside attention),
 * decode: ``b`` slots, one token each.
 
 The KV cache is allocated once (``KVCache.allocate``) and passed in as two tensors that
@@ -167,6 +168,25 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Where one forward's tokens live, built once per forward and shared by every layer.
+
+    The batch has ``B`` rows (one per slot) of ``n`` token places. Normally every place holds a
+    real token and the model runs on ``[B, n, hidden]``. With right padding, ``packed`` lists the
+    real places (flat indices into ``B * n``) and the model's per-token work (projections, MLP,
+    norms, cache writes) runs on just those ``T`` tokens, ``[T, hidden]``; only attention uses
+    the padded layout, with zero queries for padding whose outputs are dropped.
+    """
+
+    slots: torch.Tensor  # [B] int64, the slot each row reads
+    write_slots: torch.Tensor  # slot of each computed token: [B, 1] (broadcasts) or [T]
+    write_positions: torch.Tensor  # cache position of each computed token: [B, n] or [T]
+    mask: torch.Tensor  # [B, 1, group * n, attn_len] bool, True = may attend (see Attention)
+    packed: torch.Tensor | None  # [T] int64 or None (no padding)
+    slot_start: int | None  # rows are slots slot_start, slot_start + 1, ...: read in place
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, device: Any = None, dtype: Any = None) -> None:
         super().__init__()
@@ -183,47 +203,49 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, n, hidden]
-        cos: torch.Tensor,  # [B, n, head_dim]
-        sin: torch.Tensor,  # [B, n, head_dim]
-        slots: torch.Tensor,  # [B] int64
-        positions: torch.Tensor,  # [B, n] int64
-        mask: torch.Tensor,  # [B, 1, 1, n, attn_len] bool, True = may attend
+        x: torch.Tensor,  # [*tokens, hidden]: [B, n, hidden], or [T, hidden] when packed
+        cos: torch.Tensor,  # [*tokens, head_dim]
+        sin: torch.Tensor,  # [*tokens, head_dim]
+        rows: Rows,
         k_cache: torch.Tensor,  # [num_slots, kv_heads, max_context, head_dim], this layer's
         v_cache: torch.Tensor,
-        slot_start: int | None = None,  # rows are slots slot_start.. in order: read in place
     ) -> torch.Tensor:
-        B, n, _ = x.shape
-        attn_len = mask.shape[-1]
-        q = self.q_proj(x).view(B, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, n, self.n_kv, self.head_dim)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+        B, _, group_n, attn_len = rows.mask.shape
+        group = self.n_heads // self.n_kv
+        n = group_n // group
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
 
         # Write the new keys/values, then attend over the slot's first attn_len positions; the
         # mask hides positions after each query (later chunk tokens, stale data of old sequences).
-        # Indexing [slots[:, None], :, positions] selects [B, n, kv_heads, head_dim].
-        k_cache[slots[:, None], :, positions] = k
-        v_cache[slots[:, None], :, positions] = v
-        if slot_start is None:  # any slots: a gather (a copy of each row's first attn_len)
-            keys = k_cache[slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
-            values = v_cache[slots, :, :attn_len]
+        # Indexing [write_slots, :, write_positions] selects [*tokens, kv_heads, head_dim].
+        k_cache[rows.write_slots, :, rows.write_positions] = k
+        v_cache[rows.write_slots, :, rows.write_positions] = v
+        if rows.slot_start is None:  # any slots: a gather (a copy of each row's first attn_len)
+            keys = k_cache[rows.slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
+            values = v_cache[rows.slots, :, :attn_len]
         else:  # consecutive slots: a view of the cache, no copy per layer and step
-            keys = k_cache.narrow(0, slot_start, B).narrow(2, 0, attn_len)
-            values = v_cache.narrow(0, slot_start, B).narrow(2, 0, attn_len)
+            keys = k_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
+            values = v_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
+        if rows.packed is not None:  # queries back into the padded [B, n] layout; padding = 0
+            q = q.new_zeros(B * n, self.n_heads, self.head_dim).index_copy_(0, rows.packed, q)
+        q = q.view(B, n, self.n_heads, self.head_dim)
 
         # Grouped-query attention without repeating K/V: query heads h = kv * group + j share kv
-        # head `kv`, so stack each group's queries into one [group * n] block per kv head and run
-        # plain batched matmuls (a broadcasting matmul would materialise the repeated K/V).
-        group = self.n_heads // self.n_kv
+        # head `kv`, so stack each group's queries into one [group * n] block per kv head and
+        # attend as if there were kv_heads heads (the mask is laid out the same way). torch's
+        # fused attention works through the keys in blocks and never holds the whole
+        # [B, kv, group * n, attn_len] score tensor, which for a batch of prefill rows outgrows
+        # the CPU caches.
         q = q.transpose(1, 2).reshape(B, self.n_kv, group * n, self.head_dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv, group*n, len]
-        scores = scores.view(B, self.n_kv, group, n, attn_len).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs.view(B, self.n_kv, group * n, attn_len), values)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=rows.mask, scale=self.scale)
         out = out.view(B, self.n_heads, n, self.head_dim).transpose(1, 2).reshape(B, n, -1)
+        if rows.packed is not None:
+            out = out.view(B * n, -1).index_select(0, rows.packed)  # [T, heads * head_dim]
         return self.o_proj(out)
 
 
@@ -252,15 +274,12 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
+        rows: Rows,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slot_start: int | None = None,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, slots, positions, mask, k_cache, v_cache, slot_start)
+        x = x + self.self_attn(h, cos, sin, rows, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -336,19 +355,40 @@ class Llama(nn.Module):
         attn_len: int,  # > every position; usually attention_bucket(max position + 1)
         all_logits: bool = False,
         slot_start: int | None = None,  # set when slots == slot_start, slot_start + 1, ...
+        last_index: torch.Tensor | None = None,  # [B] int64 in [0, n): last real token per row
     ) -> torch.Tensor:
         """Run the tokens through the model, writing their K/V into the cache.
 
         Returns float32 logits: [B, n, vocab] with ``all_logits``, else [B, vocab] for the last
-        token of each row.
+        token of each row. With ``last_index``, the places after ``last_index[i]`` in row ``i``
+        are right padding: they are neither computed nor written to the cache (their positions
+        only shape their own, discarded, mask rows), and each row's logits are taken at its
+        ``last_index``; it excludes ``all_logits``.
         """
-        x = self.embed_tokens(tokens)  # [B, n, hidden]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, n, head_dim]
         key_pos = torch.arange(attn_len, device=tokens.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None]
+        B, n = tokens.shape
+        group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, n, attn_len]
+        mask = mask[:, None].expand(B, group, n, attn_len).reshape(B, 1, group * n, attn_len)
+        if last_index is None:
+            rows = Rows(slots, slots[:, None], positions, mask, None, slot_start)
+        else:
+            if all_logits:
+                raise ValueError("all_logits cannot be combined with last_index")
+            lengths = last_index + 1
+            real = torch.arange(n, device=tokens.device)[None, :] < lengths[:, None]  # [B, n]
+            packed = real.flatten().nonzero().squeeze(1)  # [T], row-major: row 0's tokens first
+            tokens, positions = tokens.flatten()[packed], positions.flatten()[packed]
+            rows = Rows(
+                slots, slots.repeat_interleave(lengths), positions, mask, packed, slot_start
+            )
+        x = self.embed_tokens(tokens)  # [B, n, hidden], or [T, hidden] when packed
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [..., head_dim]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, slots, positions, mask, k_cache[i], v_cache[i], slot_start)
-        if not all_logits:
+            x = layer(x, cos, sin, rows, k_cache[i], v_cache[i])
+        if last_index is not None:
+            x = x[torch.cumsum(lengths, 0) - 1]  # [B, hidden]: each row's last packed token
+        elif not all_logits:
             x = x[:, -1]
         x = self.norm(x)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -369,9 +409,47 @@ class Llama(nn.Module):
         positions = torch.arange(start, end, dtype=torch.int64)[None]
         slots = torch.tensor([slot], dtype=torch.int64)
         attn_len = eager_attention_len(end, cache.max_context)
-        return self(
-            tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits, slot
-        )[0]
+        return self(tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits, slot)[0]
+
+    def prefill_batch(
+        self,
+        chunks: list[torch.Tensor],  # B chunks, [n_i] int64 each
+        starts: list[int],
+        slots: list[int],  # distinct
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Write B prompt chunks in ONE forward, chunk i at positions starts[i] .. of slots[i].
+        Returns [B, vocab] logits of each chunk's last token, rows in the order given: the same
+        as B ``prefill`` calls, with one pass over the weights instead of B.
+
+        Rows are right-padded to the longest chunk; the padding costs attention work only (see
+        ``Rows``). Rows run in slot order, so consecutive slots are read in place.
+        """
+        order = sorted(range(len(chunks)), key=slots.__getitem__)
+        lengths = torch.tensor([int(chunks[i].shape[0]) for i in order], dtype=torch.int64)
+        row_starts = torch.tensor([starts[i] for i in order], dtype=torch.int64)
+        tokens = torch.nn.utils.rnn.pad_sequence([chunks[i] for i in order], batch_first=True)
+        # A padding place takes its row's last real position: never written, it only needs a
+        # mask row that is not empty, and it stays inside the context however long the row.
+        offsets = torch.arange(tokens.shape[1], dtype=torch.int64)[None, :]
+        positions = row_starts[:, None] + torch.minimum(offsets, lengths[:, None] - 1)
+        sorted_slots = torch.tensor([slots[i] for i in order], dtype=torch.int64)
+        first, b = int(sorted_slots[0]), len(order)
+        consecutive = int(sorted_slots[-1]) - first == b - 1
+        attn_len = eager_attention_len(int((row_starts + lengths).max()), cache.max_context)
+        logits = self(
+            tokens,
+            positions,
+            sorted_slots,
+            cache.k,
+            cache.v,
+            attn_len,
+            slot_start=first if consecutive else None,
+            # Equal lengths need no padding, and so no packing either.
+            last_index=None if bool((lengths == lengths[0]).all()) else lengths - 1,
+        )
+        inverse = torch.tensor(order, dtype=torch.int64)
+        return torch.empty_like(logits).index_copy_(0, inverse, logits)
 
     def decode(
         self,

@@ -1,4 +1,5 @@
-"""Kernel and CPU-backend behaviour: tracing, slot isolation, slot reuse, prefixes, buckets."""
+"""Kernel and CPU-backend behaviour: tracing, slot isolation, slot reuse, prefixes, buckets,
+batched prefill."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.engine.cpu_backend import CpuBackend
+from gateway.engine.cpu_backend import ATTENTION_BUDGET, CpuBackend, plan_prefill_groups
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.models.loader import LoadedModel
 from gateway.tokenizer import ByteTokenizer
@@ -297,3 +298,146 @@ def test_decode_in_place_and_gather_paths_agree() -> None:
     model.prefill(prompts[1], 0, 2, cache)
     alone = model.decode(torch.tensor([8]), torch.tensor([14]), torch.tensor([2]), cache)
     torch.testing.assert_close(alone[0], results[0][1], atol=1e-5, rtol=0)
+
+
+def noisy_cache(num_slots: int) -> KVCache:
+    """A cache full of stale values, as slots hold after earlier sequences."""
+    cache = KVCache.allocate(CFG, num_slots, CONTEXT, torch.float32)
+    gen = torch.Generator().manual_seed(42)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    return cache
+
+
+# (start, length) per row: mixed lengths; continuing chunks (start > 0, their earlier chunks
+# written first); the last row ends exactly at the context end, although its start plus the
+# longest chunk (30) would run past it.
+BATCH_ROWS = [(0, 30), (17, 5), (40, 23), (0, 1), (CONTEXT - 9, 9)]
+
+
+@pytest.mark.parametrize("slots", [[3, 1, 0, 2, 4], [6, 0, 3, 1, 7]], ids=["in-place", "gather"])
+@torch.inference_mode()
+def test_prefill_batch_equals_sequential(slots: list[int]) -> None:
+    """One batched forward gives each row the logits and KV cache of its own prefill call, for
+    consecutive slots (read in place) and scattered ones (gathered), given in any order."""
+    model = make_model()
+    chunks = [tokens(n, 100 + i) for i, (_, n) in enumerate(BATCH_ROWS)]
+    starts = [start for start, _ in BATCH_ROWS]
+    runs = []
+    for batched in (False, True):
+        cache = noisy_cache(8)
+        for i, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+            if start:  # the earlier chunks of a continuing row
+                model.prefill(tokens(start, 200 + i), 0, slot, cache)
+        if batched:
+            logits = model.prefill_batch(chunks, starts, slots, cache)
+        else:
+            rows = zip(chunks, starts, slots, strict=True)
+            logits = torch.stack([model.prefill(c, start, slot, cache) for c, start, slot in rows])
+        runs.append((cache, logits))
+    (seq_cache, seq_logits), (batch_cache, batch_logits) = runs
+    assert batch_logits.shape == (len(BATCH_ROWS), CFG.vocab_size)
+    torch.testing.assert_close(batch_logits, seq_logits, atol=1e-5, rtol=0)
+    assert torch.equal(batch_logits.argmax(-1), seq_logits.argmax(-1))
+    # Real positions hold the same K/V in both caches, and padding wrote nothing: every position
+    # after a row's chunk still holds its stale value.
+    torch.testing.assert_close(batch_cache.k, seq_cache.k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch_cache.v, seq_cache.v, atol=1e-5, rtol=0)
+    stale = noisy_cache(8)
+    for slot, (start, n) in zip(slots, BATCH_ROWS, strict=True):
+        for new, old in ((batch_cache.k, stale.k), (batch_cache.v, stale.v)):
+            assert torch.equal(new[:, slot, :, start + n :], old[:, slot, :, start + n :])
+            assert not torch.equal(
+                new[:, slot, :, start : start + n], old[:, slot, :, start : start + n]
+            )
+
+
+@torch.inference_mode()
+def test_prefill_batch_consecutive_rows_read_in_place() -> None:
+    """Consecutive slots in any order take the in-place path and agree with the gather path."""
+    model = make_model()
+    chunks = [tokens(12, 1), tokens(20, 2), tokens(7, 3)]
+    results = []
+    for slots in ([2, 1, 3], [0, 2, 3]):  # consecutive (out of order), then with a gap
+        cache = noisy_cache(4)
+        results.append(model.prefill_batch(chunks, [0, 0, 0], slots, cache))
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_forward_last_index_rejects_all_logits() -> None:
+    model = make_model()
+    cache = KVCache.allocate(CFG, 1, CONTEXT, torch.float32)
+    with pytest.raises(ValueError, match="all_logits"):
+        model(
+            tokens(4, 0)[None],
+            torch.arange(4)[None],
+            torch.tensor([0]),
+            cache.k,
+            cache.v,
+            64,
+            all_logits=True,
+            last_index=torch.tensor([2]),
+        )
+
+
+def test_plan_prefill_groups_bounds_padding() -> None:
+    lengths = [40, 1, 64, 33, 50, 2, 60]
+    starts = [0] * len(lengths)
+    groups = plan_prefill_groups(lengths, starts, 2048)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    # The 32..64-token chunks share one forward; the 1- and 2-token ones are not padded to 64.
+    assert sorted([3, 0, 4, 6, 2]) in [sorted(g) for g in groups]
+    assert all(not ({1, 5} & set(g) and {0, 2, 3, 4, 6} & set(g)) for g in groups)
+    # A chunk far into its context does not drag short-context chunks to its attention length.
+    far = plan_prefill_groups([40, 40, 40], [0, 0, 1500], 2048)
+    assert sorted(map(sorted, far)) == [[0, 1], [2]]
+    # Long chunks at long contexts stay under the attention budget, alone if need be.
+    long = plan_prefill_groups([256] * 4, [1700, 1700, 1700, 1700], 2048)
+    assert all(len(g) * 256 * 2048 <= ATTENTION_BUDGET or len(g) == 1 for g in long)
+    assert len(long) > 1
+
+
+def test_backend_batched_prefill_equals_one_chunk_per_call() -> None:
+    """CpuBackend.prefill over many chunks (mixed lengths and starts, scattered slots) samples
+    the same tokens and leaves the same cache as one call per chunk."""
+    specs = [(6, 0, 37, True), (2, 0, 45, True), (0, 20, 30, True), (7, 0, 9, False)]
+    specs += [(3, 0, 60, True), (5, CONTEXT - 40, 40, True), (1, 0, 52, True)]
+    lengths = [n for _, _, n, _ in specs]
+    starts = [start for _, start, _, _ in specs]
+    assert max(len(g) for g in plan_prefill_groups(lengths, starts, CONTEXT)) >= 4
+    results = []
+    for one_per_call in (True, False):
+        backend = make_backend(num_slots=8)
+        for slot, start, _, _ in specs:
+            if start:
+                backend.prefill([greedy_chunk(slot, tokens(start, 50 + slot).numpy(), last=False)])
+        chunks = [
+            greedy_chunk(slot, tokens(n, slot).numpy(), start=start, last=last)
+            for slot, start, n, last in specs
+        ]
+        if one_per_call:
+            out = np.concatenate([backend.prefill([c]) for c in chunks])
+        else:
+            out = backend.prefill(chunks)
+        results.append((out, backend.cache))
+    (seq_out, seq_cache), (batch_out, batch_cache) = results
+    assert batch_out.tolist() == seq_out.tolist()
+    assert batch_out[3] == -1 and (batch_out[[0, 1, 2, 4, 5, 6]] >= 0).all()
+    torch.testing.assert_close(batch_cache.k, seq_cache.k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch_cache.v, seq_cache.v, atol=1e-5, rtol=0)
+
+
+def test_backend_prefill_two_chunks_of_one_slot_in_one_call() -> None:
+    """Chunks of the same slot in one call run in order: the second continues the first."""
+    backend = make_backend()
+    ids = tokens(50, 3).numpy()
+    whole = backend.prefill([greedy_chunk(0, ids)])
+    split = backend.prefill(
+        [
+            greedy_chunk(1, ids[:20], last=False),
+            greedy_chunk(2, ids[:33]),
+            greedy_chunk(1, ids[20:], start=20),
+        ]
+    )
+    assert split[0] == -1 and split[2] == whole[0]

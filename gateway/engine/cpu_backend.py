@@ -1,10 +1,11 @@
 """The CPU backend: ``kernels.llama`` run eagerly by torch on a static slot KV cache.
 
 One ``CpuBackend`` owns the loaded model, the KV cache (allocated once, ``num_slots`` =
-``engine.max_batch_size``) and a ``Sampler``. Prefill chunks run one at a time (each is already a
-batch of tokens); decode runs all active slots in one step. ``free`` has nothing to clear: every
-attention masks positions past the sequence's own, and a new prompt overwrites the slot from 0.
-It also saves and restores a slot's leading KV positions, for precompiled system prompts.
+``engine.max_batch_size``) and a ``Sampler``. The prefill chunks of one call run as a few batched
+forwards (``plan_prefill_groups`` decides which chunks share one); decode runs all active slots
+in one step. ``free`` has nothing to clear: every attention masks positions past the sequence's
+own, and a new prompt overwrites the slot from 0. It also saves and restores a slot's leading KV
+positions, for precompiled system prompts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gateway.engine.backend import Backend, ModelInfo
 from gateway.engine.types import DecodeBatch, PrefillChunk
 from gateway.models.loader import LoadedModel, load_model
 from gateway.tokenizer import Tokenizer
-from kernels.llama import KVCache
+from kernels.llama import KVCache, eager_attention_len
 from kernels.sampling import Sampler
 
 
@@ -34,6 +35,41 @@ class KVPrefix:
     @property
     def length(self) -> int:
         return int(self.k.shape[2])
+
+
+# Batched prefill pads every row to the group's longest chunk and attends over the group's
+# longest context. The kernels skip padding everywhere but in attention, so what padding wastes
+# is attention area: query places x attended positions. A group may have at most PADDING_LIMIT x
+# the area of its chunks run one by one, and at most ATTENTION_BUDGET per query head (which
+# bounds the attention mask and working set of one forward); a lone chunk may exceed it.
+PADDING_LIMIT = 1.5
+ATTENTION_BUDGET = 1 << 20
+
+
+def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int) -> list[list[int]]:
+    """Split chunks (their lengths and start positions) into groups to run as one forward each.
+
+    Chunks are taken in order of attention length, then length, and a group grows until the
+    next chunk would break a bound above; a chunk that breaks one on its own runs alone. Returns
+    lists of chunk indices that together cover every chunk once.
+    """
+    attn = [eager_attention_len(s + n, max_context) for s, n in zip(starts, lengths, strict=True)]
+    groups: list[list[int]] = []
+    group: list[int] = []
+    area = longest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (attn[i], lengths[i])):
+        n, own = lengths[i], lengths[i] * attn[i]
+        # attn[i] is the group's largest attention length so far, as the chunks are sorted.
+        padded = (len(group) + 1) * max(longest, n) * attn[i]
+        if group and (padded > PADDING_LIMIT * (area + own) or padded > ATTENTION_BUDGET):
+            groups.append(group)
+            group, area, longest = [], 0, 0
+        group.append(i)
+        area += own
+        longest = max(longest, n)
+    if group:
+        groups.append(group)
+    return groups
 
 
 class CpuBackend(Backend):
@@ -63,30 +99,33 @@ class CpuBackend(Backend):
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         out = np.full(len(chunks), -1, dtype=np.int32)
-        last_rows: list[int] = []
-        last_logits: list[torch.Tensor] = []
-        for i, chunk in enumerate(chunks):
-            self._check_slot(chunk.slot)
-            n = int(chunk.tokens.shape[0])
-            if n == 0:
-                raise ValueError("empty prefill chunk")
-            if chunk.start < 0 or chunk.start + n > self.info.max_context:
-                raise ValueError(
-                    f"chunk positions {chunk.start}..{chunk.start + n - 1} outside the context "
-                    f"of {self.info.max_context}"
+        inputs = [self._chunk_tokens(chunk) for chunk in chunks]
+        lengths = [int(t.shape[0]) for t in inputs]
+        starts = [chunk.start for chunk in chunks]
+        slots = [chunk.slot for chunk in chunks]
+        if len(set(slots)) == len(slots):
+            groups = plan_prefill_groups(lengths, starts, self.info.max_context)
+        else:  # two chunks of one slot: the later continues the earlier, so keep them in order
+            groups = [[i] for i in range(len(chunks))]
+        logits: dict[int, torch.Tensor] = {}
+        for group in groups:
+            if len(group) == 1:
+                (i,) = group
+                row_logits = self.model.prefill(inputs[i], starts[i], slots[i], self.cache)[None]
+            else:
+                row_logits = self.model.prefill_batch(
+                    [inputs[i] for i in group],
+                    [starts[i] for i in group],
+                    [slots[i] for i in group],
+                    self.cache,
                 )
-            tokens = torch.from_numpy(np.asarray(chunk.tokens, dtype=np.int64))
-            if int(tokens.min()) < 0 or int(tokens.max()) >= self.info.vocab_size:
-                raise ValueError(f"prompt token id outside [0, {self.info.vocab_size})")
-            logits = self.model.prefill(tokens, chunk.start, chunk.slot, self.cache)
-            if chunk.last:
-                last_rows.append(i)
-                last_logits.append(logits)
+            logits.update((i, row_logits[r]) for r, i in enumerate(group) if chunks[i].last)
+        last_rows = [i for i, chunk in enumerate(chunks) if chunk.last]
         if last_rows:
             rows = [chunks[i] for i in last_rows]
             s = [c.sampling for c in rows]
             out[last_rows] = self.sampler.sample(
-                torch.stack(last_logits),
+                torch.stack([logits[i] for i in last_rows]),
                 temperature=np.array([r.temperature for r in s], np.float32),
                 top_k=np.array([r.top_k for r in s], np.int32),
                 top_p=np.array([r.top_p for r in s], np.float32),
@@ -96,6 +135,22 @@ class CpuBackend(Backend):
                 positions=np.array([c.start + len(c.tokens) for c in rows], np.int64),
             )
         return out
+
+    def _chunk_tokens(self, chunk: PrefillChunk) -> torch.Tensor:
+        """The chunk's ids as int64, after checking its slot, positions and ids."""
+        self._check_slot(chunk.slot)
+        n = int(chunk.tokens.shape[0])
+        if n == 0:
+            raise ValueError("empty prefill chunk")
+        if chunk.start < 0 or chunk.start + n > self.info.max_context:
+            raise ValueError(
+                f"chunk positions {chunk.start}..{chunk.start + n - 1} outside the context "
+                f"of {self.info.max_context}"
+            )
+        tokens = torch.from_numpy(np.asarray(chunk.tokens, dtype=np.int64))
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.info.vocab_size:
+            raise ValueError(f"prompt token id outside [0, {self.info.vocab_size})")
+        return tokens
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> np.ndarray:
