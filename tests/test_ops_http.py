@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.ops.health import Heartbeat, HttpServerHandle, start_http_server
+from gateway.ops.health import HttpServerHandle, start_http_server
 from gateway.ops.metrics import Metrics
 
 
@@ -127,10 +127,3 @@ def test_close_releases_port() -> None:
     again.close()
 
 
-def test_heartbeat_staleness() -> None:
-    hb = Heartbeat(staleness_s=5.0)
-    assert hb.alive()
-    hb.last -= 10.0  # as if the engine had not stepped for 10 s
-    assert not hb.alive()
-    hb.beat()
-    assert hb.alive()

@@ -4,7 +4,7 @@ Each module is self-contained and knows nothing of the server or engine; the ser
 at start-up. Nothing here runs on the event loop.
 """
 
-from gateway.ops.health import Heartbeat, HttpServerHandle, start_http_server
+from gateway.ops.health import HttpServerHandle, start_http_server
 from gateway.ops.logging import REQUEST_LOG, setup_logging
 from gateway.ops.metrics import Metrics
 from gateway.ops.neuron_monitor import NeuronMonitor, NeuronMonitorExporter, start_neuron_monitor
@@ -13,7 +13,6 @@ from gateway.ops.sockets import apply_socket_options, make_listen_socket
 
 __all__ = [
     "REQUEST_LOG",
-    "Heartbeat",
     "HttpServerHandle",
     "Metrics",
     "NeuronMonitor",

@@ -4,7 +4,7 @@ GET /metrics (Prometheus text), /healthz (process alive and engine thread steppi
 (model loaded, prompts compiled, not draining), each 200 or 503; GET /prompts lists the
 precompiled system prompts as JSON when the daemon passes a ``prompts`` callable. A slow
 scraper costs a thread of its own, so a scrape never stalls token delivery on the event loop.
-``Heartbeat`` is the engine-liveness signal shared by /healthz and the systemd watchdog.
+Liveness and readiness come from callables the daemon passes (the engine's heartbeat, draining).
 """
 
 from __future__ import annotations
@@ -13,35 +13,14 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gateway.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 
-__all__ = ["Heartbeat", "HttpServerHandle", "start_http_server"]
+__all__ = ["HttpServerHandle", "start_http_server"]
 
 log = logging.getLogger("zerolayer.ops.http")
-
-
-class Heartbeat:
-    """Engine liveness: the engine thread calls ``beat()`` after every step and every idle wait.
-
-    ``alive()`` is true while the last beat is younger than ``staleness_s``. A beat is one float
-    store, cheap enough for every step; the engine's idle wait must be shorter than the window.
-    """
-
-    __slots__ = ("last", "staleness_s")
-
-    def __init__(self, staleness_s: float = 10.0) -> None:
-        self.staleness_s = staleness_s
-        self.last = time.monotonic()
-
-    def beat(self) -> None:
-        self.last = time.monotonic()
-
-    def alive(self) -> bool:
-        return time.monotonic() - self.last < self.staleness_s
 
 
 def _safe(check: Callable[[], bool]) -> bool:

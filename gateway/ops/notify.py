@@ -75,8 +75,8 @@ def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
 class Notifier:
     """The daemon's link to systemd; every method is a no-op outside a notify-type unit.
 
-    ``alive`` gates watchdog pings (normally ``Heartbeat.alive``). The environment is read once
-    at construction; pass ``env`` to test without touching os.environ.
+    ``alive`` gates watchdog pings (the daemon passes the engine-thread liveness check). The
+    environment is read once at construction; pass ``env`` to test without touching os.environ.
     """
 
     def __init__(
