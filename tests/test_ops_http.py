@@ -125,5 +125,3 @@ def test_close_releases_port() -> None:
     handle.close()
     again = start_http_server("127.0.0.1", port, Metrics(), lambda: True, lambda: True)
     again.close()
-
-
