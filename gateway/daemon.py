@@ -150,5 +150,17 @@ def _run_workers(settings: Settings, config_path: str | None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    # A worker that dies on its own (failed start, crash) takes the others down with it, so the
+    # service manager sees the failure and restarts the whole set instead of running short.
+    while all(proc.poll() is None for proc in procs):
+        time.sleep(0.2)
+    failed = [proc for proc in procs if proc.returncode not in (None, 0)]
+    if failed:
+        log.error(
+            "worker %d exited with status %d; stopping the others",
+            failed[0].pid,
+            failed[0].returncode,
+        )
+        forward(signal.SIGTERM, None)
     codes = [proc.wait() for proc in procs]
     return max(codes, default=0)

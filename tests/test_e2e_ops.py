@@ -3,12 +3,16 @@ SO_REUSEPORT workers. Each test runs a real daemon process (synthetic backend)."
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -147,16 +151,24 @@ def test_reuse_port_workers_share_one_port():
         env=env,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # one process group: the cleanup reaches the workers too
     )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stderr], daemon=True).start()
     try:
-        seen = []
-        deadline = time.monotonic() + 60
+        seen, log = [], []
+        deadline = time.monotonic() + 90
         while len(seen) < 2 and time.monotonic() < deadline:
-            line = proc.stderr.readline()
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert proc.poll() is None, "daemon exited:\n" + "".join(log)
+                continue
+            log.append(line)
             m = re.search(r"listening frame=[\d.]+:(\d+) metrics=[\d.]+:(\d+)", line)
             if m:
                 seen.append((int(m.group(1)), int(m.group(2))))
-        assert sorted(seen) == [(port, mport), (port, mport + 1)]
+        assert sorted(seen) == [(port, mport), (port, mport + 1)], "".join(log)
         conns = [rc.RawConnection("127.0.0.1", port) for _ in range(24)]
         for c in conns:
             c.send(rc.request(1, b"w", 4))
@@ -172,9 +184,9 @@ def test_reuse_port_workers_share_one_port():
         proc.send_signal(15)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
+        with contextlib.suppress(ProcessLookupError):  # the workers, even if the parent is gone
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def test_scrape_shows_every_serving_metric_in_the_docs():
@@ -187,3 +199,34 @@ def test_scrape_shows_every_serving_metric_in_the_docs():
     exposed = {f.name for f in text_string_to_metric_families(text)}
     missing = [n for n in names if n not in exposed and n.removesuffix("_total") not in exposed]
     assert not missing, missing
+
+
+def test_a_worker_that_fails_to_start_stops_the_others():
+    port = _free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    taken = blocker.getsockname()[1]  # worker 1's metrics port (taken - 1 + 1) is in use
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
+    env.update(
+        ZEROLAYER_ENGINE__BACKEND="synthetic",
+        ZEROLAYER_SERVER__PORT=str(port),
+        ZEROLAYER_SERVER__WORKERS="2",
+        ZEROLAYER_METRICS__PORT=str(taken - 1),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode != 0
+        assert "cannot start" in err and "stopping the others" in err
+    finally:
+        blocker.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
