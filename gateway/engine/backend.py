@@ -39,7 +39,8 @@ class Backend(ABC):
 
     @abstractmethod
     def decode(self, batch: DecodeBatch) -> np.ndarray:
-        """Run one decode step. Returns the sampled next token per row, int32 [batch.size]."""
+        """Run one decode step. Returns the sampled next token per row, int32 [batch.size], a
+        new array the caller owns (the engine feeds it back as the next step's tokens)."""
 
     def free(self, slot: int) -> None:  # noqa: B027 - optional for stateless backends
         """Forget the slot's sequence; the slot may be reused by the next prefill."""

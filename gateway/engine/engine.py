@@ -144,6 +144,8 @@ class Engine:
         self._seeded = np.zeros(n, np.bool_)
         self._last_rows: list[Sequence] = []
         self._last_batch: DecodeBatch | None = None
+        self._last_sampled = np.empty(0, np.int32)
+        self._eos = tokenizer.eos_token_ids
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -268,8 +270,21 @@ class Engine:
             t0 = time.perf_counter()
             sampled = self.backend.decode(batch)
             self._report("decode", time.perf_counter() - t0, batch.size)
+            self._last_sampled = sampled
+            eos, max_context, append = self._eos, self._max_context, outputs.append
             for seq, token in zip(decode_rows, sampled.tolist(), strict=True):
-                self._accept_token(seq, token, outputs, finished)
+                if seq.detok is None and not seq.stop_ids and token not in eos:
+                    # The common case inlined (one per token): no text, no stop ids, not EOS.
+                    seq.generated += 1
+                    seq.position += 1
+                    seq.last_token = token
+                    if seq.generated < seq.max_tokens and seq.position < max_context:
+                        append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
+                        continue
+                    append(self._end(seq, token, FinishReason.MAX_TOKENS))
+                    finished.append(seq)
+                else:
+                    self._accept_token(seq, token, outputs, finished)
         for seq in finished:
             self._release(seq)
         self.steps += 1
@@ -329,7 +344,7 @@ class Engine:
         if last is not None and rows == self._last_rows:
             batch = DecodeBatch(
                 slots=last.slots,
-                tokens=np.array([s.last_token for s in rows], np.int32),
+                tokens=self._last_sampled,  # each row feeds back what it sampled last step
                 positions=last.positions + 1,
                 temperature=last.temperature,
                 top_p=last.top_p,
@@ -358,7 +373,7 @@ class Engine:
     def _accept_token(
         self, seq: Sequence, token: int, outputs: list[Output], finished: list[Sequence]
     ) -> None:
-        if token in self.tokenizer.eos_token_ids:
+        if token in self._eos:
             outputs.append(self._end(seq, NO_TOKEN, FinishReason.EOS))
             finished.append(seq)
             return
