@@ -94,14 +94,14 @@ async def _serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, chain.reload)
     info = backend.info
-    # One machine-readable line: tests and scripts wait for it to learn the bound ports.
-    print(
+    # One machine-readable line: tests and scripts wait for it to learn the bound ports. One
+    # write() with its newline, so lines of workers sharing the stream never interleave.
+    line = (
         f"zerolayer: listening frame={cfg.host}:{server.port} "
         f"metrics={http.host + ':' + str(http.port) if http else 'off'} "
-        f"model={info.name} backend={settings.engine.backend} hooks={','.join(chain.names)}",
-        file=sys.stderr,
-        flush=True,
+        f"model={info.name} backend={settings.engine.backend} hooks={','.join(chain.names)}\n"
     )
+    os.write(sys.stderr.fileno(), line.encode())
     notifier.ready(f"serving {info.name} on {cfg.host}:{server.port}")
     notifier.start_watchdog()
     await stop.wait()
