@@ -62,8 +62,11 @@ class Daemon:
         raise RuntimeError("daemon did not start:\n" + "".join(self.lines) + self._rest())
 
     def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
+        try:
+            for line in self.proc.stderr:
+                self.lines.append(line)
+        except (ValueError, OSError):  # the pipe was closed by __exit__
+            pass
 
     @property
     def log(self) -> str:
