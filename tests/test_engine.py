@@ -253,3 +253,47 @@ def test_synthetic_is_a_function_of_prompt_seed_position():
     engine, sink = make_engine(backend, prefill_chunk=2, max_step_tokens=2)
     engine.submit(seq("e", prompt=b"same", max_tokens=20))
     assert run(engine, sink)["e"]["ids"] == res["a"]["ids"]
+
+
+def test_rows_stay_right_through_prefill_only_steps_and_mixed_rows():
+    """A stream ends while another is still prefilling in chunks (steps with no decode row);
+    plain rows, text rows and stop-id rows share batches; one is cancelled mid-prefill. Each
+    stream's ids are exactly what it gets alone (synthetic ids do not depend on the batch)."""
+
+    def kinds():
+        return {
+            "a": dict(prompt=b"ab", max_tokens=3, text=False),
+            "long": dict(prompt=b"x" * 40, max_tokens=12, text=False),
+            "text": dict(prompt=b"cd", max_tokens=15, text=True),
+            "stop": dict(prompt=b"ef", max_tokens=40, text=False, stop_ids=[ord(" ")]),
+        }
+
+    solo = {}
+    for name, kw in kinds().items():
+        engine, sink = make_engine(SyntheticBackend(4, 300, 256), max_step_tokens=9)
+        engine.submit(seq(name, **kw))
+        solo[name] = run(engine, sink)[name]
+    engine, sink = make_engine(SyntheticBackend(4, 300, 256), max_step_tokens=9, prefill_chunk=8)
+    engine.submit(seq("a", **kinds()["a"]))
+    sink.extend(engine.step())
+    engine.submit(seq("long", **kinds()["long"]))  # 5 chunks: "a" ends before they are done
+    doomed = seq("doomed", prompt=b"y" * 30, max_tokens=5)
+    engine.submit(doomed)
+    for _ in range(2):
+        sink.extend(engine.step())
+    engine.cancel(doomed)  # while still prefilling
+    for _ in range(2):
+        sink.extend(engine.step())
+    for name in ("text", "stop"):
+        engine.submit(seq(name, **kinds()[name]))
+    together = run(engine, sink)
+    assert together.pop("doomed")["finish"] == FinishReason.CANCELLED
+    assert together == solo
+    assert all(r["ends"] == 1 for r in together.values())
+    assert engine.slots_used == 0
+
+
+def test_empty_prompt_is_refused():
+    engine, _ = make_engine(Scripted([1]))
+    with pytest.raises(ValueError, match="prompt token"):
+        engine.submit(seq("e", prompt=b""))

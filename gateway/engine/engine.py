@@ -133,7 +133,12 @@ class Engine:
         self._on_step = on_step
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._waiting: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []
+        self._running: list[Sequence] = []  # every sequence holding a slot
+        self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
+        # ... and those decoding: replaced (never mutated) when it changes, so an unchanged
+        # object means an unchanged batch (see _decode_batch).
+        self._decoding: list[Sequence] = []
+        self._cancel_pending = False
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
         self._max_context = backend.info.max_context
@@ -175,6 +180,8 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, seq: Sequence) -> None:
+        if not len(seq.prompt):  # the server never sends one: a precompiled prefix keeps a token
+            raise ValueError("a sequence needs at least one prompt token to prefill")
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("engine is shutting down")
@@ -187,6 +194,7 @@ class Engine:
     def cancel(self, seq: Sequence) -> None:
         """Stop ``seq`` at the next step; it then ends with finish CANCELLED."""
         seq.cancelled = True
+        self._cancel_pending = True
         self._wake.set()
 
     def retry_after_ms(self) -> int:
@@ -235,14 +243,14 @@ class Engine:
         self._drop_cancelled(outputs)
         if not self._running:
             return outputs
-        decode_rows = [s for s in self._running if s.prefilled == len(s.prompt)]
+        decode_rows = self._decoding
         budget = self._max_step_tokens - len(decode_rows)
         chunks: list[PrefillChunk] = []
         chunk_seqs: list[Sequence] = []
-        for seq in self._running:
+        for seq in self._prefilling:
             remaining = len(seq.prompt) - seq.prefilled
-            if remaining <= 0 or budget <= 0:
-                continue
+            if budget <= 0:
+                break
             n = min(remaining, self._prefill_chunk, budget)
             budget -= n
             start = seq.prefilled
@@ -261,10 +269,15 @@ class Engine:
             t0 = time.perf_counter()
             sampled = self.backend.prefill(chunks)
             self._report("prefill", time.perf_counter() - t0, len(chunks))
+            completed = []
             for seq, chunk, token in zip(chunk_seqs, chunks, sampled.tolist(), strict=True):
                 seq.prefilled += len(chunk.tokens)
                 if chunk.last:
+                    completed.append(seq)
                     self._accept_token(seq, token, outputs, finished)
+            if completed:  # they decode from the next step on
+                self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
+                self._decoding = [*self._decoding, *completed]
         if decode_rows:
             batch = self._decode_batch(decode_rows)
             t0 = time.perf_counter()
@@ -319,8 +332,12 @@ class Engine:
             if seq.prefix is not None:
                 self.backend.load_prefix(seq.prefix, seq.slot)  # type: ignore[attr-defined]
             self._running.append(seq)
+            self._prefilling.append(seq)
 
     def _drop_cancelled(self, outputs: list[Output]) -> None:
+        if not self._cancel_pending:  # no scan per step unless cancel() was called
+            return
+        self._cancel_pending = False
         # Waiting sequences that were cancelled leave the queue now, not when a slot frees.
         if any(s.cancelled for s in self._waiting):
             keep = collections.deque()
@@ -341,7 +358,7 @@ class Engine:
         # the slot list, last tokens and positions are gathered. In the steady state (the same
         # rows as the previous step) even those are reused: only the tokens are new.
         last = self._last_batch
-        if last is not None and rows == self._last_rows:
+        if last is not None and rows is self._last_rows:
             batch = DecodeBatch(
                 slots=last.slots,
                 tokens=self._last_sampled,  # each row feeds back what it sampled last step
@@ -445,6 +462,10 @@ class Engine:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = -1
         self._running.remove(seq)
+        if seq.prefilled < len(seq.prompt):
+            self._prefilling.remove(seq)
+        else:
+            self._decoding = [s for s in self._decoding if s is not seq]
 
     def _fail_all(self) -> list[Output]:
         outputs = []
