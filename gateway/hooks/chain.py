@@ -265,12 +265,10 @@ class Chain:
                 cached = fn(ctx)
                 if cached is not None:
                     return cached
-        except HookError as err:
-            self._refused(ctx, err)
-            raise
         except Exception as exc:
-            err = self._internal(fn, exc)
-            self._refused(ctx, err)
+            err = self._refusal(ctx, fn, exc)
+            if err is exc:
+                raise
             raise err from exc
         if self.is_async:  # its _on_request is empty: refuse loudly rather than skip the hooks
             raise RuntimeError("this chain has async hooks: await on_request_async")
@@ -286,14 +284,18 @@ class Chain:
                     cached = await cached
                 if cached is not None:
                     return cached
-        except HookError as err:
-            self._refused(ctx, err)
-            raise
         except Exception as exc:
-            err = self._internal(fn, exc)
-            self._refused(ctx, err)
+            err = self._refusal(ctx, fn, exc)
+            if err is exc:
+                raise
             raise err from exc
         return None
+
+    def _refusal(self, ctx: RequestContext, fn: Any, exc: Exception) -> HookError:
+        """A hook refused (HookError) or crashed (→ INTERNAL): run on_refused, return the error."""
+        err = exc if isinstance(exc, HookError) else self._internal(fn, exc)
+        self._refused(ctx, err)
+        return err
 
     def _internal(self, fn: Any, exc: Exception) -> HookError:
         label = self._labels.get(fn, repr(fn))
