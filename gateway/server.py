@@ -628,21 +628,25 @@ class Connection(asyncio.BufferedProtocol):
         self.server.metrics.response_cache_hit()
         ids = cached.token_ids.tolist()
         text = cached.text.encode("utf-8") if st.want_text else b""
+        # Ids in frames of at most _REPLAY_IDS_PER_FRAME; the whole text rides on the last one.
         chunks = [
             ids[i : i + _REPLAY_IDS_PER_FRAME] for i in range(0, len(ids), _REPLAY_IDS_PER_FRAME)
-        ]
-        for i, chunk in enumerate(chunks or [[]]):
-            data = text if i == len(chunks or [[]]) - 1 else b""
-            if not chunk and not data:
-                continue
-            self._reserve(p.token_frame_size(len(chunk), len(data)))
-            self._out_len = p.pack_token_into(self._out, self._out_len, st.stream_id, chunk, data)
+        ] or [[]]
+        frames = 0
+        for i, chunk in enumerate(chunks):
+            data = text if i == len(chunks) - 1 else b""
+            if chunk or data:
+                self._reserve(p.token_frame_size(len(chunk), len(data)))
+                self._out_len = p.pack_token_into(
+                    self._out, self._out_len, st.stream_id, chunk, data
+                )
+                frames += 1
         st.n_ids = len(ids)
         st.t_first = _perf()
         st.cache_bits = p.CACHE_RESPONSE  # replayed: no precompiled KV was used either
         st.prompt_tokens = cached.prompt_tokens
         st.ended = True
-        self.server._m_tokens_out.inc(len(chunks))
+        self.server._m_tokens_out.inc(frames)
         self._queue_done(st, cached.finish_reason, 0.0)
         if st.ctx is not None:
             self.server.chain.on_done(
