@@ -23,15 +23,20 @@ Checkpoints (``--size``):
   per-step Python overhead rather than memory traffic dominates batch-1 decode.
 ``--model DIR`` measures any local Llama checkpoint instead.
 
-Threads: by default each side keeps its own default. The daemon's ``engine.threads = 0`` means
-torch threads = cores - 1 (one core left to the event loop); transformers runs with torch's
-default (one thread per core). ``--threads N`` forces N for both.
+Dtype (``--dtype``): both sides compute in the same dtype, float32 (default) or bfloat16
+(``model.dtype`` for the daemon, ``from_pretrained(dtype=...)`` for transformers). Results go to
+``benchmarks/results/engine-<dtype>.json`` and the section ``engine-<dtype>`` of
+docs/benchmarks.md.
+
+Threads: by default each side keeps its own default, which is the same: torch's, one thread per
+core (the daemon's ``engine.threads = 0``). ``--threads N`` forces N for both.
 
 A diagnostic run follows: the same Engine and CPU backend in this process with no server,
 stepped directly, timing backend calls, so serving, scheduling and model time can be told apart.
 
     python benchmarks/engine.py [--size medium|builtin] [--model DIR] [--tokens N]
                                 [--requests N] [--runs N] [--threads N]
+                                [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -326,8 +331,9 @@ def run_daemon(
         # The runs repeat the same greedy requests; the response cache would answer them
         # without the engine.
         "CACHE__ENABLED": "false",
+        "MODEL__DTYPE": args.dtype,
     }
-    if args.threads:  # otherwise the daemon's default engine.threads = 0 (cores - 1)
+    if args.threads:  # otherwise the daemon's default engine.threads = 0
         env["ENGINE__THREADS"] = str(args.threads)
     env.update({f"MODEL__{k.upper()}": v for k, v in model_source(args, directory).items()})
     results: dict[str, Any] = {}
@@ -359,15 +365,16 @@ def run_daemon(
 # --------------------------------------------------------------------------- transformers
 
 
-def load_hf(directory: Path, threads: int) -> Any:
-    """The checkpoint in transformers; ``threads`` 0 keeps torch's default thread count."""
+def load_hf(directory: Path, threads: int, dtype: str) -> Any:
+    """The checkpoint in transformers, computing in ``dtype``; ``threads`` 0 keeps torch's
+    default thread count."""
     import torch
     from transformers import LlamaForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
     try:
-        model = LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(str(directory), dtype=getattr(torch, dtype))
     except Exception as exc:
         raise SystemExit(f"transformers cannot load {directory}: {exc}") from exc
     return model.eval()
@@ -400,7 +407,7 @@ def hf_generate(
 def run_hf(
     args: argparse.Namespace, directory: Path, config: dict[str, Any], prompts: list[list[int]]
 ) -> dict[str, Any]:
-    model = load_hf(directory, args.threads)
+    model = load_hf(directory, args.threads, args.dtype)
     pad = config.get("pad_token_id")
     if not isinstance(pad, int):
         eos = config.get("eos_token_id")
@@ -461,7 +468,7 @@ def run_inprocess(
         threads=args.threads,
         max_context=args.max_context,
     )
-    model_cfg = ModelConfig(**model_source(args, directory))
+    model_cfg = ModelConfig(**model_source(args, directory), dtype=args.dtype)
     backend, tokenizer = create_cpu_backend(model_cfg, engine_cfg)
     busy = {"prefill": 0.0, "decode": 0.0}
     steps = {"prefill": 0, "decode": 0}
@@ -602,9 +609,8 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         threads_md = f"{args.threads} torch threads for both (`--threads`)"
     else:
         threads_md = (
-            f"each side's default torch threads: the daemon {ours_threads} (engine.threads = 0 "
-            f"means cores - 1, one core left to its event loop), transformers {hf_threads} "
-            "(torch's default, one per core)"
+            f"each side's default torch threads: the daemon {ours_threads} (engine.threads = 0), "
+            f"transformers {hf_threads}; both are torch's default, one per core"
         )
     top = str(max(args.streams))
     ratios = results["ratios"]
@@ -622,11 +628,15 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"{agree[s]['identical']} of {r} at {s} stream{'s' if int(s) > 1 else ''}"
         for s in map(str, args.streams)
     )
+    self_md = ", ".join(
+        f"{v['identical']} of {r} at {s} stream{'s' if int(s) > 1 else ''}"
+        for s, v in results["self_agreement"].items()
+    )
     diverged = sorted({i for a in agree.values() for i in a["first_divergence"]})
     if diverged:
         agree_md += (
             f"; the others first differ at generated token {', '.join(map(str, diverged))} "
-            "(float32 sums in a different order: batch size and kernel change which of two "
+            f"({args.dtype} sums in a different order: batch size and kernel change which of two "
             "near-equal logits wins, and greedy decoding then follows a different path)"
         )
     diag = results.get("inprocess")
@@ -644,11 +654,15 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
     loads = [run["foreign_load"] for group in (zl, hf) for run in group.values()]
     if diag:
         loads.append(diag["foreign_load"])
+    invocation = ("" if args.size == "medium" else f" --size {args.size}") + (
+        "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+    )
     runs_md = "One run" if args.runs == 1 else f"Median of {args.runs} runs"
     return (
-        "## Engine: output tokens/s on the CPU backend vs transformers\n\n"
-        f"`python benchmarks/engine.py{'' if args.size == 'medium' else ' --size ' + args.size}` "
-        f"— checkpoint `{results['checkpoint']}` ({results['model']}), float32, "
+        f"## Engine: output tokens/s on the CPU backend vs transformers, {args.dtype}\n\n"
+        f"`python benchmarks/engine.py{invocation}` "
+        f"— checkpoint `{results['checkpoint']}` ({results['model']}), both sides computing in "
+        f"{args.dtype}, "
         f"{threads_md}. {r} requests, greedy, token-id prompts of {PROMPT_MIN}..{PROMPT_MAX} "
         f"ids, {n} new tokens each; every configuration runs the same requests. "
         "The daemon (default config, response cache off since requests repeat) runs in its "
@@ -666,7 +680,8 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"{STATIC_BATCH}. Versus one at a time by concurrency: {ratio_md}. {counts_md} "
         f"Greedy outputs identical to transformers' one-at-a-time outputs (up to our EOS "
         f"stop): {agree_md}; transformers' static batch matches its own one-at-a-time outputs "
-        f"in {results['static_batch_agreement']['identical']} of {r}."
+        f"in {results['static_batch_agreement']['identical']} of {r}. Our outputs at each "
+        f"concurrency identical to ours at {min(args.streams)} stream: {self_md}."
         + diag_md
         + "\n\nOther processes' share of the machine's CPU during the reported runs: at most "
         f"{max(loads):.0%}"
@@ -693,6 +708,12 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads for both sides; 0 = each default"
     )
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of both sides (the daemon's model.dtype)",
+    )
     ap.add_argument("--max-context", type=int, default=2048, help="daemon engine.max_context")
     ap.add_argument("--seed", type=int, default=0, help="prompt generator seed")
     ap.add_argument(
@@ -714,8 +735,7 @@ def main() -> None:
 
     import torch
 
-    # Read before anything sets it: torch's default here, and what the daemon's default
-    # (engine.threads = 0 -> cores - 1, see gateway.engine.cpu_backend) derives from it.
+    # Read before anything sets it: torch's default, which the daemon's engine.threads = 0 keeps.
     default_threads = torch.get_num_threads()
     directory, config = checkpoint(args)
     prompts = make_prompts(config, args.requests, args.seed)
@@ -726,10 +746,11 @@ def main() -> None:
         "model": describe(directory, config, args),
         "has_eos": config.get("eos_token_id") not in (None, [], -1),
         "threads": {
-            "zerolayer": args.threads or max(1, default_threads - 1),
+            "zerolayer": args.threads or default_threads,
             "transformers": args.threads or default_threads,
             "forced": bool(args.threads),
         },
+        "dtype": args.dtype,
         "tokens": args.tokens,
         "requests": args.requests,
         "runs": args.runs,
@@ -745,6 +766,14 @@ def main() -> None:
     reference = results["transformers"]["one_at_a_time"]["outputs"]
     results["agreement"] = {
         k: agreement(v["outputs"], reference) for k, v in results["zerolayer"].items()
+    }
+    # Our own outputs at 1 stream against those at more streams: in float32 a row's result does
+    # not depend on its batch; in bfloat16 a different batch size can change a near tie.
+    alone = results["zerolayer"][str(min(args.streams))]["outputs"]
+    results["self_agreement"] = {
+        k: agreement(v["outputs"], alone)
+        for k, v in results["zerolayer"].items()
+        if k != str(min(args.streams))
     }
     results["static_batch_agreement"] = agreement(
         results["transformers"]["static_batch"]["outputs"], reference
@@ -766,8 +795,8 @@ def main() -> None:
     md = render(results, args)
     print(md)
     if not args.no_write:
-        write_json("engine", results)
-        write_section("engine", md)
+        write_json(f"engine-{args.dtype}", results)
+        write_section(f"engine-{args.dtype}", md)
 
 
 if __name__ == "__main__":

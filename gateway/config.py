@@ -58,7 +58,7 @@ class EngineConfig(_Section):
     max_context: int = Field(2048, ge=16)
     synthetic_step_ms: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)
-    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = cores - 1 (at least 1)
+    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default (one per core)
     # Precompiled system prompts (docs/prompts.md)
     max_prefix_tokens: int = Field(1024, ge=1)
     prefix_budget_bytes: int = Field(256 * 1024 * 1024, ge=0)

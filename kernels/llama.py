@@ -448,6 +448,8 @@ class Llama(nn.Module):
             # Equal lengths need no padding, and so no packing either.
             last_index=None if bool((lengths == lengths[0]).all()) else lengths - 1,
         )
+        if order == sorted(order):  # given in slot order already: no reordering copy
+            return logits
         inverse = torch.tensor(order, dtype=torch.int64)
         return torch.empty_like(logits).index_copy_(0, inverse, logits)
 
@@ -464,19 +466,22 @@ class Llama(nn.Module):
         once the engine has filled its lowest free slots) attention reads the cache in place.
         """
         attn_len = eager_attention_len(int(positions.max()) + 1, cache.max_context)
-        order = torch.argsort(slots)
-        sorted_slots = slots[order]
+        in_order = bool((slots[1:] > slots[:-1]).all())  # the usual case: no reordering
+        order = None if in_order else torch.argsort(slots)
+        sorted_slots = slots if order is None else slots[order]
         first, b = int(sorted_slots[0]), int(slots.shape[0])
         consecutive = int(sorted_slots[-1]) - first == b - 1
         logits = self(
-            tokens[order, None],
-            positions[order, None],
+            (tokens if order is None else tokens[order])[:, None],
+            (positions if order is None else positions[order])[:, None],
             sorted_slots,
             cache.k,
             cache.v,
             attn_len,
             slot_start=first if consecutive else None,
         )
+        if order is None:
+            return logits
         return torch.empty_like(logits).index_copy_(0, order, logits)
 
 

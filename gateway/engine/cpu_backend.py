@@ -206,9 +206,11 @@ def create_cpu_backend(
     model_cfg: ModelConfig, engine_cfg: EngineConfig
 ) -> tuple[CpuBackend, Tokenizer]:
     """Load the configured model and build a backend with ``engine.max_batch_size`` slots."""
-    # torch's default is one thread per core; leave one core to the event loop and the engine's
-    # own Python, which otherwise wait on OpenMP threads at every parallel section.
-    torch.set_num_threads(engine_cfg.threads or max(1, torch.get_num_threads() - 1))
+    # 0 keeps torch's default, one thread per core. Measured on a 2-core machine
+    # (docs/benchmarks.md), every core for torch beat leaving one to the event loop at 1, 8 and 32
+    # streams: the loop's work per step is small next to a model's forward.
+    if engine_cfg.threads:
+        torch.set_num_threads(engine_cfg.threads)
     loaded = load_model(model_cfg, engine_cfg.max_context)
     backend = CpuBackend(loaded, engine_cfg.max_batch_size, engine_cfg.max_context)
     return backend, loaded.tokenizer
