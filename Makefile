@@ -23,9 +23,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py
-	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/engine.py --dtype float32
+	$(BIN)/python benchmarks/engine.py --dtype bfloat16
 	$(BIN)/python benchmarks/hooks.py
-	$(BIN)/python benchmarks/prompts.py
+	$(BIN)/python benchmarks/prompts.py --size medium
+	$(BIN)/python benchmarks/prompts.py --size builtin
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway kernels tests benchmarks

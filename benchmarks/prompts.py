@@ -1,8 +1,18 @@
 """Precompiled system prompts: time to first token, registered versus inline.
 
-One real daemon (CPU backend, built-in model, byte tokenizer) with a ~1,000-token system prompt
-registered through a temporary config file ([[prompts]]). Each request is that system prompt plus
-a short user turn, greedy, MAX_TOKENS tokens. Three ways to send the same tokens, interleaved
+One real daemon (CPU backend) with a 1,000-token system prompt registered through a temporary
+config file ([[prompts]]). Each request is that system prompt plus a short user turn, greedy,
+MAX_TOKENS tokens. Two checkpoints (``--size``):
+- ``medium`` (default): the 124M-parameter random-weight Llama of benchmarks/engine.py (hidden
+  1024, word-level tokenizer). The English text is written in its vocabulary, one token per word
+  or punctuation mark, each mapped to one of the short pseudo-words w3..w99 (a fixed hash), so
+  the user turn is about as many tokens as a subword tokenizer would make of it and 1,000 tokens
+  take under 4,000 characters, as real subword text does (a registered prompt may have at most
+  4,096 characters).
+- ``builtin``: the daemon's built-in model (~3M parameters, hidden 256, byte tokenizer). One
+  token per byte makes the 1,000-token system prompt only ~1,000 characters while the user turn
+  is ~70 tokens, and the tiny hidden size makes attention over the prefix a large share of the
+  user turn's cost: a pessimistic case. Three ways to send the same tokens, interleaved
 round by round on one connection so they share the machine's state:
 - inline: binary REQUEST with the full prompt as token ids (the registry is not consulted);
 - registered (prompt_id): binary REQUEST with prompt_id and the user turn's ids;
@@ -11,7 +21,11 @@ At 1 stream (requests one after another) and 16 concurrent streams. TTFT is the 
 DONE ``ttft_us`` (request received -> first TOKEN written); the client-observed TTFT (send ->
 first TOKEN read) is recorded too. Each registered answer is checked token-identical to inline.
 
-    python benchmarks/prompts.py [--rounds 8] [--no-write]
+Results: ``benchmarks/results/prompts-<size>.json`` and section ``prompts-<size>`` of
+docs/benchmarks.md.
+
+    python benchmarks/prompts.py [--size medium|builtin] [--dtype float32|bfloat16]
+                                 [--rounds N] [--no-write]
 """
 
 from __future__ import annotations
@@ -20,10 +34,12 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +48,7 @@ from benchmarks._report import machine, machine_line, table, write_json, write_s
 from gateway.client import Client  # noqa: E402
 from gateway.prompts import system_ids  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
-from gateway.tokenizer import ByteTokenizer  # noqa: E402
+from gateway.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
 from tests.daemon import Daemon  # noqa: E402
 
 PROMPT_ID = 1
@@ -40,7 +56,7 @@ TARGET_TOKENS = 1000
 MAX_TOKENS = 8
 CONCURRENCY = (1, 16)
 MODES = ("inline", "registered (prompt_id)", "registered (JSON system)")
-TOK = ByteTokenizer()
+ROUNDS = {"medium": 5, "builtin": 8}
 
 _SENTENCES = [
     "You are the support assistant of a company that sells bicycles and spare parts.",
@@ -57,29 +73,52 @@ _SENTENCES = [
 ]
 
 
-def system_prompt(tokens: int = TARGET_TOKENS) -> str:
-    """Readable text whose chat-template system part is exactly ``tokens`` byte tokens."""
-    overhead = len(system_ids(TOK, "x")) - 1  # BOS, the role header, the closing newline
-    text, i = "", 0
-    while len(text) < tokens - overhead:
-        text += ("" if not text else " ") + _SENTENCES[i % len(_SENTENCES)]
-        i += 1
-    text = text[: tokens - overhead].rstrip()
-    while len(system_ids(TOK, text)) < tokens:  # rstrip may have dropped a character or two
-        text += "."
-    assert len(system_ids(TOK, text)) == tokens
-    return text
+class Workload:
+    """The tokenizer of the served checkpoint, and English written in its vocabulary."""
+
+    def __init__(self, tok: Tokenizer, word_level: bool) -> None:
+        self.tok = tok
+        self.word_level = word_level
+
+    def render(self, english: str) -> str:
+        """Byte tokenizer: the text itself. Word-level: each word or run of punctuation becomes
+        one of the pseudo-words w3..w99 (a fixed hash of it), one token and at most 4 characters
+        with its space."""
+        if not self.word_level:
+            return english
+        pieces = re.findall(r"\w+|[^\w\s]+", english)
+        return " ".join(f"w{3 + zlib.crc32(p.encode()) % 97}" for p in pieces)
+
+    def system_prompt(self, tokens: int = TARGET_TOKENS) -> str:
+        """Text whose chat-template system part is exactly ``tokens`` tokens."""
+        # BOS, the role header, the closing newline: what the template adds to one token.
+        need = tokens - (len(system_ids(self.tok, self.render("x"))) - 1)
+        text, i = "", 0
+        if self.word_level:
+            words: list[str] = []
+            while len(words) < need:
+                words += self.render(_SENTENCES[i % len(_SENTENCES)]).split()
+                i += 1
+            text = " ".join(words[:need])
+        else:
+            while len(text) < need:
+                text += ("" if not text else " ") + _SENTENCES[i % len(_SENTENCES)]
+                i += 1
+            text = text[:need].rstrip()
+            while len(system_ids(self.tok, text)) < tokens:  # rstrip dropped a character or two
+                text += "."
+        assert len(system_ids(self.tok, text)) == tokens
+        return text
+
+    def user_turn(self, n: int) -> str:
+        return self.render(f"Question {n}: which tyre pressure suits a touring bike?")
 
 
-def user_turn(n: int) -> str:
-    return f"Question {n}: which tyre pressure suits a touring bike?"
-
-
-def config_file(directory: Path, text: str) -> str:
+def config_file(directory: Path, text: str, model: dict[str, str]) -> str:
     path = directory / "prompts-bench.toml"
     # A JSON string is a valid TOML basic string.
     path.write_text(
-        "[engine]\n"
+        "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in model.items()) + "\n[engine]\n"
         'backend = "cpu"\n'
         "max_batch_size = 16\n"
         "max_context = 2048\n"
@@ -94,10 +133,11 @@ def config_file(directory: Path, text: str) -> str:
     return str(path)
 
 
-async def one_request(client: Client, mode: str, system: str, n: int) -> dict:
-    messages = [{"role": "user", "content": user_turn(n)}]
-    chat_ids = TOK.encode_prompt(TOK.render_chat(messages, system))
-    prefix = len(system_ids(TOK, system))
+async def one_request(client: Client, work: Workload, mode: str, system: str, n: int) -> dict:
+    tok = work.tok
+    messages = [{"role": "user", "content": work.user_turn(n)}]
+    chat_ids = tok.encode_prompt(tok.render_chat(messages, system))
+    prefix = len(system_ids(tok, system))
     t0 = time.perf_counter()
     if mode == "inline":
         stream = await client.generate(chat_ids.tolist(), MAX_TOKENS, text=False)
@@ -122,16 +162,18 @@ async def one_request(client: Client, mode: str, system: str, n: int) -> dict:
     }
 
 
-async def measure(endpoint: str, system: str, rounds: int) -> dict:
+async def measure(endpoint: str, work: Workload, system: str, rounds: int) -> dict:
     samples: dict[int, dict[str, list[dict]]] = {c: {m: [] for m in MODES} for c in CONCURRENCY}
     async with await Client.connect(endpoint) as client:
         for mode in MODES:  # warm-up: first allocations, first kernels
-            await one_request(client, mode, system, 0)
+            await one_request(client, work, mode, system, 0)
         n = 1
         for _ in range(rounds):
             for concurrency in CONCURRENCY:
                 for mode in MODES:  # the same user turns in every mode
-                    batch = [one_request(client, mode, system, n + i) for i in range(concurrency)]
+                    batch = [
+                        one_request(client, work, mode, system, n + i) for i in range(concurrency)
+                    ]
                     if concurrency == 1:
                         samples[1][mode].append(await batch[0])
                     else:
@@ -140,9 +182,11 @@ async def measure(endpoint: str, system: str, rounds: int) -> dict:
     return samples
 
 
-def summarise(samples: dict, system: str) -> dict:
-    tokens = len(system_ids(TOK, system))
+def summarise(samples: dict, work: Workload, system: str) -> dict:
+    tokens = len(system_ids(work.tok, system))
     out: dict = {"system_prompt_tokens": tokens, "max_tokens": MAX_TOKENS, "runs": {}}
+    totals = [s["prompt_tokens"] for by_mode in samples.values() for s in by_mode["inline"]]
+    out["user_turn_tokens"] = [min(totals) - tokens, max(totals) - tokens]
     for concurrency, by_mode in samples.items():
         inline_ids = [s["ids"] for s in by_mode["inline"]]
         row = {}
@@ -166,7 +210,7 @@ def summarise(samples: dict, system: str) -> dict:
     return out
 
 
-def markdown(result: dict, m: dict, rounds: int) -> str:
+def markdown(result: dict, m: dict, args: argparse.Namespace) -> str:
     rows = []
     for concurrency, row in result["runs"].items():
         for mode in MODES:
@@ -183,6 +227,11 @@ def markdown(result: dict, m: dict, rounds: int) -> str:
                     "yes" if r["identical_to_inline"] else "**no**",
                 ]
             )
+    lo, hi = result["user_turn_tokens"]
+    users = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    invocation = ("" if args.size == "medium" else f" --size {args.size}") + (
+        "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+    )
     headers = [
         "streams",
         "request",
@@ -195,15 +244,18 @@ def markdown(result: dict, m: dict, rounds: int) -> str:
     ]
     return "\n".join(
         [
-            "## Precompiled system prompts: time to first token",
+            f"## Precompiled system prompts: time to first token, {args.size} model",
             "",
-            f"`python benchmarks/prompts.py` — a {result['system_prompt_tokens']}-token system "
-            f"prompt plus a short user turn, greedy, {MAX_TOKENS} tokens per request; CPU backend, "
-            "built-in model (byte tokenizer). The same tokens are sent inline (token ids), by "
+            f"`python benchmarks/prompts.py{invocation}` — a "
+            f"{result['system_prompt_tokens']}-token system prompt plus a short user turn "
+            f"({users} tokens with its chat-template markers), greedy, {MAX_TOKENS} tokens per "
+            f"request; CPU backend, {result['model']}, {args.dtype}, default engine settings "
+            "(torch threads: one per core). The same tokens are sent inline (token ids), by "
             "`prompt_id`, and as a JSON chat whose `system` is the registered text, interleaved "
-            f"round by round after a warm-up; {rounds} rounds at each concurrency. TTFT is the "
-            "daemon's DONE `ttft_us` (request received to first TOKEN written); client TTFT adds "
-            'the loopback round trip. "tokens = inline" checks every registered answer against '
+            f"round by round after a warm-up; {args.rounds} rounds at each concurrency. TTFT is "
+            "the daemon's DONE `ttft_us` (request received to first TOKEN written); client TTFT "
+            'adds the loopback round trip. "tokens = inline" checks every registered answer '
+            "against "
             "the inline one.",
             "",
             table(headers, rows),
@@ -215,24 +267,50 @@ def markdown(result: dict, m: dict, rounds: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--size",
+        choices=sorted(ROUNDS),
+        default="medium",
+        help="medium (the 124M checkpoint of benchmarks/engine.py) or the built-in model",
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--rounds", type=int, help="rounds per concurrency (default: by --size)")
+    parser.add_argument("--data-dir", default="", help="where generated checkpoints are cached")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    system = system_prompt()
+    args.rounds = args.rounds or ROUNDS[args.size]
+    if args.size == "medium":
+        from benchmarks.engine import ensure_medium, parameter_count
+        from gateway.models.hf_tokenizer import HFTokenizer
+
+        directory = ensure_medium(args.data_dir)
+        work = Workload(HFTokenizer(directory), word_level=True)
+        model = {"path": str(directory), "dtype": args.dtype}
+        name = f"`{directory.name}`"
+    else:
+        from gateway.models.builtin import ensure_builtin
+
+        directory = ensure_builtin(args.data_dir)
+        work = Workload(ByteTokenizer(), word_level=False)
+        model = {"data_dir": str(directory.parent), "dtype": args.dtype}
+        name = "the built-in model (byte tokenizer)"
+    params = parameter_count(directory) if args.size == "medium" else None
+    system = work.system_prompt()
     with tempfile.TemporaryDirectory() as tmp:
-        config = config_file(Path(tmp), system)
+        config = config_file(Path(tmp), system, model)
         env = {"LOGGING__LEVEL": "warning", "ENGINE__BACKEND": "cpu"}
         with Daemon(env, config=config) as daemon:
-            samples = asyncio.run(measure(daemon.endpoint, system, args.rounds))
+            samples = asyncio.run(measure(daemon.endpoint, work, system, args.rounds))
             daemon.terminate()
-    result = summarise(samples, system)
+    result = summarise(samples, work, system)
+    result["model"] = name if params is None else f"{name} ({params / 1e6:.0f}M parameters)"
     m = machine()
-    report = {"machine": m, "rounds": args.rounds, **result}
-    text = markdown(result, m, args.rounds)
+    report = {"machine": m, "rounds": args.rounds, "size": args.size, "dtype": args.dtype, **result}
+    text = markdown(result, m, args)
     print(text)
     if not args.no_write:
-        write_json("prompts", report)
-        write_section("prompts", text)
+        write_json(f"prompts-{args.size}", report)
+        write_section(f"prompts-{args.size}", text)
     bad = [
         (c, mode)
         for c, row in result["runs"].items()
