@@ -143,3 +143,41 @@ def test_disconnect_and_cancel_free_slots_in_the_daemon(cpu):
         assert res["done"]["finish_reason"] == 3
         assert _wait_for(lambda: _running(d) == 0), "slot not freed after CANCEL"
         conn.close()
+
+
+@pytest.fixture(scope="module")
+def cpu_bf16(cpu):
+    cfg = EngineConfig(max_batch_size=8, max_context=256, prefill_chunk=64, max_step_tokens=256)
+    backend, tokenizer = create_cpu_backend(ModelConfig(data_dir=cpu[2], dtype="bfloat16"), cfg)
+    return backend, tokenizer
+
+
+def test_bfloat16_engine_matches_the_model_stepped_by_hand(cpu_bf16):
+    import torch
+
+    backend, tokenizer = cpu_bf16
+    assert backend.cache.k.dtype == torch.bfloat16
+    prompt = tokenizer.encode_prompt("bfloat16 greedy prompt")
+    got = run(backend, tokenizer, [Sequence("b", prompt, 12, SamplingRow())])["b"]
+    # The same request through the kernels directly, one row, argmax of each step's logits.
+    model, cache, slot = backend.model, backend.cache, 0
+    want: list[int] = []
+    with torch.inference_mode():
+        logits = model.prefill(torch.from_numpy(prompt.astype(np.int64)), 0, slot, cache)
+        for position in range(len(prompt), len(prompt) + 12):
+            token = int(torch.argmax(logits))
+            if token in tokenizer.eos_token_ids:
+                break
+            want.append(token)
+            logits = model.decode(
+                torch.tensor([token]), torch.tensor([position]), torch.tensor([slot]), cache
+            )[0]
+    assert got == want and len(got) > 0
+
+
+def test_bfloat16_engine_serves_a_full_batch(cpu_bf16):
+    backend, tokenizer = cpu_bf16
+    seqs = [seq(i, f"bf16 request {i} " * (1 + i % 3), tokenizer, n=16) for i in range(8)]
+    got = run(backend, tokenizer, seqs)  # asserts every slot is free again
+    assert all(0 < len(ids) <= 16 for ids in got.values())
+    assert sum(len(ids) == 16 for ids in got.values()) >= 1
