@@ -222,7 +222,12 @@ def test_backend_failure_fails_sequences_not_engine():
 
     outputs: list[Output] = []
     engine = Engine(
-        Broken([1]), TOK, outputs.extend, max_queue=4, max_step_tokens=64, prefill_chunk=32
+        Broken([1]),
+        TOK,
+        lambda outs, _column: outputs.extend(outs),
+        max_queue=4,
+        max_step_tokens=64,
+        prefill_chunk=32,
     )
     engine.start()
     try:
@@ -297,3 +302,100 @@ def test_empty_prompt_is_refused():
     engine, _ = make_engine(Scripted([1]))
     with pytest.raises(ValueError, match="prompt token"):
         engine.submit(seq("e", prompt=b""))
+
+
+# ---------------------------------------------------------------------- the columnar decode path
+
+
+def columnar_steps(engine: Engine, sink: list[Output], limit: int = 1000) -> int:
+    """Drive ``engine`` like its thread does (step_columns), expanding each TokenColumn into the
+    Outputs ``step`` would give; returns how many steps were columnar."""
+    n = 0
+    for _ in range(limit):
+        outputs, column = engine.step_columns()
+        sink.extend(outputs)
+        if column is not None:
+            n += 1
+            assert column.owners is engine._col_owners
+            assert len(column.owners) == len(column.tokens)
+            tokens = column.tokens.tolist()
+            sink.extend(
+                (o, t, "", NOT_FINISHED, 0.0) for o, t in zip(column.owners, tokens, strict=True)
+            )
+        if not (engine._inbox or engine._waiting or engine._running):
+            break
+    return n
+
+
+def plain(owner, prompt, max_tokens, stop_ids=()):
+    return seq(owner, prompt=prompt, max_tokens=max_tokens, text=False, stop_ids=stop_ids)
+
+
+def test_columnar_steps_give_what_token_by_token_gives():
+    """Plain rows (no text, no stop ids) go columnar; the same rows given a stop id that never
+    comes go token by token. Both give the same ids, finishes and counts, with rows ending at
+    different steps (max_tokens, max_context) and joining while others decode."""
+    prompts = {f"s{i}": (bytes([65 + i]) * (1 + i), 5 + 7 * i) for i in range(6)}
+    prompts["ctx"] = (b"c" * 50, 200)  # max_context 64 ends it first
+
+    def drive(stop_ids):
+        engine, sink = make_engine(SyntheticBackend(8, 300, 64), max_step_tokens=16)
+        names = list(prompts)
+        for name in names[:3]:
+            engine.submit(plain(name, *prompts[name], stop_ids=stop_ids))
+        outputs, _ = engine.step_columns()  # the first three prefill ...
+        sink.extend(outputs)
+        for name in names[3:]:  # ... and the rest join while they decode
+            engine.submit(plain(name, *prompts[name], stop_ids=stop_ids))
+        n = columnar_steps(engine, sink)
+        assert engine.slots_used == 0
+        return run(engine, sink, limit=0), n
+
+    columnar, n_col = drive(())
+    by_token, n_tok = drive((299,))  # 299: a stop id the synthetic backend never samples
+    assert n_col > 10 and n_tok == 0
+    assert columnar == by_token
+    for name, (_, max_tokens) in prompts.items():
+        if name != "ctx":
+            assert len(columnar[name]["ids"]) == max_tokens
+            assert columnar[name]["finish"] == FinishReason.MAX_TOKENS
+    assert len(columnar["ctx"]["ids"]) == 64 - 50 and columnar["ctx"]["finish"] == 1
+    assert all(r["ends"] == 1 for r in columnar.values())
+
+
+def test_eos_in_the_middle_of_columnar_steps():
+    backend = Scripted([ord(c) for c in "abcdefgh"] + [257] + [ord("z")] * 100)
+    engine, sink = make_engine(backend)
+    engine.submit(plain("eos", b"x", max_tokens=50))
+    engine.submit(plain("short", b"y", max_tokens=4))
+    n = columnar_steps(engine, sink)
+    res = run(engine, sink, limit=0)
+    assert n > 0
+    assert res["eos"] == {"ids": list(b"abcdefgh"), "text": "", "finish": 0, "ends": 1}
+    assert res["short"]["ids"] == list(b"abcd") and res["short"]["finish"] == 1
+
+
+def test_cancel_and_new_rows_in_the_middle_of_columnar_steps():
+    """A cancel and a text row arriving mid-way: the columnar rows' counters stay exact."""
+
+    def solo(name, **kw):
+        engine, sink = make_engine(SyntheticBackend(4, 300, 256))
+        engine.submit(seq(name, **kw))
+        return run(engine, sink)[name]
+
+    kw_a = dict(prompt=b"aa", max_tokens=30, text=False)
+    kw_t = dict(prompt=b"tt", max_tokens=9, text=True)
+    engine, sink = make_engine(SyntheticBackend(4, 300, 256))
+    doomed = plain("doomed", b"dd", 30)
+    engine.submit(seq("a", **kw_a))
+    engine.submit(doomed)
+    assert columnar_steps(engine, sink, limit=6) == 5
+    engine.cancel(doomed)
+    engine.submit(seq("text", **kw_t))
+    columnar_steps(engine, sink)
+    res = run(engine, sink, limit=0)
+    assert res["doomed"]["finish"] == FinishReason.CANCELLED and res["doomed"]["ends"] == 1
+    assert len(res["doomed"]["ids"]) == 5 + 1  # the prefill's token, then 5 columnar steps
+    assert res["a"] == solo("a", **kw_a)
+    assert res["text"] == solo("text", **kw_t)
+    assert engine.slots_used == 0
