@@ -399,3 +399,11 @@ def test_cancel_and_new_rows_in_the_middle_of_columnar_steps():
     assert res["a"] == solo("a", **kw_a)
     assert res["text"] == solo("text", **kw_t)
     assert engine.slots_used == 0
+
+
+def test_byte_tokenizer_decode_skips_special_ids_from_lists_and_arrays():
+    ids = [104, 105, 256, 257, 0xE2, 0x82, 0xAC]  # "hi", BOS, EOS, then "€"
+    assert TOK.decode(ids) == "hi€"
+    assert TOK.decode(np.array(ids, np.int32)) == "hi€"
+    assert TOK.decode([104, 105]) == TOK.decode(np.array([104, 105], np.int32)) == "hi"
+    assert TOK.decode([0xE2, 0x82]) == "\ufffd"

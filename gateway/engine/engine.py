@@ -171,7 +171,7 @@ class Engine:
         self._last_batch: DecodeBatch | None = None
         self._last_sampled = np.empty(0, np.int32)
         self._eos = tokenizer.eos_token_ids
-        self._eos_ids = tuple(sorted(self._eos))
+        self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
         # The columnar path (see the module docstring): the decode rows it was set up for, their
         # owners, whether every row is plain, how many columnar steps the rows can take before
         # one of them may finish, how many they took since their counters were last written,
@@ -401,7 +401,10 @@ class Engine:
             seq.last_token = token
 
     def _any_eos(self, sampled: np.ndarray) -> bool:
-        return any((sampled == eos).any() for eos in self._eos_ids)
+        eos = self._eos_ids
+        if len(eos) == 1:  # the usual case: one comparison is cheaper than np.isin
+            return bool((sampled == eos[0]).any())
+        return bool(len(eos) and np.isin(sampled, eos).any())
 
     def _report(self, phase: str, seconds: float, batch: int) -> None:
         if self._on_step is not None:
