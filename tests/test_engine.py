@@ -407,3 +407,38 @@ def test_byte_tokenizer_decode_skips_special_ids_from_lists_and_arrays():
     assert TOK.decode(np.array(ids, np.int32)) == "hi€"
     assert TOK.decode([104, 105]) == TOK.decode(np.array([104, 105], np.int32)) == "hi"
     assert TOK.decode([0xE2, 0x82]) == "\ufffd"
+
+
+def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
+    """Tokens hashed ahead for unchanged rows equal the per-step hash, also when the positions
+    jump, the rows change or a slot is freed and prefilled again."""
+    from gateway.engine.synthetic import synthetic_tokens
+
+    backend = SyntheticBackend(num_slots=4, vocab_size=300, max_context=512)
+    for slot in range(4):
+        chunk = PrefillChunk(slot, np.array([slot, 7], np.int32), 0, True, SamplingRow())
+        backend.prefill([chunk])
+
+    def batch(slots: np.ndarray, positions: np.ndarray) -> DecodeBatch:
+        b = len(slots)
+        return DecodeBatch(
+            slots, np.zeros(b, np.int32), positions, np.zeros(b, np.float32),
+            np.ones(b, np.float32), np.zeros(b, np.int32), np.zeros(b, np.uint64),
+            np.zeros(b, np.bool_),
+        )  # fmt: skip
+
+    slots = np.array([0, 2, 3], np.int32)
+    positions = np.array([2, 9, 4], np.int32)
+    for step in range(300):
+        if step == 100:
+            positions = positions + 5  # the same slots object, positions jump
+        if step == 150:
+            slots, positions = np.array([1, 2], np.int32), positions[:2]  # new rows
+        if step == 200:
+            backend.free(1)
+            chunk = PrefillChunk(1, np.array([99], np.int32), 0, True, SamplingRow())
+            backend.prefill([chunk])
+        want = synthetic_tokens(backend._digest[slots], positions + 1)
+        got = backend.decode(batch(slots, positions))
+        assert got.tolist() == want.tolist(), step
+        positions = positions + 1
