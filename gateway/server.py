@@ -47,7 +47,7 @@ _perf = time.perf_counter
 _pack_token1 = p.TOKEN1_FRAME.pack_into  # (buf, offset, 8, TOKEN, 0, 0, stream, 1, 0, id)
 _FINISH_NAMES = ("eos", "max_tokens", "stop", "cancelled")
 _REPLAY_IDS_PER_FRAME = 256
-MAX_PENDING_STEPS = 8
+MAX_PENDING_STEPS = 16  # steps the engine may run ahead of the loop before it waits
 _TOKEN1_ID = p.TOKEN1_ID
 
 Step = tuple[list[Output], TokenColumn | None]  # what the engine hands over per step
