@@ -61,7 +61,7 @@ def make_engine(backend: Backend, **kw) -> tuple[Engine, list[Output]]:
     sink: list[Output] = []
     engine = Engine(
         backend,
-        TOK,
+        kw.get("tokenizer", TOK),
         sink.extend,
         max_queue=kw.get("max_queue", 16),
         max_step_tokens=kw.get("max_step_tokens", 64),
@@ -332,29 +332,38 @@ def plain(owner, prompt, max_tokens, stop_ids=()):
 
 
 def test_columnar_steps_give_what_token_by_token_gives():
-    """Plain rows (no text, no stop ids) go columnar; the same rows given a stop id that never
-    comes go token by token. Both give the same ids, finishes and counts, with rows ending at
-    different steps (max_tokens, max_context) and joining while others decode."""
+    """Plain rows (no text, no stop ids) go columnar; rows given a stop id that never comes go
+    token by token, alone or mixed into the same batches as plain rows. All give the same ids,
+    finishes and counts, with rows ending at different steps (max_tokens, max_context) and
+    joining while others decode."""
     prompts = {f"s{i}": (bytes([65 + i]) * (1 + i), 5 + 7 * i) for i in range(6)}
     prompts["ctx"] = (b"c" * 50, 200)  # max_context 64 ends it first
 
-    def drive(stop_ids):
+    def drive(by_token: set[str]):
         engine, sink = make_engine(SyntheticBackend(8, 300, 64), max_step_tokens=16)
         names = list(prompts)
-        for name in names[:3]:
+
+        def submit(name):
+            # 299: a stop id the synthetic backend never samples
+            stop_ids = (299,) if name in by_token else ()
             engine.submit(plain(name, *prompts[name], stop_ids=stop_ids))
+
+        for name in names[:3]:
+            submit(name)
         outputs, _ = engine.step_columns()  # the first three prefill ...
         sink.extend(outputs)
         for name in names[3:]:  # ... and the rest join while they decode
-            engine.submit(plain(name, *prompts[name], stop_ids=stop_ids))
+            submit(name)
         n = columnar_steps(engine, sink)
         assert engine.slots_used == 0
         return run(engine, sink, limit=0), n
 
-    columnar, n_col = drive(())
-    by_token, n_tok = drive((299,))  # 299: a stop id the synthetic backend never samples
-    assert n_col > 10 and n_tok == 0
+    by_token, n_tok = drive(set(prompts))
+    columnar, n_col = drive(set())
+    mixed, n_mixed = drive({"s1", "s4", "ctx"})
+    assert n_col > 10 and n_mixed > 10 and n_tok == 0
     assert columnar == by_token
+    assert mixed == by_token
     for name, (_, max_tokens) in prompts.items():
         if name != "ctx":
             assert len(columnar[name]["ids"]) == max_tokens
@@ -364,15 +373,20 @@ def test_columnar_steps_give_what_token_by_token_gives():
 
 
 def test_eos_in_the_middle_of_columnar_steps():
-    backend = Scripted([ord(c) for c in "abcdefgh"] + [257] + [ord("z")] * 100)
-    engine, sink = make_engine(backend)
-    engine.submit(plain("eos", b"x", max_tokens=50))
-    engine.submit(plain("short", b"y", max_tokens=4))
-    n = columnar_steps(engine, sink)
-    res = run(engine, sink, limit=0)
-    assert n > 0
-    assert res["eos"] == {"ids": list(b"abcdefgh"), "text": "", "finish": 0, "ends": 1}
-    assert res["short"]["ids"] == list(b"abcd") and res["short"]["finish"] == 1
+    for eos in (257, 258):  # the tokenizer's only EOS id, or one of two
+        backend = Scripted([ord(c) for c in "abcdefgh"] + [eos] + [ord("z")] * 100)
+        tokenizer = ByteTokenizer()
+        tokenizer.eos_token_ids = frozenset({257, eos})
+        engine, sink = make_engine(backend, tokenizer=tokenizer)
+        engine.submit(plain("eos", b"x", max_tokens=50))
+        engine.submit(plain("short", b"y", max_tokens=4))
+        engine.submit(seq("text", b"z", max_tokens=50))  # a text row in the same batches
+        n = columnar_steps(engine, sink)
+        res = run(engine, sink, limit=0)
+        assert n > 0
+        assert res["eos"] == {"ids": list(b"abcdefgh"), "text": "", "finish": 0, "ends": 1}
+        assert res["short"]["ids"] == list(b"abcd") and res["short"]["finish"] == 1
+        assert res["text"] == {"ids": list(b"abcdefgh"), "text": "abcdefgh", "finish": 0, "ends": 1}
 
 
 def test_cancel_and_new_rows_in_the_middle_of_columnar_steps():

@@ -6,11 +6,12 @@ still in prefill, within ``max_step_tokens``, (4) runs the backend, (5) turns sa
 outputs (stop checks, UTF-8-safe text, stop sequences) and (6) hands all of the step's outputs to
 the event loop in ONE call. The waiting queue is bounded: ``submit`` refuses when it is full.
 
-Steady-state decode steps take a columnar path: while the decode rows are unchanged and none of
-them needs text, stop ids or EOS handling, and no row can reach max_tokens or max_context, a step
-hands over its sampled array as one ``TokenColumn`` instead of one Output tuple per token. Rows
-then all advance by exactly one token per step, so their counters are brought up to date only
-when the path is left (``_sync_columns``).
+Steady-state decode steps take a columnar path: while the decode rows are unchanged, the "plain"
+rows (no text, no stop ids) hand over their sampled ids as one ``TokenColumn`` per step instead
+of one Output tuple per token, as long as none of them samples EOS or can reach max_tokens or
+max_context; the other rows of the batch go token by token as before. Plain rows then all
+advance by exactly one token per step, so their counters are brought up to date only when the
+path is left (``_sync_columns``).
 """
 
 from __future__ import annotations
@@ -172,13 +173,17 @@ class Engine:
         self._last_sampled = np.empty(0, np.int32)
         self._eos = tokenizer.eos_token_ids
         self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
-        # The columnar path (see the module docstring): the decode rows it was set up for, their
-        # owners, whether every row is plain, how many columnar steps the rows can take before
-        # one of them may finish, how many they took since their counters were last written,
-        # and the last of those steps' tokens.
+        # The columnar path (see the module docstring): the decode rows it was set up for; their
+        # plain rows, those rows' owners and indices in the batch (None: every row is plain);
+        # the other rows and their indices; how many columnar steps the plain rows can take
+        # before one of them may finish, how many they took since their counters were last
+        # written, and the last of those steps' tokens.
         self._col_rows: list[Sequence] | None = None
+        self._col_seqs: list[Sequence] = []
         self._col_owners: list[object] = []
-        self._col_plain = False
+        self._col_index: np.ndarray | None = None
+        self._col_others: list[Sequence] = []
+        self._col_others_index: np.ndarray | None = None
         self._col_limit = 0
         self._col_steps = 0
         self._col_last = self._last_sampled
@@ -271,9 +276,7 @@ class Engine:
         Public so tests can drive the engine without the thread."""
         outputs, column = self.step_columns()
         if column is not None:
-            rows = self._col_rows
-            assert rows is not None
-            for seq, token in zip(rows, column.tokens.tolist(), strict=True):
+            for seq, token in zip(self._col_seqs, column.tokens.tolist(), strict=True):
                 outputs.append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
         return outputs
 
@@ -332,16 +335,24 @@ class Engine:
             self._last_sampled = sampled
             if decode_rows is not self._col_rows:
                 self._set_up_columns(decode_rows)
-            if self._col_plain and self._col_steps < self._col_limit and not self._any_eos(sampled):
-                self._col_steps += 1
-                self._col_last = sampled
-                column = TokenColumn(self._col_owners, sampled)
-            else:
-                if self._col_plain:
-                    # A row may finish: this step goes token by token, and the next one sets
-                    # the columnar path up again for the rows that are left.
+            if self._col_seqs:
+                index = self._col_index
+                plain = sampled if index is None else sampled[index]
+                if self._col_steps < self._col_limit and not self._any_eos(plain):
+                    self._col_steps += 1
+                    self._col_last = plain
+                    column = TokenColumn(self._col_owners, plain)
+                    if index is not None:
+                        others = self._col_others_index
+                        assert others is not None
+                        self._accept_decoded(self._col_others, sampled[others], outputs, finished)
+                else:
+                    # A plain row may finish: this step goes token by token, and the next one
+                    # sets the columnar path up again for the rows that are left.
                     self._sync_columns()
                     self._col_rows = None
+                    self._accept_decoded(decode_rows, sampled, outputs, finished)
+            else:
                 self._accept_decoded(decode_rows, sampled, outputs, finished)
         for seq in finished:
             self._release(seq)
@@ -374,17 +385,29 @@ class Engine:
     def _set_up_columns(self, rows: list[Sequence]) -> None:
         """Called once per new decode row list, with the rows' counters up to date."""
         self._col_rows = rows
-        self._col_owners = [seq.owner for seq in rows]
         self._col_steps = 0
-        self._col_plain = all(seq.detok is None and not seq.stop_ids for seq in rows)
-        if self._col_plain:
+        plain = [i for i, seq in enumerate(rows) if seq.detok is None and not seq.stop_ids]
+        if len(plain) == len(rows):
+            self._col_seqs, self._col_index = rows, None
+            self._col_others, self._col_others_index = [], None
+        else:
+            self._col_seqs = [rows[i] for i in plain]
+            self._col_index = np.array(plain, np.intp)
+            other = sorted(set(range(len(rows))) - set(plain))
+            self._col_others = [rows[i] for i in other]
+            self._col_others_index = np.array(other, np.intp)
+        self._col_owners = [seq.owner for seq in self._col_seqs]
+        if self._col_seqs:
             # A row ends on the token that brings it to max_tokens or max_context: every step
             # before that one may go columnar.
             max_context = self._max_context
-            left = min(
-                min(seq.max_tokens - seq.generated, max_context - seq.position) for seq in rows
+            self._col_limit = (
+                min(
+                    min(seq.max_tokens - seq.generated, max_context - seq.position)
+                    for seq in self._col_seqs
+                )
+                - 1
             )
-            self._col_limit = left - 1
 
     def _sync_columns(self) -> None:
         """Write the columnar steps taken so far into the rows' counters."""
@@ -393,9 +416,7 @@ class Engine:
             return
         self._col_steps = 0
         self._col_limit -= k
-        rows = self._col_rows
-        assert rows is not None
-        for seq, token in zip(rows, self._col_last.tolist(), strict=True):
+        for seq, token in zip(self._col_seqs, self._col_last.tolist(), strict=True):
             seq.generated += k
             seq.position += k
             seq.last_token = token
