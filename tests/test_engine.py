@@ -456,3 +456,41 @@ def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
         got = backend.decode(batch(slots, positions))
         assert got.tolist() == want.tolist(), step
         positions = positions + 1
+
+
+def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
+    """Chunks fold side by side; the digests and first tokens are those of folding each chunk
+    alone, in order, id by id (the reference below)."""
+    from gateway.engine.synthetic import _mix, synthetic_tokens
+
+    def reference(digest: np.ndarray, chunk: PrefillChunk) -> int:
+        d = np.zeros(1, np.uint64) if chunk.start == 0 else digest[chunk.slot : chunk.slot + 1]
+        for t in chunk.tokens.astype(np.uint64):
+            d = _mix(d ^ t)
+        token = -1
+        if chunk.last:
+            if chunk.sampling.seeded:
+                d = _mix(d ^ np.uint64(chunk.sampling.seed))
+            end = np.array([chunk.start + len(chunk.tokens)], np.uint64)
+            token = int(synthetic_tokens(d, end)[0])
+        digest[chunk.slot] = d[0]
+        return token
+
+    rng = np.random.default_rng(7)
+    backend = SyntheticBackend(num_slots=6, vocab_size=300, max_context=512)
+    digest = np.zeros(6, np.uint64)
+    starts = [0] * 6
+    for _ in range(40):
+        slots = rng.choice(6, size=int(rng.integers(1, 7)), replace=bool(rng.integers(0, 2)))
+        chunks = []
+        for slot in slots.tolist():
+            n = int(rng.integers(1, 9))
+            last = bool(rng.integers(0, 2))
+            seed = int(rng.integers(0, 2**63)) * 2 + 1
+            sampling = SamplingRow(seed=seed, seeded=bool(rng.integers(0, 2)))
+            ids = rng.integers(0, 300, n).astype(np.int32)
+            chunks.append(PrefillChunk(slot, ids, starts[slot], last, sampling))
+            starts[slot] = 0 if last else starts[slot] + n
+        want = [reference(digest, chunk) for chunk in chunks]
+        assert backend.prefill(chunks).tolist() == want
+        assert backend._digest.tolist() == digest.tolist()

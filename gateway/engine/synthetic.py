@@ -74,17 +74,36 @@ class SyntheticBackend(Backend):
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         self._sleep()
         self._forget_block()
-        out = np.full(len(chunks), -1, np.int32)
+        slots = [chunk.slot for chunk in chunks]
+        if len(set(slots)) < len(slots):  # a slot's chunks chain: one after the other
+            return np.concatenate([self._prefill([chunk]) for chunk in chunks])
+        return self._prefill(chunks)
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        """Each chunk's ids fold into its slot's digest in order; the chunks (distinct slots)
+        fold side by side, one id position at a time."""
+        n = len(chunks)
+        digests = np.array([0 if c.start == 0 else self._digest[c.slot] for c in chunks], _U64)
+        lengths = np.array([len(c.tokens) for c in chunks])
+        ids = np.zeros((n, int(lengths.max(initial=0))), _U64)
         for i, chunk in enumerate(chunks):
-            d = np.zeros(1, _U64) if chunk.start == 0 else self._digest[chunk.slot : chunk.slot + 1]
-            for t in chunk.tokens.astype(_U64):
-                d = _mix(d ^ t)
-            if chunk.last:
-                if chunk.sampling.seeded:
-                    d = _mix(d ^ _U64(chunk.sampling.seed))
-                end = np.array([chunk.start + len(chunk.tokens)], _U64)
-                out[i] = synthetic_tokens(d, end)[0]
-            self._digest[chunk.slot] = d[0]
+            ids[i, : len(chunk.tokens)] = chunk.tokens.astype(_U64)
+        for j in range(ids.shape[1]):
+            live = lengths > j
+            if live.all():
+                digests = _mix(digests ^ ids[:, j])
+            else:
+                digests[live] = _mix(digests[live] ^ ids[live, j])
+        last = np.array([c.last for c in chunks], np.bool_)
+        seeded = np.array([c.last and c.sampling.seeded for c in chunks], np.bool_)
+        if seeded.any():
+            seeds = np.array([c.sampling.seed if c.sampling.seeded else 0 for c in chunks], _U64)
+            digests[seeded] = _mix(digests[seeded] ^ seeds[seeded])
+        out = np.full(n, -1, np.int32)
+        if last.any():
+            ends = np.array([c.start + len(c.tokens) for c in chunks], _U64)
+            out[last] = synthetic_tokens(digests[last], ends[last])
+        self._digest[[c.slot for c in chunks]] = digests
         return out
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
