@@ -119,7 +119,7 @@ def serve(columnar: bool, group: int, script: dict[int, str] | None = None) -> t
     (a, ta), (b, tb) = connect(server), connect(server)
     for stream, prompt, max_tokens, opts in REQUESTS:
         send(a if stream % 2 else b, p.encode_request(stream, prompt, max_tokens, **opts))
-    engine, steps = server.engine, []
+    engine, steps, deliveries = server.engine, [], 0
     for i in range(500):
         event = (script or {}).get(i)
         if event == "cancel 3":
@@ -131,10 +131,14 @@ def serve(columnar: bool, group: int, script: dict[int, str] | None = None) -> t
         steps.append(engine.step_columns() if columnar else (engine.step(), None))
         if len(steps) == group:
             server.deliver(steps)
+            deliveries += 1
             steps = []
         if not (engine._inbox or engine._waiting or engine._running):
             break
     server.deliver(steps)
+    deliveries += 1
+    if not script:  # one write per connection per delivery, however many steps it carries
+        assert ta.writes <= deliveries and tb.writes <= deliveries
     return frames(ta.data), frames(tb.data), completions, server
 
 
