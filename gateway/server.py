@@ -5,8 +5,8 @@ limits, idle timeout, slow consumers, drain; and the one request path: validate 
 hook chain (auth, rate limit, response cache; fixed at start-up) → engine. Bytes arrive straight
 into each connection's preallocated decoder buffer; the outputs of the engine steps waiting for
 the loop are packed into each connection's reusable write buffer and written with one
-``transport.write`` per connection. A columnar step (TokenColumn: every row got one plain token)
-is packed from per-connection arrays of TOKEN frames built once per row list (ColumnPlan).
+``transport.write`` per connection. A columnar step (TokenColumn: the plain rows' tokens, one
+each) is packed from per-connection arrays of TOKEN frames built once per row list (ColumnPlan).
 """
 
 from __future__ import annotations
@@ -201,8 +201,8 @@ class Server:
         self._handoff = threading.Condition()
         self._pending: list[Step] = []  # engine steps waiting for the loop
         self._plan: ColumnPlan | None = None  # for the engine's current columnar rows
-        # Bumped whenever a stream ends other than by its engine output (connection closed, slow
-        # consumer, drain deadline): a ColumnPlan built before then may hold an ended stream.
+        # Bumped whenever a stream ends (DONE, connection closed, slow consumer, drain deadline):
+        # a ColumnPlan built before then may hold an ended stream, and is rebuilt.
         self.stream_epoch = 0
         self._conn_ids = itertools.count(1)
         self.hook_tasks: set[asyncio.Task] = set()  # async on_request hooks in flight
