@@ -480,7 +480,7 @@ def run_inprocess(
     engine = Engine(
         backend,
         tokenizer,
-        lambda outputs: None,
+        lambda outputs, column: None,  # never called: the benchmark steps the engine itself
         max_queue=engine_cfg.max_queue,
         max_step_tokens=engine_cfg.max_step_tokens,
         prefill_chunk=engine_cfg.prefill_chunk,

@@ -56,7 +56,7 @@ async def _serve(settings: Settings) -> None:
     engine = Engine(
         backend,
         tokenizer,
-        lambda outputs: server_ref[0].deliver_threadsafe(outputs),
+        lambda outputs, column: server_ref[0].deliver_threadsafe(outputs, column),
         max_queue=settings.engine.max_queue,
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,

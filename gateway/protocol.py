@@ -658,6 +658,22 @@ TOKEN1_FRAME = struct.Struct("<IBBHIHHi")  # a TOKEN frame carrying exactly one 
 TOKEN1_FRAME_SIZE = TOKEN1_FRAME.size  # 20
 
 
+TOKEN1_ID = 4  # the id's column in token1_frames
+
+
+def token1_frames(streams: np.ndarray) -> np.ndarray:
+    """One-id TOKEN frames without text, one per stream, as little-endian int32 words [n, 5]:
+    length 8, type TOKEN (flags, reserved 0), stream, n_ids 1 (reserved 0), and the id, left 0
+    for the caller to fill in column TOKEN1_ID. The array's bytes are the n frames exactly as
+    ``pack_token1_into`` writes them, so the header words can be built once and reused."""
+    frames = np.zeros((len(streams), 5), "<i4")
+    frames[:, 0] = 8
+    frames[:, 1] = _TOKEN
+    frames[:, 2] = np.asarray(streams, "<u4").view("<i4")
+    frames[:, 3] = 1
+    return frames
+
+
 def pack_token1_into(buf: bytearray, offset: int, stream: int, token: int, text: bytes) -> int:
     """The common case of ``pack_token_into``: one id and an optional text delta."""
     TOKEN1_FRAME.pack_into(buf, offset, 8 + len(text), _TOKEN, 0, 0, stream, 1, 0, token)

@@ -3,8 +3,10 @@
 Owns the rules of docs/protocol.md that need state: HELLO/auth, stream ids, per-connection stream
 limits, idle timeout, slow consumers, drain; and the one request path: validate and tokenize →
 hook chain (auth, rate limit, response cache; fixed at start-up) → engine. Bytes arrive straight
-into each connection's preallocated decoder buffer; the outputs of one engine step are packed into
-each connection's reusable write buffer and written with one ``transport.write`` per connection.
+into each connection's preallocated decoder buffer; the outputs of the engine steps waiting for
+the loop are packed into each connection's reusable write buffer and written with one
+``transport.write`` per connection. A columnar step (TokenColumn: the plain rows' tokens, one
+each) is packed from per-connection arrays of TOKEN frames built once per row list (ColumnPlan).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gateway.engine.engine import (
     EngineStopped,
     Output,
     Sequence,
+    TokenColumn,
 )
 from gateway.engine.types import SamplingRow
 from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
@@ -44,7 +47,10 @@ _perf = time.perf_counter
 _pack_token1 = p.TOKEN1_FRAME.pack_into  # (buf, offset, 8, TOKEN, 0, 0, stream, 1, 0, id)
 _FINISH_NAMES = ("eos", "max_tokens", "stop", "cancelled")
 _REPLAY_IDS_PER_FRAME = 256
-MAX_PENDING_STEPS = 8
+MAX_PENDING_STEPS = 16  # steps the engine may run ahead of the loop before it waits
+_TOKEN1_ID = p.TOKEN1_ID
+
+Step = tuple[list[Output], TokenColumn | None]  # what the engine hands over per step
 
 
 class StreamError(Exception):
@@ -96,6 +102,75 @@ class Stream:
         self.full_ids: np.ndarray | None = None  # the whole prompt, precompiled prefix included
 
 
+class ColumnPlan:
+    """Turns the columnar steps of one engine row list into TOKEN frames; built once per list.
+
+    Per connection: the TOKEN frames of its rows as an int32 [n, 5] array whose header words are
+    fixed (p.token1_frames), so a step writes only its ids into it and copies its bytes into the
+    connection's write buffer. The rows' streams are not touched per step: ``settle`` adds the
+    steps to their counters (and recordings) before anything reads them.
+    """
+
+    __slots__ = ("owners", "epoch", "groups", "streams", "recording", "held", "steps")
+
+    def __init__(self, owners: list[object], epoch: int) -> None:
+        self.owners = owners  # the engine's list: the plan is valid while it is the same object
+        self.epoch = epoch  # Server.stream_epoch when built: no stream has ended since
+        rows_by_conn: dict[Connection, list[int]] = {}
+        self.streams: list[Stream] = []
+        self.recording: list[tuple[int, Stream]] = []
+        now = _perf()
+        for i, st in enumerate(owners):
+            assert isinstance(st, Stream)
+            if st.ended:
+                continue
+            rows_by_conn.setdefault(st.conn, []).append(i)
+            self.streams.append(st)
+            if st.rec_ids is not None:
+                self.recording.append((i, st))
+            if not st.t_first:  # not reached: a stream's first token comes from its prefill
+                st.t_first = now
+        self.groups: list[tuple[Connection, np.ndarray | None, np.ndarray]] = []
+        for conn, rows in rows_by_conn.items():
+            frames = p.token1_frames(np.array([owners[i].stream_id for i in rows]))  # type: ignore[attr-defined]
+            index = None if len(rows) == len(owners) else np.array(rows, np.intp)
+            self.groups.append((conn, index, frames))
+        self.held: list[np.ndarray] = []  # the steps' ids since the last settle, when recording
+        self.steps = 0  # steps written since the last settle
+
+    def write(self, tokens: np.ndarray, dirty: list[Connection]) -> int:
+        """Pack one step's ids; returns the TOKEN frames written."""
+        for conn, index, frames in self.groups:
+            frames[:, _TOKEN1_ID] = tokens if index is None else tokens[index]
+            off = conn._out_len
+            end = off + frames.nbytes
+            if end > len(conn._out):
+                conn._reserve(frames.nbytes)
+            conn._out[off:end] = frames.data
+            conn._out_len = end
+            if not conn.dirty:
+                conn.dirty = True
+                dirty.append(conn)
+        self.steps += 1
+        if self.recording:
+            self.held.append(tokens)
+        return len(self.streams)
+
+    def settle(self) -> None:
+        """Bring the streams' token counts and response-cache recordings up to date."""
+        k = self.steps
+        if not k:
+            return
+        self.steps = 0
+        for st in self.streams:
+            st.n_ids += k
+        if self.recording:
+            ids = np.stack(self.held)  # [k, rows]
+            self.held = []
+            for i, st in self.recording:
+                st.rec_ids.extend(ids[:, i].tolist())  # type: ignore[union-attr]
+
+
 class Server:
     """Accepts connections and routes engine outputs to them. Lives on the event loop thread."""
 
@@ -124,7 +199,11 @@ class Server:
         self._sweeper: asyncio.Task | None = None
         self._all_closed = asyncio.Event()
         self._handoff = threading.Condition()
-        self._pending: list[list[Output]] = []  # engine steps waiting for the loop
+        self._pending: list[Step] = []  # engine steps waiting for the loop
+        self._plan: ColumnPlan | None = None  # for the engine's current columnar rows
+        # Bumped whenever a stream ends (DONE, connection closed, slow consumer, drain deadline):
+        # a ColumnPlan built before then may hold an ended stream, and is rebuilt.
+        self.stream_epoch = 0
         self._conn_ids = itertools.count(1)
         self.hook_tasks: set[asyncio.Task] = set()  # async on_request hooks in flight
         self.welcome = p.encode_welcome(
@@ -172,7 +251,7 @@ class Server:
     def next_conn_id(self) -> int:
         return next(self._conn_ids)
 
-    def deliver_threadsafe(self, outputs: list[Output]) -> None:
+    def deliver_threadsafe(self, outputs: list[Output], column: TokenColumn | None) -> None:
         """The engine's deliver callback, on the engine thread: at most one hand-off to the loop
         per step. Steps that finish while a hand-off is still waiting for the loop join it
         instead of waking the loop again, so the engine never waits for the loop unless more
@@ -180,7 +259,7 @@ class Server:
         than queueing outputs without bound)."""
         assert self.loop is not None
         with self._handoff:
-            self._pending.append(outputs)
+            self._pending.append((outputs, column))
             wake = len(self._pending) == 1
             if len(self._pending) > MAX_PENDING_STEPS:
                 self._handoff.wait(timeout=5.0)
@@ -195,8 +274,7 @@ class Server:
         with self._handoff:
             steps, self._pending = self._pending, []
             self._handoff.notify_all()
-        for outputs in steps:
-            self.deliver(outputs)
+        self.deliver(steps)
 
     async def drain(self) -> None:
         """Stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
@@ -244,9 +322,38 @@ class Server:
 
     # ------------------------------------------------------------------ engine outputs
 
-    def deliver(self, outputs: list[Output]) -> None:
-        """Write one engine step's outputs: TOKEN/DONE frames, one write per connection."""
+    def deliver(self, steps: list[Step]) -> None:
+        """Write engine steps' outputs, in order: TOKEN/DONE frames, one write per connection."""
         dirty: list[Connection] = []
+        n_frames = 0
+        for outputs, column in steps:
+            if outputs:
+                n_frames += self._deliver_outputs(outputs, dirty)
+            if column is not None:
+                plan = self._plan
+                if (
+                    plan is None
+                    or plan.owners is not column.owners
+                    or plan.epoch != self.stream_epoch
+                ):
+                    if plan is not None:
+                        plan.settle()
+                    self._plan = plan = ColumnPlan(column.owners, self.stream_epoch)
+                n_frames += plan.write(column.tokens, dirty)
+        for conn in dirty:
+            conn.flush()
+        if n_frames:
+            self._m_tokens_out.inc(n_frames)
+
+    def settle_columns(self) -> None:
+        """Make every stream's n_ids and rec_ids complete (columnar steps count lazily)."""
+        if self._plan is not None:
+            self._plan.settle()
+
+    def _deliver_outputs(self, outputs: list[Output], dirty: list[Connection]) -> int:
+        """Pack one step's Outputs; returns the TOKEN frames packed."""
+        if self._plan is not None:
+            self._plan.settle()  # earlier columnar ids go first in recordings; DONE counts them
         pack1 = _pack_token1
         n_tokens = 0
         for st, token, text, finish, t_admit in outputs:
@@ -276,10 +383,7 @@ class Server:
             if not conn.dirty:
                 conn.dirty = True
                 dirty.append(conn)
-        for conn in dirty:
-            conn.flush()
-        if n_tokens:
-            self._m_tokens_out.inc(n_tokens)
+        return n_tokens
 
     # ------------------------------------------------------------------ requests
 
@@ -452,6 +556,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
+        self.server.stream_epoch += 1
         for st in list(self.streams.values()):
             if not st.ended:
                 st.ended = True
@@ -708,6 +813,7 @@ class Connection(asyncio.BufferedProtocol):
         return 1
 
     def _queue_done(self, st: Stream, finish: int, t_admit: float) -> None:
+        self.server.settle_columns()
         now = _perf()
         self._reserve(p.DONE_FRAME_SIZE)
         queue_s = max(0.0, t_admit - st.t_recv) if t_admit else 0.0
@@ -754,6 +860,7 @@ class Connection(asyncio.BufferedProtocol):
     def finish_stream(self, st: Stream, finish: int, t_admit: float) -> None:
         """Write DONE (or ERROR INTERNAL for an engine failure) and forget the stream."""
         st.ended = True
+        self.server.stream_epoch += 1
         self.streams.pop(st.stream_id, None)
         if not self.streams:
             self.last_activity = time.monotonic()
@@ -769,6 +876,7 @@ class Connection(asyncio.BufferedProtocol):
     def _hooks_done(self, st: Stream, finish: int) -> None:
         if st.ctx is None:
             return
+        self.server.settle_columns()
         ctx, st.ctx = st.ctx, None  # exactly once per request
         ids = text = None
         if st.rec_ids is not None and finish in (0, 1, 2):
@@ -789,6 +897,7 @@ class Connection(asyncio.BufferedProtocol):
             self.server._m_bytes_out.inc(n)
 
     def end_all_streams(self, code: ErrorCode, message: str) -> None:
+        self.server.stream_epoch += 1
         for st in list(self.streams.values()):
             st.ended = True
             self._stream_error(st.stream_id, code, message)
@@ -818,6 +927,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closing:
             return
         self.closing = True
+        self.server.stream_epoch += 1
         for st in self.streams.values():
             if not st.ended:
                 st.ended = True

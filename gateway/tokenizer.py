@@ -69,7 +69,13 @@ class ByteTokenizer(Tokenizer):
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()  # bytes(array) would be its raw buffer
+        try:
+            data = bytes(ids)  # the common case: every id is a byte, none special
+        except ValueError:
+            data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
 
     def render_chat(self, messages: list[dict[str, str]], system: str | None) -> str:
         parts = []

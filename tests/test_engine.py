@@ -61,7 +61,7 @@ def make_engine(backend: Backend, **kw) -> tuple[Engine, list[Output]]:
     sink: list[Output] = []
     engine = Engine(
         backend,
-        TOK,
+        kw.get("tokenizer", TOK),
         sink.extend,
         max_queue=kw.get("max_queue", 16),
         max_step_tokens=kw.get("max_step_tokens", 64),
@@ -222,7 +222,12 @@ def test_backend_failure_fails_sequences_not_engine():
 
     outputs: list[Output] = []
     engine = Engine(
-        Broken([1]), TOK, outputs.extend, max_queue=4, max_step_tokens=64, prefill_chunk=32
+        Broken([1]),
+        TOK,
+        lambda outs, _column: outputs.extend(outs),
+        max_queue=4,
+        max_step_tokens=64,
+        prefill_chunk=32,
     )
     engine.start()
     try:
@@ -297,3 +302,195 @@ def test_empty_prompt_is_refused():
     engine, _ = make_engine(Scripted([1]))
     with pytest.raises(ValueError, match="prompt token"):
         engine.submit(seq("e", prompt=b""))
+
+
+# ---------------------------------------------------------------------- the columnar decode path
+
+
+def columnar_steps(engine: Engine, sink: list[Output], limit: int = 1000) -> int:
+    """Drive ``engine`` like its thread does (step_columns), expanding each TokenColumn into the
+    Outputs ``step`` would give; returns how many steps were columnar."""
+    n = 0
+    for _ in range(limit):
+        outputs, column = engine.step_columns()
+        sink.extend(outputs)
+        if column is not None:
+            n += 1
+            assert column.owners is engine._col_owners
+            assert len(column.owners) == len(column.tokens)
+            tokens = column.tokens.tolist()
+            sink.extend(
+                (o, t, "", NOT_FINISHED, 0.0) for o, t in zip(column.owners, tokens, strict=True)
+            )
+        if not (engine._inbox or engine._waiting or engine._running):
+            break
+    return n
+
+
+def plain(owner, prompt, max_tokens, stop_ids=()):
+    return seq(owner, prompt=prompt, max_tokens=max_tokens, text=False, stop_ids=stop_ids)
+
+
+def test_columnar_steps_give_what_token_by_token_gives():
+    """Plain rows (no text, no stop ids) go columnar; rows given a stop id that never comes go
+    token by token, alone or mixed into the same batches as plain rows. All give the same ids,
+    finishes and counts, with rows ending at different steps (max_tokens, max_context) and
+    joining while others decode."""
+    prompts = {f"s{i}": (bytes([65 + i]) * (1 + i), 5 + 7 * i) for i in range(6)}
+    prompts["ctx"] = (b"c" * 50, 200)  # max_context 64 ends it first
+
+    def drive(by_token: set[str]):
+        engine, sink = make_engine(SyntheticBackend(8, 300, 64), max_step_tokens=16)
+        names = list(prompts)
+
+        def submit(name):
+            # 299: a stop id the synthetic backend never samples
+            stop_ids = (299,) if name in by_token else ()
+            engine.submit(plain(name, *prompts[name], stop_ids=stop_ids))
+
+        for name in names[:3]:
+            submit(name)
+        outputs, _ = engine.step_columns()  # the first three prefill ...
+        sink.extend(outputs)
+        for name in names[3:]:  # ... and the rest join while they decode
+            submit(name)
+        n = columnar_steps(engine, sink)
+        assert engine.slots_used == 0
+        return run(engine, sink, limit=0), n
+
+    by_token, n_tok = drive(set(prompts))
+    columnar, n_col = drive(set())
+    mixed, n_mixed = drive({"s1", "s4", "ctx"})
+    assert n_col > 10 and n_mixed > 10 and n_tok == 0
+    assert columnar == by_token
+    assert mixed == by_token
+    for name, (_, max_tokens) in prompts.items():
+        if name != "ctx":
+            assert len(columnar[name]["ids"]) == max_tokens
+            assert columnar[name]["finish"] == FinishReason.MAX_TOKENS
+    assert len(columnar["ctx"]["ids"]) == 64 - 50 and columnar["ctx"]["finish"] == 1
+    assert all(r["ends"] == 1 for r in columnar.values())
+
+
+def test_eos_in_the_middle_of_columnar_steps():
+    for eos in (257, 258):  # the tokenizer's only EOS id, or one of two
+        backend = Scripted([ord(c) for c in "abcdefgh"] + [eos] + [ord("z")] * 100)
+        tokenizer = ByteTokenizer()
+        tokenizer.eos_token_ids = frozenset({257, eos})
+        engine, sink = make_engine(backend, tokenizer=tokenizer)
+        engine.submit(plain("eos", b"x", max_tokens=50))
+        engine.submit(plain("short", b"y", max_tokens=4))
+        engine.submit(seq("text", b"z", max_tokens=50))  # a text row in the same batches
+        n = columnar_steps(engine, sink)
+        res = run(engine, sink, limit=0)
+        assert n > 0
+        assert res["eos"] == {"ids": list(b"abcdefgh"), "text": "", "finish": 0, "ends": 1}
+        assert res["short"]["ids"] == list(b"abcd") and res["short"]["finish"] == 1
+        assert res["text"] == {"ids": list(b"abcdefgh"), "text": "abcdefgh", "finish": 0, "ends": 1}
+
+
+def test_cancel_and_new_rows_in_the_middle_of_columnar_steps():
+    """A cancel and a text row arriving mid-way: the columnar rows' counters stay exact."""
+
+    def solo(name, **kw):
+        engine, sink = make_engine(SyntheticBackend(4, 300, 256))
+        engine.submit(seq(name, **kw))
+        return run(engine, sink)[name]
+
+    kw_a = dict(prompt=b"aa", max_tokens=30, text=False)
+    kw_t = dict(prompt=b"tt", max_tokens=9, text=True)
+    engine, sink = make_engine(SyntheticBackend(4, 300, 256))
+    doomed = plain("doomed", b"dd", 30)
+    engine.submit(seq("a", **kw_a))
+    engine.submit(doomed)
+    assert columnar_steps(engine, sink, limit=6) == 5
+    engine.cancel(doomed)
+    engine.submit(seq("text", **kw_t))
+    columnar_steps(engine, sink)
+    res = run(engine, sink, limit=0)
+    assert res["doomed"]["finish"] == FinishReason.CANCELLED and res["doomed"]["ends"] == 1
+    assert len(res["doomed"]["ids"]) == 5 + 1  # the prefill's token, then 5 columnar steps
+    assert res["a"] == solo("a", **kw_a)
+    assert res["text"] == solo("text", **kw_t)
+    assert engine.slots_used == 0
+
+
+def test_byte_tokenizer_decode_skips_special_ids_from_lists_and_arrays():
+    ids = [104, 105, 256, 257, 0xE2, 0x82, 0xAC]  # "hi", BOS, EOS, then "€"
+    assert TOK.decode(ids) == "hi€"
+    assert TOK.decode(np.array(ids, np.int32)) == "hi€"
+    assert TOK.decode([104, 105]) == TOK.decode(np.array([104, 105], np.int32)) == "hi"
+    assert TOK.decode([0xE2, 0x82]) == "\ufffd"
+
+
+def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
+    """Tokens hashed ahead for unchanged rows equal the per-step hash, also when the positions
+    jump, the rows change or a slot is freed and prefilled again."""
+    from gateway.engine.synthetic import synthetic_tokens
+
+    backend = SyntheticBackend(num_slots=4, vocab_size=300, max_context=512)
+    for slot in range(4):
+        chunk = PrefillChunk(slot, np.array([slot, 7], np.int32), 0, True, SamplingRow())
+        backend.prefill([chunk])
+
+    def batch(slots: np.ndarray, positions: np.ndarray) -> DecodeBatch:
+        b = len(slots)
+        return DecodeBatch(
+            slots, np.zeros(b, np.int32), positions, np.zeros(b, np.float32),
+            np.ones(b, np.float32), np.zeros(b, np.int32), np.zeros(b, np.uint64),
+            np.zeros(b, np.bool_),
+        )  # fmt: skip
+
+    slots = np.array([0, 2, 3], np.int32)
+    positions = np.array([2, 9, 4], np.int32)
+    for step in range(300):
+        if step == 100:
+            positions = positions + 5  # the same slots object, positions jump
+        if step == 150:
+            slots, positions = np.array([1, 2], np.int32), positions[:2]  # new rows
+        if step == 200:
+            backend.free(1)
+            chunk = PrefillChunk(1, np.array([99], np.int32), 0, True, SamplingRow())
+            backend.prefill([chunk])
+        want = synthetic_tokens(backend._digest[slots], positions + 1)
+        got = backend.decode(batch(slots, positions))
+        assert got.tolist() == want.tolist(), step
+        positions = positions + 1
+
+
+def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
+    """Chunks fold side by side; the digests and first tokens are those of folding each chunk
+    alone, in order, id by id (the reference below)."""
+    from gateway.engine.synthetic import _mix, synthetic_tokens
+
+    def reference(digest: np.ndarray, chunk: PrefillChunk) -> int:
+        d = np.zeros(1, np.uint64) if chunk.start == 0 else digest[chunk.slot : chunk.slot + 1]
+        for t in chunk.tokens.astype(np.uint64):
+            d = _mix(d ^ t)
+        token = -1
+        if chunk.last:
+            if chunk.sampling.seeded:
+                d = _mix(d ^ np.uint64(chunk.sampling.seed))
+            end = np.array([chunk.start + len(chunk.tokens)], np.uint64)
+            token = int(synthetic_tokens(d, end)[0])
+        digest[chunk.slot] = d[0]
+        return token
+
+    rng = np.random.default_rng(7)
+    backend = SyntheticBackend(num_slots=6, vocab_size=300, max_context=512)
+    digest = np.zeros(6, np.uint64)
+    starts = [0] * 6
+    for _ in range(40):
+        slots = rng.choice(6, size=int(rng.integers(1, 7)), replace=bool(rng.integers(0, 2)))
+        chunks = []
+        for slot in slots.tolist():
+            n = int(rng.integers(1, 9))
+            last = bool(rng.integers(0, 2))
+            seed = int(rng.integers(0, 2**63)) * 2 + 1
+            sampling = SamplingRow(seed=seed, seeded=bool(rng.integers(0, 2)))
+            ids = rng.integers(0, 300, n).astype(np.int32)
+            chunks.append(PrefillChunk(slot, ids, starts[slot], last, sampling))
+            starts[slot] = 0 if last else starts[slot] + n
+        want = [reference(digest, chunk) for chunk in chunks]
+        assert backend.prefill(chunks).tolist() == want
+        assert backend._digest.tolist() == digest.tolist()

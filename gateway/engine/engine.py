@@ -5,6 +5,13 @@ KV slots, (3) builds one batch: a decode row per running sequence plus prompt ch
 still in prefill, within ``max_step_tokens``, (4) runs the backend, (5) turns sampled ids into
 outputs (stop checks, UTF-8-safe text, stop sequences) and (6) hands all of the step's outputs to
 the event loop in ONE call. The waiting queue is bounded: ``submit`` refuses when it is full.
+
+Steady-state decode steps take a columnar path: while the decode rows are unchanged, the "plain"
+rows (no text, no stop ids) hand over their sampled ids as one ``TokenColumn`` per step instead
+of one Output tuple per token, as long as none of them samples EOS or can reach max_tokens or
+max_context; the other rows of the batch go token by token as before. Plain rows then all
+advance by exactly one token per step, so their counters are brought up to date only when the
+path is left (``_sync_columns``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -107,7 +115,20 @@ Output = tuple[object, int, str, int, float]
 NO_TOKEN = -1
 OWNER, TOKEN, TEXT, FINISH, T_ADMIT = range(5)
 
-Deliver = Callable[[list[Output]], None]
+
+@dataclass(slots=True)
+class TokenColumn:
+    """One columnar decode step: ``owners[i]`` got token ``tokens[i]`` and goes on (no text, not
+    finished). ``owners`` is the same list object for every step while the rows stay the same,
+    so a consumer may cache per-row work by its identity. Both are read-only: the engine feeds
+    ``tokens`` back to the backend as the next step's input."""
+
+    owners: list[object]
+    tokens: np.ndarray  # int32 [len(owners)]
+
+
+# Called from the engine thread once per step that produced anything.
+Deliver = Callable[[list[Output], TokenColumn | None], None]
 
 
 class Engine:
@@ -151,6 +172,21 @@ class Engine:
         self._last_batch: DecodeBatch | None = None
         self._last_sampled = np.empty(0, np.int32)
         self._eos = tokenizer.eos_token_ids
+        self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
+        # The columnar path (see the module docstring): the decode rows it was set up for; their
+        # plain rows, those rows' owners and indices in the batch (None: every row is plain);
+        # the other rows and their indices; how many columnar steps the plain rows can take
+        # before one of them may finish, how many they took since their counters were last
+        # written, and the last of those steps' tokens.
+        self._col_rows: list[Sequence] | None = None
+        self._col_seqs: list[Sequence] = []
+        self._col_owners: list[object] = []
+        self._col_index: np.ndarray | None = None
+        self._col_others: list[Sequence] = []
+        self._col_others_index: np.ndarray | None = None
+        self._col_limit = 0
+        self._col_steps = 0
+        self._col_last = self._last_sampled
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -228,21 +264,32 @@ class Engine:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.step()
+                outputs, column = self.step_columns()
             except Exception:
                 log.exception("engine step failed; failing the sequences in flight")
-                outputs = self._fail_all()
-            if outputs:
-                self._deliver(outputs)
+                outputs, column = self._fail_all(), None
+            if outputs or column is not None:
+                self._deliver(outputs, column)
 
     def step(self) -> list[Output]:
-        """One scheduling step. Public so tests can drive the engine without the thread."""
+        """One scheduling step with every token as its own Output (a TokenColumn expanded).
+        Public so tests can drive the engine without the thread."""
+        outputs, column = self.step_columns()
+        if column is not None:
+            for seq, token in zip(self._col_seqs, column.tokens.tolist(), strict=True):
+                outputs.append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
+        return outputs
+
+    def step_columns(self) -> tuple[list[Output], TokenColumn | None]:
+        """One scheduling step: its Outputs, and the decode rows' tokens as one TokenColumn when
+        the step took the columnar path (no Output then comes from those rows)."""
         outputs: list[Output] = []
+        column: TokenColumn | None = None
         self._take_inbox()
         self._admit(outputs)
         self._drop_cancelled(outputs)
         if not self._running:
-            return outputs
+            return outputs, None
         decode_rows = self._decoding
         budget = self._max_step_tokens - len(decode_rows)
         chunks: list[PrefillChunk] = []
@@ -279,29 +326,106 @@ class Engine:
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
                 self._decoding = [*self._decoding, *completed]
         if decode_rows:
+            if decode_rows is not self._col_rows:
+                self._sync_columns()  # the rows changed: bring the old rows' counters up to date
             batch = self._decode_batch(decode_rows)
             t0 = time.perf_counter()
             sampled = self.backend.decode(batch)
             self._report("decode", time.perf_counter() - t0, batch.size)
             self._last_sampled = sampled
-            eos, max_context, append = self._eos, self._max_context, outputs.append
-            for seq, token in zip(decode_rows, sampled.tolist(), strict=True):
-                if seq.detok is None and not seq.stop_ids and token not in eos:
-                    # The common case inlined (one per token): no text, no stop ids, not EOS.
-                    seq.generated += 1
-                    seq.position += 1
-                    seq.last_token = token
-                    if seq.generated < seq.max_tokens and seq.position < max_context:
-                        append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
-                        continue
-                    append(self._end(seq, token, FinishReason.MAX_TOKENS))
-                    finished.append(seq)
+            if decode_rows is not self._col_rows:
+                self._set_up_columns(decode_rows)
+            if self._col_seqs:
+                index = self._col_index
+                plain = sampled if index is None else sampled[index]
+                if self._col_steps < self._col_limit and not self._any_eos(plain):
+                    self._col_steps += 1
+                    self._col_last = plain
+                    column = TokenColumn(self._col_owners, plain)
+                    if index is not None:
+                        others = self._col_others_index
+                        assert others is not None
+                        self._accept_decoded(self._col_others, sampled[others], outputs, finished)
                 else:
-                    self._accept_token(seq, token, outputs, finished)
+                    # A plain row may finish: this step goes token by token, and the next one
+                    # sets the columnar path up again for the rows that are left.
+                    self._sync_columns()
+                    self._col_rows = None
+                    self._accept_decoded(decode_rows, sampled, outputs, finished)
+            else:
+                self._accept_decoded(decode_rows, sampled, outputs, finished)
         for seq in finished:
             self._release(seq)
         self.steps += 1
-        return outputs
+        return outputs, column
+
+    def _accept_decoded(
+        self,
+        rows: list[Sequence],
+        sampled: np.ndarray,
+        outputs: list[Output],
+        finished: list[Sequence],
+    ) -> None:
+        """One decode step's tokens, row by row."""
+        eos, max_context, append = self._eos, self._max_context, outputs.append
+        for seq, token in zip(rows, sampled.tolist(), strict=True):
+            if seq.detok is None and not seq.stop_ids and token not in eos:
+                # The common case inlined (one per token): no text, no stop ids, not EOS.
+                seq.generated += 1
+                seq.position += 1
+                seq.last_token = token
+                if seq.generated < seq.max_tokens and seq.position < max_context:
+                    append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
+                    continue
+                append(self._end(seq, token, FinishReason.MAX_TOKENS))
+                finished.append(seq)
+            else:
+                self._accept_token(seq, token, outputs, finished)
+
+    def _set_up_columns(self, rows: list[Sequence]) -> None:
+        """Called once per new decode row list, with the rows' counters up to date."""
+        self._col_rows = rows
+        self._col_steps = 0
+        plain = [i for i, seq in enumerate(rows) if seq.detok is None and not seq.stop_ids]
+        if len(plain) == len(rows):
+            self._col_seqs, self._col_index = rows, None
+            self._col_others, self._col_others_index = [], None
+        else:
+            self._col_seqs = [rows[i] for i in plain]
+            self._col_index = np.array(plain, np.intp)
+            other = sorted(set(range(len(rows))) - set(plain))
+            self._col_others = [rows[i] for i in other]
+            self._col_others_index = np.array(other, np.intp)
+        self._col_owners = [seq.owner for seq in self._col_seqs]
+        if self._col_seqs:
+            # A row ends on the token that brings it to max_tokens or max_context: every step
+            # before that one may go columnar.
+            max_context = self._max_context
+            self._col_limit = (
+                min(
+                    min(seq.max_tokens - seq.generated, max_context - seq.position)
+                    for seq in self._col_seqs
+                )
+                - 1
+            )
+
+    def _sync_columns(self) -> None:
+        """Write the columnar steps taken so far into the rows' counters."""
+        k = self._col_steps
+        if not k:
+            return
+        self._col_steps = 0
+        self._col_limit -= k
+        for seq, token in zip(self._col_seqs, self._col_last.tolist(), strict=True):
+            seq.generated += k
+            seq.position += k
+            seq.last_token = token
+
+    def _any_eos(self, sampled: np.ndarray) -> bool:
+        eos = self._eos_ids
+        if len(eos) == 1:  # the usual case: one comparison is cheaper than np.isin
+            return bool((sampled == eos[0]).any())
+        return bool(len(eos) and np.isin(sampled, eos).any())
 
     def _report(self, phase: str, seconds: float, batch: int) -> None:
         if self._on_step is not None:
@@ -468,6 +592,8 @@ class Engine:
             self._decoding = [s for s in self._decoding if s is not seq]
 
     def _fail_all(self) -> list[Output]:
+        self._sync_columns()
+        self._col_rows = None
         outputs = []
         for seq in list(self._running):
             outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))

@@ -1,0 +1,198 @@
+"""The server's output path in process (a fake transport; no loop, socket or engine thread).
+
+The engine's columnar steps (TokenColumn, packed through a ColumnPlan) must write exactly the
+frames the per-token Outputs write, and leave the same counts and response-cache recordings,
+however steps are grouped into deliveries and whatever ends a stream between them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gateway import protocol as p
+from gateway.config import Settings
+from gateway.engine.engine import Engine
+from gateway.engine.factory import build_backend
+from gateway.hooks import Chain, Completion
+from gateway.ops.metrics import Metrics
+from gateway.protocol import ErrorCode, FrameType
+from gateway.server import Connection, Server
+
+
+class FakeTransport:
+    """What Connection uses of an asyncio transport; keeps what was written."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.writes = 0
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+        self.writes += 1
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make_server() -> tuple[Server, list[Completion]]:
+    settings = Settings(
+        engine={
+            "backend": "synthetic",
+            "max_batch_size": 8,
+            "max_context": 96,
+            "synthetic_vocab_size": 300,
+        }
+    )
+    backend, tokenizer = build_backend(settings)
+    chain = Chain.build(settings)
+    completions: list[Completion] = []
+    on_done = chain.on_done
+
+    def record(ctx, completion: Completion) -> None:
+        completions.append(completion)
+        on_done(ctx, completion)
+
+    chain.on_done = record  # type: ignore[method-assign]
+    engine = Engine(
+        backend,
+        tokenizer,
+        lambda outputs, column: None,  # never started: the test steps it
+        max_queue=64,
+        max_step_tokens=64,
+        prefill_chunk=16,
+    )
+    return Server(settings, engine, tokenizer, chain, Metrics()), completions
+
+
+def connect(server: Server) -> tuple[Connection, FakeTransport]:
+    conn = Connection(server)
+    transport = FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    return conn, transport
+
+
+def send(conn: Connection, data: bytes) -> None:
+    buf = conn.get_buffer(len(data))
+    buf[: len(data)] = data
+    conn.buffer_updated(len(data))
+
+
+def frames(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(type, stream, payload) per frame, with DONE's three timings zeroed (they are clocks)."""
+    dec = p.FrameDecoder("client", 1 << 20)
+    dec.feed(bytes(data))
+    out = []
+    while (frame := dec.next_frame()) is not None:
+        ftype, _, stream, payload = frame
+        body = bytes(payload)
+        if ftype == FrameType.DONE:
+            body = body[:12] + bytes(12)
+        out.append((ftype, stream, body))
+    return out
+
+
+REQUESTS = [
+    # (stream, prompt ids, max_tokens, options)
+    (1, [5, 6, 7], 40, {}),
+    (2, [8] * 20, 25, {}),  # prefills in two chunks
+    (3, [9, 10], 60, {}),  # reaches max_context
+    (4, [11], 30, {"text_deltas": True}),  # a text row: the engine's per-token path
+    (5, [12, 13], 35, {"stop_ids": [ord(" ")]}),
+    (6, [14], 30, {"temperature": 0.5}),  # sampled without a seed: not recorded
+]
+
+
+def serve(columnar: bool, group: int, script: dict[int, str] | None = None) -> tuple:
+    """Run REQUESTS over two connections (odd streams on one, even on the other), delivering
+    ``group`` engine steps at a time; ``script`` maps a step number to an event."""
+    server, completions = make_server()
+    (a, ta), (b, tb) = connect(server), connect(server)
+    for stream, prompt, max_tokens, opts in REQUESTS:
+        send(a if stream % 2 else b, p.encode_request(stream, prompt, max_tokens, **opts))
+    engine, steps, deliveries = server.engine, [], 0
+    for i in range(500):
+        event = (script or {}).get(i)
+        if event == "cancel 3":
+            send(a, p.encode_cancel(3))
+        elif event == "late 7":
+            send(b, p.encode_request(8, [20, 21], 20))
+        elif event == "slow b":
+            b.end_all_streams(ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+        steps.append(engine.step_columns() if columnar else (engine.step(), None))
+        if len(steps) == group:
+            server.deliver(steps)
+            deliveries += 1
+            steps = []
+        if not (engine._inbox or engine._waiting or engine._running):
+            break
+    server.deliver(steps)
+    deliveries += 1
+    if not script:  # one write per connection per delivery, however many steps it carries
+        assert ta.writes <= deliveries and tb.writes <= deliveries
+    return frames(ta.data), frames(tb.data), completions, server
+
+
+def completion_key(c: Completion) -> tuple:
+    ids = None if c.token_ids is None else c.token_ids.tolist()
+    return (c.finish_reason, c.prompt_tokens, c.completion_tokens, ids, c.text)
+
+
+def check_same(script: dict[int, str] | None = None) -> None:
+    for group in (1, 3, 8):
+        ref_a, ref_b, ref_done, _ = serve(columnar=False, group=group, script=script)
+        got_a, got_b, got_done, server = serve(columnar=True, group=group, script=script)
+        assert got_a == ref_a and got_b == ref_b, f"frames differ, group {group}"
+        assert sorted(map(completion_key, got_done), key=str) == sorted(
+            map(completion_key, ref_done), key=str
+        )
+        assert server._plan is not None  # the columnar path was taken
+        # Every stream ended once (DONE or ERROR), and DONE counts its TOKEN frames' ids.
+        for conn_frames in (got_a, got_b):
+            counts: dict[int, int] = {}
+            for ftype, stream, body in conn_frames:
+                if ftype == FrameType.TOKEN:
+                    ids = p.parse_token(memoryview(body))[0]
+                    counts[stream] = counts.get(stream, 0) + len(ids)
+                elif ftype == FrameType.DONE:
+                    done = p.parse_done(memoryview(body))
+                    assert done.completion_tokens == counts.pop(stream, 0)
+                elif ftype == FrameType.ERROR:
+                    counts.pop(stream, 0)
+            assert not counts
+
+
+def test_columnar_frames_equal_per_token_frames():
+    check_same()
+
+
+def test_columnar_frames_equal_with_cancel_late_stream_and_slow_consumer():
+    check_same({12: "cancel 3", 15: "late 7", 20: "slow b"})
+
+
+def test_columnar_records_for_the_response_cache():
+    _, _, completions, _ = serve(columnar=True, group=4)
+    recorded = [c for c in completions if c.token_ids is not None]
+    assert len(recorded) == 5  # all but stream 6
+    for c in recorded:
+        assert len(c.token_ids) == c.completion_tokens
+        assert c.text == "".join(chr(i) for i in c.token_ids.tolist())
+
+
+def test_token1_frames_match_pack_token1_into():
+    frames1 = p.token1_frames(np.array([1, 2**32 - 1, 77]))
+    frames1[:, p.TOKEN1_ID] = [0, 299, 2**31 - 1]
+    buf = bytearray(60)
+    off = 0
+    for stream, token in ((1, 0), (2**32 - 1, 299), (77, 2**31 - 1)):
+        off = p.pack_token1_into(buf, off, stream, token, b"")
+    assert frames1.tobytes() == bytes(buf)
