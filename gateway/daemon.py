@@ -1,7 +1,7 @@
 """Start-up and shutdown of one daemon process: backend, hooks, engine thread, server, operations.
 
-Order: logging → backend (loads the model) → hook chain → engine thread → bind the port →
-metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT drain (GOAWAY, finish streams in flight
+Order: logging → backend (loads the model, on the engine thread) → registered prompts → hook
+chain → engine loop → bind the port → metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT drain (GOAWAY, finish streams in flight
 up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file. With ``server.workers = N`` the
 parent starts N worker processes sharing the port through SO_REUSEPORT and forwards signals.
 """
@@ -19,6 +19,7 @@ import time
 import uvloop
 
 from gateway.config import Settings
+from gateway.engine.compute import ComputeThread
 from gateway.engine.engine import Engine
 from gateway.engine.factory import build_backend
 from gateway.hooks import Chain
@@ -39,17 +40,22 @@ ENGINE_STALE_S = 10.0  # /healthz fails when the engine thread has not looped fo
 async def _serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     metrics = Metrics()
-    backend, tokenizer = build_backend(settings)
+    # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
+    # engine loop (see gateway.engine.compute for why one thread).
+    compute = ComputeThread()
+    backend, tokenizer = compute.call(build_backend, settings)
     # Validate, tokenize and prefill every registered prompt once, in slot 0, before the engine
-    # thread owns the backend. An invalid prompt stops start-up, named (PromptConfigError).
+    # loop owns the backend. An invalid prompt stops start-up, named (PromptConfigError).
     prompts = PromptRegistry.build(
         settings.prompts,
         tokenizer,
         max_prefix_tokens=settings.engine.max_prefix_tokens,
         budget_bytes=settings.engine.prefix_budget_bytes,
     )
-    prompts.compile(
-        backend, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
+    compute.call(
+        lambda: prompts.compile(
+            backend, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
+        )
     )
     chain = Chain.build(settings)
     server_ref: list[Server] = []
@@ -68,7 +74,7 @@ async def _serve(settings: Settings) -> None:
     def engine_alive() -> bool:
         return engine.alive and time.monotonic() - engine.last_beat < ENGINE_STALE_S
 
-    engine.start()
+    engine.start(compute)
     cfg = settings.server
     sock = make_listen_socket(cfg.host, cfg.port, cfg.backlog, cfg.reuse_port)
     await server.start(sock)

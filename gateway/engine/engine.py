@@ -22,11 +22,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from gateway.engine.backend import Backend
+from gateway.engine.compute import ComputeThread
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.protocol import FinishReason
 from gateway.tokenizer import Detokenizer, Tokenizer
@@ -190,7 +192,8 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
-        self._thread: threading.Thread | None = None
+        self._compute: ComputeThread | None = None
+        self._running_loop: Future[None] | None = None  # _run on the compute thread
         self._queued = 0  # inbox + waiting, maintained under _lock
         self._lock = threading.Lock()
         self.last_beat = time.monotonic()  # the thread's heartbeat, for health checks
@@ -213,7 +216,8 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        loop = self._running_loop
+        return loop is not None and not loop.done()
 
     def submit(self, seq: Sequence) -> None:
         if not len(seq.prompt):  # the server never sends one: a precompiled prefix keeps a token
@@ -238,9 +242,11 @@ class Engine:
         estimate = per_slot * (self._queued + 1) * 1000.0
         return int(min(max(estimate, 50.0), 30_000.0))
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="zerolayer-engine", daemon=True)
-        self._thread.start()
+    def start(self, compute: ComputeThread | None = None) -> None:
+        """Run the engine loop on ``compute`` (the thread that loaded the model, so that torch
+        keeps one OpenMP team; see gateway.engine.compute), or on a thread of its own."""
+        self._compute = compute if compute is not None else ComputeThread()
+        self._running_loop = self._compute.submit(self._run)
 
     def stop_accepting(self) -> None:
         with self._lock:
@@ -250,8 +256,8 @@ class Engine:
         self.stop_accepting()
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._compute is not None:
+            self._compute.close(timeout)  # returns once _run has (or after timeout)
         self.backend.close()
 
     # ------------------------------------------------------------------ engine thread
