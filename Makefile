@@ -24,7 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py
 	$(BIN)/python benchmarks/engine.py --dtype float32
-	$(BIN)/python benchmarks/engine.py --dtype bfloat16
+	$(BIN)/python benchmarks/engine.py --dtype bfloat16 --runs 3
 	$(BIN)/python benchmarks/hooks.py
 	$(BIN)/python benchmarks/prompts.py --size medium
 	$(BIN)/python benchmarks/prompts.py --size builtin

@@ -654,8 +654,10 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
     loads = [run["foreign_load"] for group in (zl, hf) for run in group.values()]
     if diag:
         loads.append(diag["foreign_load"])
-    invocation = ("" if args.size == "medium" else f" --size {args.size}") + (
-        "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+    invocation = (
+        ("" if args.size == "medium" else f" --size {args.size}")
+        + ("" if args.dtype == "float32" else f" --dtype {args.dtype}")
+        + ("" if args.runs == SIZE_DEFAULTS[args.size][2] else f" --runs {args.runs}")
     )
     runs_md = "One run" if args.runs == 1 else f"Median of {args.runs} runs"
     return (

@@ -57,6 +57,19 @@ MAX_TOKENS = 8
 CONCURRENCY = (1, 16)
 MODES = ("inline", "registered (prompt_id)", "registered (JSON system)")
 ROUNDS = {"medium": 5, "builtin": 8}
+SIZE_NOTES = {
+    "medium": (
+        "The text is written in the checkpoint's word-level vocabulary, one token per word or "
+        "punctuation mark (pseudo-words w3..w99), so the user turn has about as many tokens as "
+        "a subword tokenizer makes of it."
+    ),
+    "builtin": (
+        "A pessimistic case for the ratio: with one token per byte the user turn is 77-79 "
+        "tokens against the 1,000 of the system prompt, and with a hidden size of 256 the user "
+        "turn's attention over the 1,000 prefix positions costs about two thirds as much as its "
+        "projections and MLP."
+    ),
+}
 
 _SENTENCES = [
     "You are the support assistant of a company that sells bicycles and spare parts.",
@@ -255,8 +268,7 @@ def markdown(result: dict, m: dict, args: argparse.Namespace) -> str:
             f"round by round after a warm-up; {args.rounds} rounds at each concurrency. TTFT is "
             "the daemon's DONE `ttft_us` (request received to first TOKEN written); client TTFT "
             'adds the loopback round trip. "tokens = inline" checks every registered answer '
-            "against "
-            "the inline one.",
+            "against the inline one. " + SIZE_NOTES[args.size],
             "",
             table(headers, rows),
             "",
