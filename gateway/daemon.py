@@ -1,9 +1,10 @@
 """Start-up and shutdown of one daemon process: backend, hooks, engine thread, server, operations.
 
 Order: logging → backend (loads the model, on the engine thread) → registered prompts → hook
-chain → engine loop → bind the port → metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT drain (GOAWAY, finish streams in flight
-up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file. With ``server.workers = N`` the
-parent starts N worker processes sharing the port through SO_REUSEPORT and forwards signals.
+chain → engine loop → bind the port → metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT
+drain (GOAWAY, finish streams in flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the
+keys file. With ``server.workers = N`` the parent starts N worker processes sharing the port
+through SO_REUSEPORT and forwards signals.
 """
 
 from __future__ import annotations

@@ -181,3 +181,40 @@ def test_bfloat16_engine_serves_a_full_batch(cpu_bf16):
     got = run(backend, tokenizer, seqs)  # asserts every slot is free again
     assert all(0 < len(ids) <= 16 for ids in got.values())
     assert sum(len(ids) == 16 for ids in got.values()) >= 1
+
+
+THREAD_WARNING = "torch ops are slower with two OpenMP teams"
+
+
+def test_backend_warns_once_when_run_on_another_thread_than_it_was_loaded_on(cpu, caplog):
+    import threading
+
+    backend, tokenizer, _ = cpu  # loaded on this (the main) thread
+    with caplog.at_level("WARNING", logger="zerolayer.engine"):
+        run(backend, tokenizer, [seq("here", "same thread", tokenizer, n=2)])
+        assert THREAD_WARNING not in caplog.text
+        worker = threading.Thread(
+            target=run, args=(backend, tokenizer, [seq("there", "other thread", tokenizer, n=2)])
+        )
+        worker.start()
+        worker.join()
+        run(backend, tokenizer, [seq("again", "other thread", tokenizer, n=2)])
+    assert caplog.text.count(THREAD_WARNING) == 1
+
+
+def test_daemon_loads_and_runs_the_model_on_one_thread(cpu, tmp_path):
+    # Start-up loads the model and prefills a registered prompt; then requests run. If any of
+    # these ran on another thread than the engine loop, the backend would log the warning.
+    config = tmp_path / "prompts.toml"
+    config.write_text('[[prompts]]\nid = 1\nname = "p"\ntext = "You are terse."\n')
+    env = {"ENGINE__BACKEND": "cpu", "MODEL__DATA_DIR": cpu[2], "ENGINE__MAX_BATCH_SIZE": "2"}
+    with Daemon(env, config=str(config)) as d:
+        conn = rc.RawConnection(d.host, d.port)
+        conn.send(rc.request(1, b"hello", 4))
+        conn.send(rc.request(3, b"again", 4, prompt_id=1))
+        results = rc.collect(conn, {1, 3})
+        conn.close()
+        assert all(r["done"] is not None for r in results.values())
+        assert results[3]["done"]["cache"] & 2  # the registered prompt's KV was reused
+        d.terminate()
+    assert THREAD_WARNING not in d.log

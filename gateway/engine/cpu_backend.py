@@ -10,6 +10,8 @@ positions, for precompiled system prompts.
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +24,8 @@ from gateway.models.loader import LoadedModel, load_model
 from gateway.tokenizer import Tokenizer
 from kernels.llama import KVCache, eager_attention_len
 from kernels.sampling import Sampler
+
+log = logging.getLogger("zerolayer.engine")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,21 @@ class CpuBackend(Backend):
         )
         self.cache = KVCache.allocate(loaded.config, num_slots, context, loaded.dtype)
         self.sampler = Sampler(sampler_seed)
+        self._thread = threading.get_ident()  # the thread that loaded the model
+        self._thread_warned = False
+
+    def _check_thread(self) -> None:
+        """Warn once when the model runs on another thread than the one that loaded it: each
+        thread then has its own OpenMP team and small ops get several times slower (see
+        gateway.engine.compute)."""
+        if threading.get_ident() != self._thread and not self._thread_warned:
+            self._thread_warned = True
+            log.warning(
+                "CPU backend runs on thread %s but was loaded on thread %s: torch ops are "
+                "slower with two OpenMP teams; load and run it on one thread",
+                threading.current_thread().name,
+                self._thread,
+            )
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -98,6 +117,7 @@ class CpuBackend(Backend):
 
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        self._check_thread()
         out = np.full(len(chunks), -1, dtype=np.int32)
         inputs = [self._chunk_tokens(chunk) for chunk in chunks]
         lengths = [int(t.shape[0]) for t in inputs]
@@ -154,6 +174,7 @@ class CpuBackend(Backend):
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> np.ndarray:
+        self._check_thread()
         if batch.size == 0:
             return np.empty(0, dtype=np.int32)
         positions = np.asarray(batch.positions, dtype=np.int64)
