@@ -40,15 +40,12 @@ class ComputeThread:
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread and wait for it; its exception is raised here."""
-        if threading.current_thread() is self.thread:
-            return fn(*args)
         return self.submit(fn, *args).result()
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued calls, then end the thread (waits up to ``timeout`` seconds)."""
         self._jobs.put(None)
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
+        self.thread.join(timeout)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gateway.hooks.registry import STAGES, Registration, forget, registrations
 from gateway.hooks.settings import HooksConfig
@@ -266,10 +266,7 @@ class Chain:
                 if cached is not None:
                     return cached
         except Exception as exc:
-            err = self._refusal(ctx, fn, exc)
-            if err is exc:
-                raise
-            raise err from exc
+            self._refuse(ctx, fn, exc)
         if self.is_async:  # its _on_request is empty: refuse loudly rather than skip the hooks
             raise RuntimeError("this chain has async hooks: await on_request_async")
         return None
@@ -285,17 +282,17 @@ class Chain:
                 if cached is not None:
                     return cached
         except Exception as exc:
-            err = self._refusal(ctx, fn, exc)
-            if err is exc:
-                raise
-            raise err from exc
+            self._refuse(ctx, fn, exc)
         return None
 
-    def _refusal(self, ctx: RequestContext, fn: Any, exc: Exception) -> HookError:
-        """A hook refused (HookError) or crashed (→ INTERNAL): run on_refused, return the error."""
-        err = exc if isinstance(exc, HookError) else self._internal(fn, exc)
+    def _refuse(self, ctx: RequestContext, fn: Any, exc: Exception) -> NoReturn:
+        """A hook refused (HookError) or crashed (→ INTERNAL): run on_refused, raise the error."""
+        if isinstance(exc, HookError):
+            self._refused(ctx, exc)
+            raise exc
+        err = self._internal(fn, exc)
         self._refused(ctx, err)
-        return err
+        raise err from exc
 
     def _internal(self, fn: Any, exc: Exception) -> HookError:
         label = self._labels.get(fn, repr(fn))
