@@ -339,3 +339,43 @@ def test_builds_from_the_daemon_settings():
 
     chain = Chain.build(Settings())
     assert "gateway.hooks.ratelimit.RateLimiter" in chain.names and not chain.auth_required
+
+
+def test_async_chain_refusals_and_crashes_give_back_the_reservation(tmp_path):
+    mod = write_module(
+        tmp_path,
+        "async_refuser",
+        """
+        import asyncio
+        from gateway.hooks import INVALID_REQUEST, HookError, hook
+        @hook("on_request")
+        async def refuse(ctx):
+            await asyncio.sleep(0)
+            if ctx.max_tokens == 91:
+                raise HookError(INVALID_REQUEST, "no")
+            if ctx.max_tokens == 92:
+                raise ZeroDivisionError("bug")
+        """,
+    )
+    chain = Chain.build(
+        settings(
+            [mod], ratelimit=RateLimitConfig(default_tpm=100), cache=CacheConfig(enabled=False)
+        )
+    )
+    assert chain.is_async
+
+    async def run() -> list[int]:
+        codes = []
+        # Each refused request would hold 3 + 91 (or 92) tokens if the reservation leaked.
+        for max_tokens in (91, 92, 91):
+            with pytest.raises(HookError) as err:
+                await chain.on_request_async(make_ctx(max_tokens=max_tokens))
+            codes.append(err.value.code)
+        assert await chain.on_request_async(make_ctx(max_tokens=90)) is None
+        with pytest.raises(HookError) as err:
+            await chain.on_request_async(make_ctx(max_tokens=90))
+        codes.append(err.value.code)
+        await chain.aclose()
+        return codes
+
+    assert asyncio.run(run()) == [INVALID_REQUEST, INTERNAL, INVALID_REQUEST, RATE_LIMITED]
