@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 
-.PHONY: install run test bench lint clean
+.PHONY: install run test test-unit redis bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/zerolayer serve --config $(CONFIG)
 
-test: $(STAMP)
+# The suite runs a real redis-server: installed from Debian's package when missing.
+redis:
+	@sh tests/support/install-redis.sh
+
+test: $(STAMP) redis
 	$(BIN)/python -m pytest -q
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py

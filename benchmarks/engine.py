@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from tests.support.daemon import Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
 STATIC_BATCH = 32

@@ -36,7 +36,7 @@ from gateway.config import AuthConfig  # noqa: E402
 from gateway.hooks import Chain, Completion, RequestContext  # noqa: E402
 from gateway.hooks.keys import add_key  # noqa: E402
 from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 
 PROMPT_LEN = 128
 COMPLETION_LEN = 64

@@ -49,7 +49,7 @@ from gateway.client import Client  # noqa: E402
 from gateway.prompts import system_ids  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
 from gateway.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from tests.support.daemon import Daemon  # noqa: E402
 
 PROMPT_ID = 1
 TARGET_TOKENS = 1000

@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from tests.support.daemon import Daemon  # noqa: E402
 
 HDR = struct.Struct("<IBBHI")
 CLK = os.sysconf("SC_CLK_TCK")

@@ -249,7 +249,7 @@ class Metrics:
             self.itl.observe(seconds)
             return
         # n equal observations in O(1): what n observe() calls would do, without the loop
-        # (a stream's DONE reports all its gaps at once). tests/test_ops_metrics.py checks
+        # (a stream's DONE reports all its gaps at once). tests/unit/test_ops_metrics.py checks
         # this against observe() so a prometheus-client change cannot skew it silently.
         each = seconds / n
         hist = self.itl

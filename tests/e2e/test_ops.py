@@ -19,28 +19,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import rawclient as rc
-from tests.daemon import ROOT, Daemon
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def value(samples, name, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def status(url: str) -> int:
-    try:
-        return urllib.request.urlopen(url, timeout=5).status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+from tests.support import rawclient as rc
+from tests.support.daemon import ROOT, Daemon
+from tests.support.metrics import scrape, status, value
 
 
 def test_scrape_after_requests_moves_counters_by_the_right_amounts():

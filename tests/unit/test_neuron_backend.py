@@ -30,7 +30,7 @@ from gateway.engine.neuron_backend import NeuronBackend, NeuronBackendError, cre
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 
 VOCAB = 64
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def expected_next(seq: list[int]) -> int:

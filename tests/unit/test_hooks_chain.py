@@ -27,7 +27,7 @@ from gateway.hooks import (
 )
 from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def settings(modules=(), options=None, auth=None, ratelimit=None, cache=None):

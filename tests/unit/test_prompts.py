@@ -29,6 +29,7 @@ from gateway.prompts import (
     text_problems,
 )
 from gateway.tokenizer import ByteTokenizer, Tokenizer
+from tests.support.checkpoint import SPECIAL, write_checkpoint
 
 TOK = ByteTokenizer()
 SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise."
@@ -447,58 +448,7 @@ def test_registered_prompt_output_is_identical_to_inline_on_synthetic() -> None:
 
 
 # A tiny Llama checkpoint made with transformers, with a tokenizer.json whose chat template has
-# real special tokens (as in tests/test_parity.py, which has no template).
-VOCAB = 300
-SPECIAL = ["<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-
-
-def write_checkpoint(directory: Path) -> None:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    torch.manual_seed(7)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # wider weights than the default: decisive greedy choices
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(directory, safe_serialization=True)
-    vocab = {t: i for i, t in enumerate(SPECIAL)}
-    words = ["you", "are", "a", "terse", "assistant", "answer", "in", "one", "short"]
-    words += ["sentence", "what", "is", "haiku"]
-    vocab.update({w: len(SPECIAL) + i for i, w in enumerate(words)})
-    vocab.update({f"w{i}": i for i in range(len(vocab), VOCAB)})
-    tok = RustTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIAL[:2] + SPECIAL[3:])
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "add_bos_token": True,
-                "chat_template": TEMPLATE,
-            }
-        )
-    )
+# real special tokens (as in tests/unit/test_parity.py, which has no template).
 
 
 def test_registered_prompt_output_is_identical_to_inline_on_a_transformers_checkpoint(
@@ -559,109 +509,3 @@ def test_prompts_are_listed_on_the_metrics_port() -> None:
 
 
 # --------------------------------------------------------------------------- end to end
-
-WIRED = "prompts" in __import__("gateway.config", fromlist=["Settings"]).Settings.model_fields
-needs_wiring = pytest.mark.skipif(not WIRED, reason="Settings has no [[prompts]] key yet")
-E2E_ENV = {
-    "ENGINE__BACKEND": "cpu",
-    "ENGINE__MAX_BATCH_SIZE": "4",
-    "ENGINE__MAX_CONTEXT": "512",
-    "ENGINE__PREFILL_CHUNK": "64",
-    "ENGINE__MAX_STEP_TOKENS": "128",
-    # Deterministic repeats would be answered from the response cache (DONE bit 0), which
-    # replays a stored answer instead of running the model: off, to test the prefix path.
-    "CACHE__ENABLED": "false",
-}
-
-
-def e2e_config(tmp_path: Path, body: str) -> str:
-    path = tmp_path / "zerolayer.toml"
-    path.write_text(body)
-    return str(path)
-
-
-@needs_wiring
-def test_daemon_serves_registered_prompts_identically_to_inline(
-    tmp_path: Path, builtin_dir: Path
-) -> None:
-    import asyncio
-
-    from gateway.client import Client, ServerError
-    from gateway.protocol import CACHE_PROMPT, ErrorCode
-    from tests.daemon import Daemon
-
-    (tmp_path / "prompts").mkdir()
-    (tmp_path / "prompts" / "second.txt").write_text("Answer in French.\n")
-    config = e2e_config(
-        tmp_path,
-        f'[[prompts]]\nid = 1\nname = "terse"\ntext = "{SYSTEM}"\n'
-        '[[prompts]]\nid = 7\nname = "french"\nfile = "prompts/second.txt"\n',
-    )
-    env = dict(E2E_ENV, MODEL__DATA_DIR=str(builtin_dir))
-    user = TOK.encode("<|user|>\nWhat is a haiku?\n<|assistant|>\n")
-    full = system_ids(TOK, SYSTEM).tolist() + user
-    messages = [{"role": "user", "content": "What is a haiku?"}]
-    sampled = {"temperature": 1.0, "seed": 99}
-
-    async def run(endpoint: str) -> dict:
-        out = {}
-        async with await Client.connect(endpoint) as c:
-
-            async def binary(ids: list[int], prompt_id: int = 0):
-                s = await c.generate(ids, 20, prompt_id=prompt_id, text=False, **sampled)
-                return await s.collect()
-
-            async def chat(**extra):
-                req = {"max_tokens": 20, "messages": messages, **sampled, **extra}
-                return await (await c.generate_json(req)).collect()
-
-            out["by_id"] = await binary(user, prompt_id=1)
-            out["inline"] = await binary(full)
-            out["json_system"] = await chat(system=SYSTEM)
-            out["json_prompt_id"] = await chat(prompt_id=1)
-            out["json_other"] = await chat(system=SYSTEM + " ")
-            try:
-                await binary(user, prompt_id=99)
-            except ServerError as exc:
-                out["unknown"] = exc
-        return out
-
-    with Daemon(env, config=config) as d:
-        got = asyncio.run(run(d.endpoint))
-        with urllib.request.urlopen(d.metrics_url + "/prompts", timeout=10) as resp:
-            listed = json.loads(resp.read())["prompts"]
-        metrics = urllib.request.urlopen(d.metrics_url + "/metrics", timeout=10).read().decode()
-    french = system_ids(TOK, "Answer in French.")  # the file's final line break is dropped
-    assert [(p["id"], p["name"], p["tokens"]) for p in listed] == [
-        (1, "terse", len(full) - len(user)),
-        (7, "french", len(french)),
-    ]
-    assert all(p["kv_bytes"] > 0 for p in listed)
-    by_id, inline = got["by_id"], got["inline"]
-    assert by_id.ids == inline.ids and len(by_id.ids) == 20
-    assert by_id.prompt_tokens == inline.prompt_tokens == len(full)
-    assert by_id.cache & CACHE_PROMPT and not inline.cache & CACHE_PROMPT
-    # JSON by system text (found by hash) and by prompt_id: the same KV reused, same tokens.
-    # The JSON chat renders to the same ids as the binary request: the same tokens come back.
-    assert got["json_system"].ids == got["json_prompt_id"].ids == by_id.ids
-    assert got["json_system"].cache & CACHE_PROMPT and got["json_prompt_id"].cache & CACHE_PROMPT
-    assert not got["json_other"].cache & CACHE_PROMPT  # not a registered text: inline
-    assert got["unknown"].code == ErrorCode.UNKNOWN_PROMPT
-    # Queries: three that reused the KV, and the unknown id (a miss).
-    assert "zerolayer_prefix_cache_queries_total 4.0" in metrics
-    assert "zerolayer_prefix_cache_hits_total 3.0" in metrics
-
-
-@needs_wiring
-def test_daemon_refuses_to_start_with_an_invalid_prompt_and_names_it(tmp_path: Path) -> None:
-    from tests.daemon import Daemon
-
-    config = e2e_config(
-        tmp_path,
-        '[[prompts]]\nid = 3\nname = "dated"\ntext = "You are a helpful assistant on {date}"\n',
-    )
-    with pytest.raises(RuntimeError) as err:
-        Daemon({"ENGINE__BACKEND": "synthetic"}, config=config)
-    assert 'prompt 3 "dated": dynamic variable {date} not allowed in compiled prompt' in str(
-        err.value
-    )

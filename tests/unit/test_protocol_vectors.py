@@ -18,7 +18,7 @@ import pytest
 from gateway import protocol as p
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 _BLOCK = re.compile(
     r"^(Vector|Reject vector): `([a-z0-9_]+)`\n.*?```json\n(.*?)\n```\s*```hex\n(.*?)\n```",

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from gateway.config import DEFAULT_CONFIG, ConfigError, load_settings
-from tests.daemon import ROOT
+from tests.support.daemon import ROOT
 
 
 def test_default_file_gives_documented_defaults(monkeypatch):

@@ -27,7 +27,7 @@ from gateway.hooks import (
 )
 from gateway.hooks.ratelimit import MemoryRateStore, RateLimiter
 from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
-from tests.redis_server import RedisServer, redis_server, redis_url  # noqa: F401
+from tests.support.redis_server import RedisServer
 
 
 class FakeClock:

@@ -1,6 +1,6 @@
 """End-to-end: a real daemon process (synthetic backend) against the rules of docs/protocol.md.
 
-These tests speak through tests/rawclient.py, written from the protocol document alone.
+These tests speak through tests/support/rawclient.py, written from the protocol document alone.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from tests import rawclient as rc
-from tests.daemon import Daemon
+from tests.support import rawclient as rc
+from tests.support.daemon import Daemon
 
 MALFORMED, TOO_LARGE, UNSUPPORTED, UNAUTH = 1, 2, 3, 4
 OVERLOADED, INVALID, PROMPT_TOO_LONG, UNKNOWN_PROMPT = 6, 7, 8, 9

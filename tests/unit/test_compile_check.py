@@ -16,7 +16,7 @@ from gateway.config import Settings
 from gateway.prompts import add_compile_check_subparser, system_ids
 from gateway.tokenizer import ByteTokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATED = '{"system":"You are a helpful assistant on {date}"}'
 DATED_ERROR = "ERROR: dynamic variable {date} not allowed in compiled prompt"
 TERSE = "You are terse."
@@ -152,7 +152,7 @@ def test_token_budget(tmp_path, capsys) -> None:
 
 
 def test_model_tokenizer_is_used_when_given(tmp_path, capsys) -> None:
-    from tests.test_prompts import write_checkpoint
+    from tests.support.checkpoint import write_checkpoint
 
     pytest.importorskip("transformers")
     write_checkpoint(tmp_path)

@@ -10,7 +10,7 @@ import pytest
 
 from gateway import client as zc
 from gateway.protocol import ErrorCode, FinishReason
-from tests.daemon import ROOT, Daemon
+from tests.support.daemon import ROOT, Daemon
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from gateway.config import AuthConfig
 from gateway.hooks import CachedResponse, Chain, Completion, Principal, RequestContext
 from gateway.hooks.cache import ENTRY_OVERHEAD, MemoryCacheStore, RedisCacheStore, cache_key
 from gateway.hooks.settings import CacheConfig, RateLimitConfig
-from tests.redis_server import redis_server, redis_url  # noqa: F401
 
 IDS = np.array([5, 17, 42, 7], dtype=np.int32)
 TEXT = "héllo wörld"
@@ -203,7 +202,7 @@ def test_redis_cache_hit_and_ttl(redis_url):  # noqa: F811
 
 
 def test_redis_cache_errors_are_misses():
-    from tests.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     server = RedisServer().start()
     try:

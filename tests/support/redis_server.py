@@ -1,10 +1,7 @@
 """A real ``redis-server`` for tests and benchmarks: started on a free 127.0.0.1 port in a temp
 dir without persistence, ready once it answers PING, stopped (and its dir removed) at the end.
 
-Tests import the fixtures (no conftest needed)::
-
-    from tests.redis_server import redis_server, redis_url  # noqa: F401
-
+tests/conftest.py registers the fixtures for every test module.
 ``redis_server`` is one server per test session; ``redis_url`` flushes it before each test.
 Outside pytest: ``with RedisServer() as srv: srv.url``. A missing binary is an error, never a skip.
 """
@@ -24,7 +21,7 @@ import pytest
 
 INSTALL_HINT = (
     "redis-server not found on PATH or at /usr/bin/redis-server; the hook tests need a real one: "
-    "`apt-get install redis-server` (.ci/run installs it)"
+    "`make test` installs it (tests/support/install-redis.sh)"
 )
 
 

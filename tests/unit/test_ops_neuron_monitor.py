@@ -24,8 +24,8 @@ from gateway.ops.neuron_monitor import (
 
 # In the repo's tests/fixtures when copied there; else the shared fixtures next to the checkout.
 _CANDIDATES = [
-    Path(__file__).resolve().parent / "fixtures" / "neuron-monitor-sample.json",
-    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "neuron-monitor-sample.json",
+    Path(__file__).resolve().parents[1] / "fixtures" / "neuron-monitor-sample.json",
+    Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "neuron-monitor-sample.json",
 ]
 FIXTURE = next((p for p in _CANDIDATES if p.exists()), _CANDIDATES[0])
 

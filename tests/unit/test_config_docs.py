@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from gateway.config import Settings
-from tests.daemon import ROOT
+from tests.support.daemon import ROOT
 
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
