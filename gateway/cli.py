@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 
-from gateway.client import DEFAULT_ENDPOINT, Client, ServerError
+from gateway.client import DEFAULT_ENDPOINT, Client, ConnectionClosed, ServerError
 from gateway.config import ConfigError, load_settings
 from gateway.hooks.keys import add_keys_subparser
 from gateway.prompts import add_compile_check_subparser
@@ -28,16 +28,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except Exception as exc:  # a start-up failure: one clear line, no traceback soup
         from gateway.hooks import HookConfigError
         from gateway.models import ModelLoadError
+        from gateway.ops.tls import TLSConfigError
         from gateway.prompts import PromptConfigError
 
-        if isinstance(exc, (HookConfigError, ModelLoadError, PromptConfigError, OSError)):
+        start_errors = (HookConfigError, ModelLoadError, PromptConfigError, TLSConfigError, OSError)
+        if isinstance(exc, start_errors):
             print(f"zerolayer: cannot start: {exc}", file=sys.stderr)
             return 1
         raise
 
 
+def _tls(args: argparse.Namespace):
+    """The client TLS context for a ``tls://`` endpoint from --tls-ca/--tls-cert/--tls-key."""
+    if not args.endpoint.startswith("tls://"):
+        return None
+    from gateway.ops.tls import client_context
+
+    return client_context(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 async def _generate(args: argparse.Namespace) -> int:
-    async with await Client.connect(args.endpoint, args.api_key) as client:
+    async with await Client.connect(args.endpoint, args.api_key, ssl=_tls(args)) as client:
         if args.json:
             request = {
                 "max_tokens": args.max_tokens,
@@ -80,7 +91,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ServerError as exc:
         print(f"zerolayer: server error {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
+    except (OSError, ConnectionClosed) as exc:  # ssl.SSLError is an OSError
         print(f"zerolayer: cannot reach {args.endpoint}: {exc}", file=sys.stderr)
         return 1
 
@@ -112,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="send a JSON chat request")
     gen.add_argument("--system", default=None, help="system prompt (with --json)")
     gen.add_argument("--api-key", default=None, help="API key (sent in HELLO)")
+    gen.add_argument("--tls-ca", default=None, help="CA file for a tls:// endpoint (else system)")
+    gen.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
+    gen.add_argument("--tls-key", default=None, help="client certificate's key")
     gen.add_argument("-v", "--verbose", action="store_true", help="print DONE fields")
     gen.set_defaults(func=_cmd_generate)
 

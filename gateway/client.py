@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import ssl as _ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -22,6 +23,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from gateway import protocol as p
+from gateway.ops.tls import client_context
 from gateway.protocol import ErrorCode, FrameType
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7070"
@@ -143,13 +145,33 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, endpoint: str = DEFAULT_ENDPOINT, api_key: str | bytes | None = None
+        cls,
+        endpoint: str = DEFAULT_ENDPOINT,
+        api_key: str | bytes | None = None,
+        *,
+        ssl: _ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> Client:
-        """Open a connection; with ``api_key`` send HELLO and wait for WELCOME."""
+        """Open a connection; with ``api_key`` send HELLO and wait for WELCOME.
+
+        ``tls://HOST:PORT`` connects with TLS: ``ssl`` is the client context (see
+        gateway.ops.tls.client_context for a CA, a client certificate and its key; default: the
+        system CAs); the server's certificate must name ``server_hostname`` (default HOST).
+        """
         url = urlparse(endpoint if "://" in endpoint else f"tcp://{endpoint}")
-        if url.scheme != "tcp" or not url.hostname or not url.port:
-            raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
-        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        if url.scheme not in ("tcp", "tls") or not url.hostname or not url.port:
+            raise ValueError(
+                f"endpoint must look like tcp://HOST:PORT or tls://HOST:PORT, got {endpoint!r}"
+            )
+        if url.scheme == "tls":
+            reader, writer = await asyncio.open_connection(
+                url.hostname,
+                url.port,
+                ssl=ssl or client_context(),
+                server_hostname=server_hostname or url.hostname,
+            )
+        else:
+            reader, writer = await asyncio.open_connection(url.hostname, url.port)
         client = cls(reader, writer)
         if api_key is not None:
             await client.hello(api_key)

@@ -82,6 +82,22 @@ class AuthConfig(_Section):
     keys_file: str = "configs/keys.toml"
 
 
+class TLSConfig(_Section):
+    # TLS on the frame (and HTTP) listener when cert_file is set; the metrics port stays plain.
+    cert_file: str = ""  # PEM certificate chain; empty = plain TCP
+    key_file: str = ""  # PEM private key; empty = the key is in cert_file
+    client_ca_file: str = (
+        ""  # PEM CA bundle: when set, clients must present a certificate it signed
+    )
+    min_version: Literal["1.3", "1.2"] = "1.3"
+
+    @model_validator(mode="after")
+    def _needs_cert(self) -> TLSConfig:
+        if not self.cert_file and (self.key_file or self.client_ca_file):
+            raise ValueError("tls.key_file and tls.client_ca_file need tls.cert_file")
+        return self
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -108,6 +124,7 @@ class Settings(BaseSettings):
     engine: EngineConfig = EngineConfig()
     model: ModelConfig = ModelConfig()
     auth: AuthConfig = AuthConfig()
+    tls: TLSConfig = TLSConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
     hooks: HooksConfig = HooksConfig()

@@ -3,8 +3,8 @@
 Order: logging → backend (loads the model, on the engine thread) → registered prompts → hook
 chain → engine loop → bind the port → metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT
 drain (GOAWAY, finish streams in flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the
-keys file. With ``server.workers = N`` the parent starts N worker processes sharing the port
-through SO_REUSEPORT and forwards signals.
+keys file and the TLS certificate files. With ``server.workers = N`` the parent starts N worker
+processes sharing the port through SO_REUSEPORT and forwards signals.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from gateway.ops.metrics import Metrics
 from gateway.ops.neuron_monitor import start_neuron_monitor
 from gateway.ops.notify import Notifier
 from gateway.ops.sockets import make_listen_socket
+from gateway.ops.tls import ALPN_FRAME, server_tls
 from gateway.prompts import PromptRegistry
 from gateway.server import Server
 
@@ -77,8 +78,9 @@ async def _serve(settings: Settings) -> None:
 
     engine.start(compute)
     cfg = settings.server
+    tls = server_tls(settings.tls, [ALPN_FRAME])
     sock = make_listen_socket(cfg.host, cfg.port, cfg.backlog, cfg.reuse_port)
-    await server.start(sock)
+    await server.start(sock, ssl=tls.context if tls else None)
     http = None
     if settings.metrics.enabled:
         http = start_http_server(
@@ -99,12 +101,18 @@ async def _serve(settings: Settings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, chain.reload)
+
+    def reload() -> None:
+        chain.reload()
+        if tls is not None:
+            tls.reload()
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     info = backend.info
     # One machine-readable line: tests and scripts wait for it to learn the bound ports. One
     # write() with its newline, so lines of workers sharing the stream never interleave.
     line = (
-        f"zerolayer: listening frame={cfg.host}:{server.port} "
+        f"zerolayer: listening frame={cfg.host}:{server.port} tls={'on' if tls else 'off'} "
         f"metrics={http.host + ':' + str(http.port) if http else 'off'} "
         f"model={info.name} backend={settings.engine.backend} hooks={','.join(chain.names)}\n"
     )

@@ -37,6 +37,7 @@ from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principa
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options
+from gateway.ops.tls import peer_names
 from gateway.prompts import PromptRegistry, split_prompt
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
 from gateway.tokenizer import Detokenizer, Tokenizer
@@ -226,7 +227,8 @@ class Server:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, sock=None) -> None:
+    async def start(self, sock=None, ssl=None) -> None:
+        """Listen on ``sock`` (or bind host:port); with ``ssl`` (an SSLContext) speak TLS only."""
         self.loop = asyncio.get_running_loop()
         if sock is None:
             self._server = await self.loop.create_server(
@@ -236,10 +238,11 @@ class Server:
                 backlog=self.cfg.backlog,
                 reuse_address=True,
                 reuse_port=self.cfg.reuse_port or None,
+                ssl=ssl,
             )
         else:
             self._server = await self.loop.create_server(
-                lambda: Connection(self), sock=sock, backlog=self.cfg.backlog
+                lambda: Connection(self), sock=sock, backlog=self.cfg.backlog, ssl=ssl
             )
         self._sweeper = self.loop.create_task(self._sweep_idle())
 
@@ -507,6 +510,7 @@ class Connection(asyncio.BufferedProtocol):
         self.principal: Principal | None = (
             None if server.chain.auth_required else (server.chain.anonymous())
         )
+        self.cert_principal: Principal | None = None  # a verified mTLS certificate's key
         self.closing = False
         self.slow = False
         self.dirty = False
@@ -525,6 +529,10 @@ class Connection(asyncio.BufferedProtocol):
         if sock is not None:
             apply_socket_options(sock, self.cfg)
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
+        names = peer_names(transport)  # () unless TLS verified a client certificate
+        if names:
+            self.cert_principal = server.chain.on_certificate(names)
+            self.principal = self.cert_principal or self.principal
         if len(server.connections) > self.cfg.max_connections:
             self.connection_error(ErrorCode.OVERLOADED, "too many connections", retry_after_ms=1000)
         elif server.draining:
@@ -617,7 +625,8 @@ class Connection(asyncio.BufferedProtocol):
                 f"protocol version {version} not supported (this server speaks {p.VERSION})",
             )
         try:
-            self.principal = self.server.chain.on_hello(key)
+            if key or self.cert_principal is None:
+                self.principal = self.server.chain.on_hello(key)
         except HookError as exc:
             self.connection_error(ErrorCode(exc.code), exc.message, exc.retry_after_ms)
             return
