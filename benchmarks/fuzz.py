@@ -451,9 +451,15 @@ def main() -> None:
         + "\n"
     )
     print(md)
-    if not args.no_write:
-        write_json("fuzz", out)
-        write_section("fuzz", md)
+    if not args.no_write:  # the filtered and unfiltered campaigns keep separate results
+        name = "fuzz" if args.avoid_known else "fuzz_unfiltered"
+        write_json(name, out)
+        write_section(
+            name,
+            md.replace("## Fuzz campaign", "## Fuzz campaign, unfiltered", 1)
+            if not args.avoid_known
+            else md,
+        )
     sys.exit(0 if all(checks.values()) else 1)
 
 
