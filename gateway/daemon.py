@@ -120,6 +120,7 @@ async def _serve(settings: Settings) -> None:
     log.info("signal received, draining")
     notifier.stopping("draining")
     await server.drain()
+    await path.aclose()
     outbox.close()  # the engine thread must not wait for a loop that no longer delivers
     await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop
     await chain.aclose()
