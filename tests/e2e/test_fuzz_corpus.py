@@ -1,10 +1,6 @@
 """Replay the fuzz corpus (tests/fixtures/fuzz-corpus) against a real daemon: each input on a
 fresh connection gets exactly the answer its file expects, never INTERNAL, never a hang, and the
-daemon serves a normal request on another connection afterwards.
-
-Inputs marked ``known: issue N`` reproduce a bug found by benchmarks/fuzz.py that is being fixed
-elsewhere: they run as strict xfails (on a daemon of their own), so the fix turns them into a
-failure that says to remove the mark."""
+daemon serves a normal request on another connection afterwards."""
 
 from __future__ import annotations
 
@@ -25,16 +21,6 @@ ERROR_CODES = {
     "UNKNOWN_PROMPT": 9,
     "STREAM_IN_USE": 10,
 }
-
-
-def _cases() -> list:
-    cases = []
-    for path in ff.corpus_files():
-        comment, _ = ff.read_corpus(path)
-        known = re.search(r"^known: (.+)$", comment, re.M)
-        marks = [pytest.mark.xfail(strict=True, reason=known.group(1))] if known else []
-        cases.append(pytest.param(path, bool(known), id=path.stem, marks=marks))
-    return cases
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +76,9 @@ def serves_normally(d: Daemon) -> None:
     conn.close()
 
 
-@pytest.mark.parametrize(("path", "known"), _cases())
-def test_corpus_input(path, known, daemon):
+@pytest.mark.parametrize("path", ff.corpus_files(), ids=lambda path: path.stem)
+def test_corpus_input(path, daemon):
     comment, data = ff.read_corpus(path)
     expect = re.search(r"^expect: (.+)$", comment, re.M).group(1)
-    if known:  # a bug that may break the engine for everyone: its own daemon
-        with Daemon({"CACHE__ENABLED": "false"}) as d:
-            replay(d, data, expect)
-            serves_normally(d)
-        return
     replay(daemon, data, expect)
     serves_normally(daemon)

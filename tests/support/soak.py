@@ -168,7 +168,7 @@ class Conn:
                 if sid in self.open:
                     self.open[sid]["tokens"] += n
             elif ftype == ff.DONE:
-                reason, cache, _, pt, ct = struct.unpack_from("<BBHII", payload)
+                reason, cache, _, pt, ct, queue_us = struct.unpack_from("<BBHIII", payload)
                 st = self.open.pop(sid, None)
                 if st is None:
                     led.double_ends += 1
@@ -182,7 +182,11 @@ class Conn:
                         f"stream {sid}: DONE says {ct} tokens, got {st['tokens']}"
                     )
                 if self.steady:
-                    led.steady_charge += pt + ct
+                    # The charging policy (docs/hooks.md): a request cancelled before its prefill
+                    # started (in the hooks or the queue: never admitted, queue_us 0) pays
+                    # nothing for its prompt; DONE still reports the prompt's length.
+                    unstarted = reason == 3 and ct == 0 and queue_us == 0 and not cache & 1
+                    led.steady_charge += ct + (0 if unstarted else pt)
             elif ftype == ff.ERROR:
                 code = struct.unpack_from("<H", payload)[0]
                 led.errors[CODE_NAMES.get(code, str(code))] += 1
