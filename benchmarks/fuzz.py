@@ -21,7 +21,7 @@ Checks, reported as pass/fail:
 Frames answered with INTERNAL (and the batch that preceded a crash or hang) are written to
 --findings as corpus files (tests/support/fuzzframes.py). A run is reproducible from --seed.
 
-    python benchmarks/fuzz.py [--frames 1000000] [--connections 32] [--seed 1] [--avoid-known]
+    python benchmarks/fuzz.py [--frames 1000000] [--connections 32] [--seed 1] [--cache]
 """
 
 from __future__ import annotations
@@ -65,14 +65,6 @@ ERROR_NAMES = {
     14: "SLOW_CONSUMER",
     15: "INTERNAL",
 }
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 @dataclass
@@ -122,7 +114,7 @@ class Campaign:
                 opened[stream] = data
                 stream += 1
             elif r < 0.85:
-                data = ff.mutated_request(rng, stream, self.vocab, self.args.avoid_known)
+                data = ff.mutated_request(rng, stream, self.vocab)
                 opened[stream] = data
                 stream += 1
             elif r < 0.93:
@@ -313,7 +305,7 @@ async def campaign(d: Daemon, args: argparse.Namespace) -> dict:
     tally = Tally()
     c = Campaign(d, args, tally)
     await c.run(args.warmup)
-    warm = {"frames": tally.frames, "rss_mb": rss_mb(d.proc.pid)}
+    warm = {"frames": tally.frames, "rss_mb": d.rss_mb()}
     samples = [(0.0, warm["rss_mb"])]
     t0 = time.monotonic()
     long_task = asyncio.create_task(c.long_streams())
@@ -324,7 +316,7 @@ async def campaign(d: Daemon, args: argparse.Namespace) -> dict:
             if d.proc.poll() is not None:
                 c.stop = True
                 return
-            samples.append((round(time.monotonic() - t0, 1), rss_mb(d.proc.pid)))
+            samples.append((round(time.monotonic() - t0, 1), d.rss_mb()))
             print(
                 f"  {tally.frames - warm['frames']:>9} frames  rss {samples[-1][1]:.1f} MB  "
                 f"internal {tally.internal}  hangs {tally.hangs}",
@@ -346,7 +338,7 @@ async def campaign(d: Daemon, args: argparse.Namespace) -> dict:
         tally.findings.append("the long stream did not finish within 120 s of the campaign's end")
     alive = d.proc.poll() is None
     await asyncio.sleep(2)  # let the daemon settle (idle connections close, tasks end)
-    final = rss_mb(d.proc.pid) if alive else 0.0
+    final = d.rss_mb() if alive else 0.0
     return {
         "tally": tally,
         "warm": warm,
@@ -368,11 +360,6 @@ def main() -> None:
     ap.add_argument("--hang-s", type=float, default=10.0)
     ap.add_argument("--max-seconds", type=float, default=1800.0, help="stop after this long")
     ap.add_argument("--cache", action="store_true", help="response cache on (default off)")
-    ap.add_argument(
-        "--avoid-known",
-        action="store_true",
-        help="never send top_k >= 2**31 (known to break the engine until issue 10 is fixed)",
-    )
     ap.add_argument("--findings", default="benchmarks/results/fuzz-findings")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
@@ -438,8 +425,7 @@ def main() -> None:
         f"{out['frames']:,} frames after {out['warmup_frames']:,} of warm-up, from "
         f"{args.connections} concurrent connections ({t.connections:,} opened in all), seed "
         f"{args.seed}, {out['elapsed_s']} s; synthetic backend, response cache "
-        f"{'on' if args.cache else 'off'}"
-        f"{', top_k >= 2^31 avoided (--avoid-known)' if args.avoid_known else ''}. "
+        f"{'on' if args.cache else 'off'}. "
         f"{t.requests:,} requests: {t.done:,} DONE, {sum(t.stream_errors.values()):,} stream "
         f"ERRORs, the rest ended by their connection's error. {t.long_streams} long streams of "
         f"{args.long_tokens:,} tokens ran alongside. Resident memory "
@@ -451,15 +437,9 @@ def main() -> None:
         + "\n"
     )
     print(md)
-    if not args.no_write:  # the filtered and unfiltered campaigns keep separate results
-        name = "fuzz" if args.avoid_known else "fuzz_unfiltered"
-        write_json(name, out)
-        write_section(
-            name,
-            md.replace("## Fuzz campaign", "## Fuzz campaign, unfiltered", 1)
-            if not args.avoid_known
-            else md,
-        )
+    if not args.no_write:
+        write_json("fuzz", out)
+        write_section("fuzz", md)
     sys.exit(0 if all(checks.values()) else 1)
 
 

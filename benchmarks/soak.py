@@ -32,17 +32,27 @@ def main() -> None:
     ap.add_argument("--epoch", type=float, default=20.0, help="seconds between checkpoints")
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--cache-max-bytes",
+        type=int,
+        default=None,
+        help="response cache bound (default: the config default, 64 MiB)",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
     keys_file = Path(tempfile.mkdtemp(prefix="zl-soak-")) / "keys.toml"
     keys = write_keys(keys_file)
     import uvloop
 
-    with RedisServer() as redis, Daemon(daemon_env(keys_file, redis.url)) as d:
-        res = uvloop.run(
-            run_epochs(d, redis.url, keys, args.duration, args.epoch, args.clients, args.seed)
-        )
-        res["daemon_exit"] = d.terminate()
+    with RedisServer() as redis:
+        env = daemon_env(keys_file, redis.url)
+        if args.cache_max_bytes is not None:
+            env["CACHE__MAX_BYTES"] = str(args.cache_max_bytes)
+        with Daemon(env) as d:
+            res = uvloop.run(
+                run_epochs(d, redis.url, keys, args.duration, args.epoch, args.clients, args.seed)
+            )
+            res["daemon_exit"] = d.terminate()
     res["checks"]["daemon alive to the end, clean exit"] = res["daemon_exit"] == 0
     res["machine"] = machine()
     res["args"] = vars(args)
@@ -66,7 +76,8 @@ def main() -> None:
         "## Chaos soak (`benchmarks/soak.py`)\n\n"
         f"{args.clients} chaotic clients for {args.duration:g} s in epochs of {args.epoch:g} s, "
         f"seed {args.seed}; synthetic backend at 1 ms a step, auth, rate limits in a real Redis, "
-        "response cache. Per epoch: requests sent and accounted (one DONE, one ERROR, a "
+        f"response cache (max_bytes {args.cache_max_bytes or 'default 64 MiB'}). "
+        "Per epoch: requests sent and accounted (one DONE, one ERROR, a "
         "connection ERROR, or the client's own disconnect), the steady key's bucket against "
         f"its requests' tokens, metric mismatches. {res['requests']:,} requests, "
         f"{res['accounted']:,} accounted; resident memory {res['rss_first_epoch_mb']} MB after "

@@ -68,6 +68,14 @@ class Daemon:
         except (ValueError, OSError):  # the pipe was closed by __exit__
             pass
 
+    def rss_mb(self) -> float:
+        """The daemon's resident memory (VmRSS), in MiB."""
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS line in /proc/PID/status")
+
     @property
     def log(self) -> str:
         return "".join(self.lines)

@@ -145,13 +145,13 @@ class Conn:
                 return 0, 0, b""
             self.buf += chunk
 
-    async def pump(self, until_ended: set[int] | None = None, tokens: int = 0) -> bool:
-        """Read frames; stop when the streams in ``until_ended`` have all ended, or when
-        ``tokens`` more TOKEN ids arrived (any stream). Returns False when the server closed."""
+    async def pump(self, until_ended: set[int], tokens: int = 0) -> bool:
+        """Read frames; stop when the streams in ``until_ended`` have all ended, or earlier when
+        ``tokens`` (> 0) more TOKEN ids arrived. Returns False when the server closed."""
         got = 0
         led = self.soak.ledger
         while True:
-            if until_ended is not None and not (until_ended & set(self.open)):
+            if not (until_ended & set(self.open)):
                 return True
             if tokens and got >= tokens:
                 return True
@@ -258,7 +258,7 @@ class Soak:
         await c.connect()
         sid = c.request(_prompt(rng), rng.randint(100, 1500))
         if rng.random() < 0.5:
-            await c.pump(tokens=rng.randint(1, 60))
+            await c.pump({sid}, tokens=rng.randint(1, 60))
         c.write(ff.frame(ff.CANCEL, sid))  # else at once: the hooks may still be running
         await c.pump({sid})
         await c.close()
@@ -275,7 +275,7 @@ class Soak:
         c = Conn(self, self.keys["chaotic"], steady=False)
         await c.connect()
         sids = {
-            c.raw_request(lambda s: ff.mutated_request(rng, s, VOCAB, avoid_known=True))
+            c.raw_request(lambda s: ff.mutated_request(rng, s, VOCAB))
             for _ in range(rng.randint(1, 6))
         }
         sids.add(c.raw_request(lambda s: ff.valid_request(rng, s, VOCAB)[0]))
@@ -285,8 +285,8 @@ class Soak:
     async def disconnect_mid_stream(self, rng: random.Random) -> None:
         c = Conn(self, self.keys["chaotic"], steady=False)
         await c.connect()
-        c.request(_prompt(rng), 1900)  # ~2 s at 1 ms a step: it cannot end before we go
-        await c.pump(tokens=rng.randint(1, 40))
+        sid = c.request(_prompt(rng), 1900)  # ~2 s at 1 ms a step: it cannot end before we go
+        await c.pump({sid}, tokens=rng.randint(1, 40))
         c.disconnect()
 
     async def disconnect_mid_frame(self, rng: random.Random) -> None:
@@ -302,7 +302,7 @@ class Soak:
         c = Conn(self, self.keys["chaotic"], steady=False)
         await c.connect()
         sid = c.request(_prompt(rng), 1500)  # in flight when the connection error comes
-        await c.pump(tokens=1)
+        await c.pump({sid}, tokens=1)
         c.write(ff.bad_header(rng, 1_048_576))
         await c.pump({sid})
         if not c.closed:  # the stream-0 ERROR ended the stream; the server closes next
@@ -389,14 +389,6 @@ def gauges(samples: dict) -> dict[str, float]:
     return out
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def write_keys(path: Path) -> dict[str, str]:
     return {
         "steady": add_key(path, "steady", tpm=STEADY_TPM),
@@ -480,7 +472,7 @@ async def run_epochs(
             "metric_mismatches": {k: list(v) for k, v in mismatches.items()},
             "steady_charged_tokens": led.steady_charge,
             "steady_bucket_tokens": round(bucket_tokens, 2),
-            "rss_mb": round(rss_mb(d.proc.pid), 1),
+            "rss_mb": round(d.rss_mb(), 1),
             "actions": dict(led.actions),
         }
         epochs.append(epoch)
