@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/hooks.py
 	$(BIN)/python benchmarks/prompts.py --size medium
 	$(BIN)/python benchmarks/prompts.py --size builtin
+	$(BIN)/python benchmarks/tls.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway kernels tests benchmarks
