@@ -14,6 +14,7 @@ from gateway import protocol as p
 _pack_token1 = p.TOKEN1_FRAME.pack_into
 _TOKEN = int(p.FrameType.TOKEN)
 _TOKEN1_SIZE = p.TOKEN1_FRAME_SIZE
+_TOKEN1_ID = p.TOKEN1_ID
 
 
 class FrameBuffer:
@@ -80,13 +81,16 @@ class FrameBuffer:
         self._buf[self._len : self._len + n] = data
         self._len += n
 
-    def frames(self, words: np.ndarray) -> None:
-        """Frames laid out as an int32 array (``p.token1_frames``), copied as they are."""
-        n = words.nbytes
-        if self._len + n > len(self._buf):
+    def token1_column(self, frames: np.ndarray, tokens: np.ndarray) -> None:
+        """One TOKEN frame per stream: ``frames`` is ``p.token1_frames(streams)`` (its header
+        words built once); ``tokens[i]`` goes into frame i, and the frames are appended."""
+        frames[:, _TOKEN1_ID] = tokens
+        n = frames.nbytes
+        end = self._len + n
+        if end > len(self._buf):
             self._reserve(n)
-        self._buf[self._len : self._len + n] = words.data
-        self._len += n
+        self._buf[self._len : end] = frames.data
+        self._len = end
 
     def take(self) -> bytes:
         """The buffered bytes (a copy: the buffer is reused at once); empties the buffer."""

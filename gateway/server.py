@@ -11,9 +11,11 @@ leaves with one ``transport.write`` per connection per delivery.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -134,21 +136,6 @@ class Server:
                     conn.connection_error(
                         ErrorCode.IDLE_TIMEOUT, f"no frame for {timeout:g} s with no stream open"
                     )
-
-
-class FrameColumn:
-    """Writes one TOKEN frame per stream per step from an int32 [n, 5] array of frames whose
-    header words are built once (p.token1_frames): a step writes only its ids."""
-
-    __slots__ = ("conn", "frames")
-
-    def __init__(self, conn: Connection, streams: list[Stream]) -> None:
-        self.conn = conn
-        self.frames = p.token1_frames(np.array([st.key for st in streams]))
-
-    def write(self, tokens: np.ndarray) -> None:
-        self.frames[:, p.TOKEN1_ID] = tokens
-        self.conn.out.frames(self.frames)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -343,8 +330,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._queue_frame(p.encode_error(st.key, code, message, retry_after_ms), "ERROR")
 
-    def column_writer(self, streams: list[Stream]) -> FrameColumn:
-        return FrameColumn(self, streams)
+    def column_writer(self, streams: list[Stream]) -> Callable[[np.ndarray], None]:
+        """One TOKEN frame per stream per step; the frames' header words are built once."""
+        return functools.partial(
+            self.out.token1_column, p.token1_frames(np.array([st.key for st in streams]))
+        )
 
     def stream_ended(self, st: Stream) -> None:
         if self.streams.get(st.key) is st:

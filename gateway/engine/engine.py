@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -148,11 +148,11 @@ class StepPlan:
     """What one step runs: prompt chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then one decode
     row per sequence of ``decode`` (rows version ``version``) as ``batch``."""
 
-    chunks: list[PrefillChunk] = field(default_factory=list)
-    chunk_seqs: list[Sequence] = field(default_factory=list)
-    decode: tuple[Sequence, ...] = ()
-    version: int = 0
-    batch: DecodeBatch | None = None
+    chunks: list[PrefillChunk]
+    chunk_seqs: list[Sequence]
+    decode: tuple[Sequence, ...]
+    version: int
+    batch: DecodeBatch | None
 
 
 class _Columnar:
@@ -383,7 +383,7 @@ class Engine:
         self._drop_cancelled(outputs)
         if not self._running:
             return None
-        plan = StepPlan(decode=self._decoding, version=self._rows_version)
+        plan = StepPlan([], [], self._decoding, self._rows_version, None)
         budget = self._max_step_tokens - len(plan.decode)
         for seq in self._prefilling:
             if budget <= 0:
@@ -492,34 +492,41 @@ class Engine:
 
     # ---- execute -----------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> tuple[np.ndarray | None, np.ndarray | None, set[int]]:
+    def execute(
+        self, plan: StepPlan
+    ) -> tuple[np.ndarray | None, np.ndarray | None, set[int] | None]:
         """Run the backend on ``plan``: (sampled per chunk, sampled per decode row, the ids of
-        sequences whose rows failed even when run alone)."""
-        failed: set[int] = set()
+        sequences whose rows failed even when run alone, or None when nothing failed)."""
+        failed: set[int] | None = None
         prefilled = decoded = None
+        backend = self.backend
         if plan.chunks:
             t0 = time.perf_counter()
-            prefilled = self._call_rows(
-                self.backend.prefill, plan.chunks, plan.chunk_seqs, _one_chunk, failed
-            )
+            try:
+                prefilled = backend.prefill(plan.chunks)
+            except Exception:
+                failed = set()
+                prefilled = self._retry_rows(
+                    backend.prefill, plan.chunks, plan.chunk_seqs, _one_chunk, failed
+                )
             self._report("prefill", time.perf_counter() - t0, len(plan.chunks))
         if plan.batch is not None:
             t0 = time.perf_counter()
-            decoded = self._call_rows(
-                self.backend.decode, plan.batch, plan.decode, _one_row, failed
-            )
+            try:
+                decoded = backend.decode(plan.batch)
+            except Exception:
+                failed = failed if failed is not None else set()
+                decoded = self._retry_rows(
+                    backend.decode, plan.batch, plan.decode, _one_row, failed
+                )
             self._report("decode", time.perf_counter() - t0, plan.batch.size)
         return prefilled, decoded, failed
 
     @staticmethod
-    def _call_rows(call, work, seqs, one, failed: set[int]) -> np.ndarray:  # noqa: ANN001
-        """``call(work)``; when it raises, run each row alone so that only the rows that fail
+    def _retry_rows(call, work, seqs, one, failed: set[int]) -> np.ndarray:  # noqa: ANN001
+        """A batched ``call(work)`` raised: run each row alone so that only the rows that fail
         by themselves are lost (their sequences' ids go to ``failed``, their tokens are -1)."""
-        try:
-            return call(work)
-        except Exception:
-            log.exception("a batched backend call failed; retrying its %d rows one by one",
-                          len(seqs))  # fmt: skip
+        log.exception("a batched backend call failed; retrying its %d rows one by one", len(seqs))
         sampled = np.full(len(seqs), -1, np.int32)
         for i, seq in enumerate(seqs):
             try:
@@ -540,7 +547,7 @@ class Engine:
         plan: StepPlan,
         prefilled: np.ndarray | None,
         decoded: np.ndarray | None,
-        failed: set[int],
+        failed: set[int] | None,
         outputs: list[Output],
     ) -> TokenColumn | None:
         finished: list[Sequence] = []
