@@ -36,9 +36,17 @@ class ServerConfig(_Section):
     max_frame_bytes: int = Field(1_048_576, ge=64, le=2**32 - 1)
     max_streams_per_connection: int = Field(256, ge=1)
     max_connections: int = Field(4096, ge=1)
+    # Per client source address / per principal (after HELLO); 0 = no limit of its own.
+    max_connections_per_ip: int = Field(1024, ge=0)
+    max_connections_per_principal: int = Field(1024, ge=0)
+    # With auth on: a connection that has not sent a valid HELLO by then is closed.
+    hello_timeout_s: float = Field(5.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     write_buffer_limit_bytes: int = Field(4 * 1_048_576, ge=4096)
-    read_buffer_bytes: int = Field(65536, ge=4096)
+    # The receive buffer an idle connection keeps; grown for a larger frame, given back after.
+    read_buffer_bytes: int = Field(4096, ge=1024)
+    # Daemon-wide bound on receive memory grown beyond read_buffer_bytes for frames in transit.
+    max_pending_frame_bytes: int = Field(256 * 1_048_576, ge=0)
     # Socket tuning; an option the kernel refuses is logged once and skipped.
     tcp_nodelay: bool = True
     tcp_quickack: bool = False

@@ -22,8 +22,8 @@ class FrameBuffer:
 
     __slots__ = ("_buf", "_len")
 
-    def __init__(self, size: int = 16384) -> None:
-        self._buf = bytearray(size)
+    def __init__(self, size: int = 1024) -> None:
+        self._buf = bytearray(max(size, 64))
         self._len = 0
 
     def __len__(self) -> int:
@@ -35,7 +35,7 @@ class FrameBuffer:
 
     def _reserve(self, n: int) -> None:
         need = self._len + n
-        size = len(self._buf)
+        size = len(self._buf)  # never 0 (see __init__): doubling reaches any size
         if need > size:
             while size < need:
                 size *= 2
@@ -91,6 +91,11 @@ class FrameBuffer:
             self._reserve(n)
         self._buf[self._len : end] = frames.data
         self._len = end
+
+    def shrink(self, size: int) -> None:
+        """Give back memory beyond ``size`` bytes while nothing is buffered."""
+        if not self._len and len(self._buf) > size:
+            self._buf = bytearray(size)
 
     def take(self) -> bytes:
         """The buffered bytes (a copy: the buffer is reused at once); empties the buffer."""

@@ -171,6 +171,11 @@ class RequestPath:
         except RequestRefused as exc:
             self.fail(st, exc.code, exc.message, exc.retry_after_ms)
             return
+        # Fair admission: an authenticated client's sequences share one turn, an anonymous
+        # client's share its connection's (gateway.engine.engine: round robin by this key).
+        seq = st.seq
+        assert seq is not None
+        seq.fair_key = principal.name if principal.key_id else id(st.door)
         if not self._per_request_hooks:
             self._submit(st)
             return

@@ -82,6 +82,7 @@ class Sequence:
         "held",
         "cancelled",
         "t_admit",
+        "fair_key",
         "_max_stop",
     )
 
@@ -96,6 +97,7 @@ class Sequence:
         detokenizer: Detokenizer | None = None,
         prefix: object | None = None,
         prefix_len: int = 0,
+        fair_key: object = None,
     ) -> None:
         self.owner = owner
         self.prompt = prompt  # int32 [n]: the ids after the (optional) precompiled prefix
@@ -114,6 +116,7 @@ class Sequence:
         self.held = ""  # text withheld because it may start a stop sequence
         self.cancelled = False
         self.t_admit = 0.0
+        self.fair_key = fair_key  # sequences sharing a key share one turn at admission
         self._max_stop = max((len(s) for s in stop_sequences), default=0)
 
 
@@ -229,7 +232,10 @@ class Engine:
         self._prefill_chunk = prefill_chunk
         self._on_step = on_step
         self._inbox: collections.deque[Sequence] = collections.deque()
-        self._waiting: collections.deque[Sequence] = collections.deque()
+        # Waiting sequences by fairness key (Sequence.fair_key), in round-robin order: admission
+        # takes the head of the first key's queue and moves that key to the end, so a client
+        # with many queued sequences cannot starve one with a single request.
+        self._waiting: dict[object, collections.deque[Sequence]] = {}
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
         self._decoding: tuple[Sequence, ...] = ()  # ... and those decoding (_set_decoding)
@@ -378,7 +384,11 @@ class Engine:
         """Take in new sequences and cancellations (their endings go to ``outputs``) and plan
         the step; None when nothing runs."""
         while self._inbox:
-            self._waiting.append(self._inbox.popleft())
+            seq = self._inbox.popleft()
+            queue = self._waiting.get(seq.fair_key)
+            if queue is None:
+                self._waiting[seq.fair_key] = queue = collections.deque()
+            queue.append(seq)
         self._admit(outputs)
         self._drop_cancelled(outputs)
         if not self._running:
@@ -410,8 +420,13 @@ class Engine:
         return plan
 
     def _admit(self, outputs: list[Output]) -> None:
-        while self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
+        waiting = self._waiting
+        while waiting and self._free_slots:
+            key = next(iter(waiting))
+            queue = waiting.pop(key)
+            seq = queue.popleft()
+            if queue:
+                waiting[key] = queue  # to the end of the round
             with self._lock:
                 self._queued -= 1
             seq.t_admit = time.perf_counter()
@@ -445,16 +460,21 @@ class Engine:
             return
         self._cancel_pending = False
         # Waiting sequences that were cancelled leave the queue now, not when a slot frees.
-        if any(s.cancelled for s in self._waiting):
+        for key, queue in list(self._waiting.items()):
+            if not any(s.cancelled for s in queue):
+                continue
             keep = collections.deque()
-            for seq in self._waiting:
+            for seq in queue:
                 if seq.cancelled:
                     with self._lock:
                         self._queued -= 1
                     outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
                 else:
                     keep.append(seq)
-            self._waiting = keep
+            if keep:
+                self._waiting[key] = keep
+            else:
+                del self._waiting[key]
         for seq in [s for s in self._running if s.cancelled]:
             outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
             self._release(seq)
