@@ -10,8 +10,11 @@ through SO_REUSEPORT and forwards signals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -114,6 +117,10 @@ async def _serve(settings: Settings) -> None:
         f"model={info.name} backend={settings.engine.backend} hooks={','.join(chain.names)}\n"
     )
     os.write(sys.stderr.fileno(), line.encode())
+    # Everything built so far lives as long as the process: keep the cyclic garbage collector
+    # from scanning it again and again while tokens stream.
+    gc.collect()
+    gc.freeze()
     notifier.ready(f"serving {info.name} on {cfg.host}:{server.port}")
     notifier.start_watchdog()
     await stop.wait()
@@ -132,8 +139,25 @@ async def _serve(settings: Settings) -> None:
     log.info("stopped")
 
 
+def _raise_fd_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit to the hard one (each connection is a descriptor)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if max_connections + 64 > soft:
+        log.warning(
+            "server.max_connections is %d but the open-file limit is %d: connections beyond "
+            "it will fail (raise LimitNOFILE / ulimit -n)",
+            max_connections,
+            soft,
+        )
+
+
 def run(settings: Settings, config_path: str | None = None) -> int:
     setup_logging(settings.logging.level, settings.logging.json_lines, settings.logging.requests)
+    _raise_fd_limit(settings.server.max_connections)
     if settings.server.workers > 1:
         return _run_workers(settings, config_path)
     uvloop.run(_serve(settings))
