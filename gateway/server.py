@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from gateway.ops.sockets import apply_socket_options
 from gateway.prompts import PromptRegistry, split_prompt
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
 from gateway.tokenizer import Detokenizer, Tokenizer
+from gateway.wrong_door import SNIFF_BYTES
 
 log = logging.getLogger("zerolayer.server")
 
@@ -217,6 +219,8 @@ class Server:
         self.per_request_hooks = chain.per_request
         self.hooks_async = chain.is_async
         self.records = chain.records
+        # first bytes -> the reply to a client at the wrong door (gateway.wrong_door), or None
+        self.wrong_door: Callable[[bytes], bytes | None] | None = None
         self.log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
         m = metrics
         self._m_tokens_out = m.frames_out_token
@@ -536,6 +540,15 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closing:
             return
+        if self.first_frame and not self.decoder.buffered and self.server.wrong_door is not None:
+            # The connection's first bytes, at the buffer's start: HTTP or TLS gets its answer.
+            reply = self.server.wrong_door(
+                bytes(self.decoder.get_buffer()[: min(nbytes, SNIFF_BYTES)])
+            )
+            if reply is not None and self.transport is not None:
+                self.transport.write(reply)
+                self.close()
+                return
         self.decoder.advance(nbytes)
         self.server._m_bytes_in.inc(nbytes)
         self.last_activity = time.monotonic()
