@@ -22,14 +22,14 @@ from gateway.protocol import FinishReason
 
 # One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
 COMMANDS = """\
-zerolayer serve [--config FILE]              run the daemon (default configs/default.toml)
-zerolayer generate [--endpoint tcp://H:P] [--raw] [--system TEXT] [--prompt-id N]
-                   [--max-tokens N] [--temperature T] [--seed N] [--api-key KEY]
-                   [--json] [-v] PROMPT       stream a completion (chat template unless --raw)
+zerolayer serve [--config FILE]                   run the daemon (default configs/default.toml)
+zerolayer generate [OPTIONS] PROMPT               stream a completion (chat template unless --raw)
+    [--endpoint tcp://H:P] [--raw] [--system TEXT] [--prompt-id N] [--max-tokens N]
+    [--temperature T] [--seed N] [--api-key KEY] [--json] [-v] [--timeout S]
 zerolayer keys add NAME [--rpm N] [--tpm N] | keys list | keys revoke NAME
-zerolayer compile-check [FILE|-] [--config FILE]   validate system prompts for precompilation
-zerolayer config [--config FILE]             print the effective configuration
-zerolayer --debug COMMAND ...                tracebacks instead of one-line errors"""
+zerolayer compile-check [FILE|-] [--config FILE]  validate system prompts for precompilation
+zerolayer config [--config FILE]                  print the effective configuration
+zerolayer --debug COMMAND ...                     tracebacks instead of one-line errors"""
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

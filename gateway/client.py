@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -271,7 +272,8 @@ class Client:
         except asyncio.TimeoutError:
             raise EndpointError(f"{endpoint}: no TCP connection within {timeout:g} s") from None
         except OSError as exc:
-            raise EndpointError(f"cannot connect to {endpoint}: {exc.strerror or exc}") from exc
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise EndpointError(f"cannot connect to {endpoint}: {reason}") from exc
         client = cls(reader, writer, endpoint)
         if api_key is not None:
             try:

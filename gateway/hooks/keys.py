@@ -261,7 +261,7 @@ def add_keys_subparser(subparsers: argparse._SubParsersAction) -> None:
         return p
 
     add = with_file(sub.add_parser("add", help="create a key, print it once, store its digest"))
-    add.add_argument("name")
+    add.add_argument("name", help="the key's name (unique)")
     add.add_argument("--rpm", type=_positive, default=None, help="requests per minute")
     add.add_argument("--tpm", type=_positive, default=None, help="tokens per minute")
     add.set_defaults(func=_cmd_add)
@@ -270,5 +270,5 @@ def add_keys_subparser(subparsers: argparse._SubParsersAction) -> None:
     lst.set_defaults(func=_cmd_list)
 
     rev = with_file(sub.add_parser("revoke", help="remove a key"))
-    rev.add_argument("name")
+    rev.add_argument("name", help="the name of the key to remove")
     rev.set_defaults(func=_cmd_revoke)

@@ -180,7 +180,6 @@ def test_missing_input_is_a_usage_error(tmp_path, capsys) -> None:
     assert code == 2 and "cannot read" in err
 
 
-
 def test_without_file_or_config_the_default_configs_prompts_are_checked(capsys) -> None:
     # Like `serve` without --config: configs/default.toml, which registers no prompts.
     code, out, _ = check([], capsys)
