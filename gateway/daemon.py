@@ -118,6 +118,18 @@ def required_stores(settings: Settings) -> list[StorePing]:
     return [StorePing(f"ratelimit.redis_url {rl.redis_url}", client.ping)]
 
 
+def _wrong_door(first: bytes, **ports: int | None) -> bytes | None:
+    reply = wrong_door.answer(first, **ports)  # type: ignore[arg-type]
+    if reply is not None:
+        # TLS has no room for a sentence: the operator reads it here.
+        log.info(
+            "frame port: a %s client knocked; answered in kind and closed (the frame port "
+            "speaks the binary frame protocol)",
+            wrong_door.sniff(first),
+        )
+    return reply
+
+
 def _on_sighup(chain: Chain, settings: Settings, config_path: str | None) -> None:
     chain.reload()
     try:
@@ -198,7 +210,7 @@ async def _start_and_serve(
     server_ref.append(server)
     http = listeners.http
     server.wrong_door = functools.partial(
-        wrong_door.answer,
+        _wrong_door,
         max_frame_bytes=settings.server.max_frame_bytes,
         http_port=None,  # the HTTP door's port, once it exists
         metrics_port=http.port if http else None,

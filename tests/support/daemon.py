@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +15,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"zerolayer: listening frame=([\d.]+):(\d+)")
+
+
+def free_port() -> int:
+    """A loopback port free right now (another process may take it before we bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def listening_fields(line: str) -> dict[str, str] | None:
