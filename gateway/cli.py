@@ -15,10 +15,10 @@ import os
 import sys
 
 from gateway.client import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
+from gateway.codes import FinishReason
 from gateway.config import DEBUG_ENV, ConfigError, load_settings
 from gateway.hooks.keys import add_keys_subparser
 from gateway.prompts import add_compile_check_subparser
-from gateway.protocol import FinishReason
 
 # One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
 COMMANDS = """\
@@ -94,7 +94,7 @@ def generate_request(args: argparse.Namespace) -> dict:
 
 def _finish_name(reason: int) -> str:
     try:
-        return FinishReason(reason).name.lower()
+        return FinishReason(reason).label
     except ValueError:
         return str(reason)
 

@@ -25,7 +25,8 @@ from urllib.parse import urlparse
 import numpy as np
 
 from gateway import protocol as p
-from gateway.protocol import ErrorCode, FrameType
+from gateway.codes import ErrorCode
+from gateway.protocol import FrameType
 from gateway.wrong_door import sniff
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7070"

@@ -31,9 +31,12 @@ import uvloop
 from gateway import wrong_door
 from gateway.config import ConfigError, Settings, changed_keys, load_settings
 from gateway.engine.compute import ComputeThread
-from gateway.engine.engine import Engine
+from gateway.engine.engine import Engine, Output, TokenColumn
 from gateway.engine.factory import build_backend
+from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
+from gateway.inputs import InputProcessor
+from gateway.lifecycle import RequestPath
 from gateway.ops.health import HttpServerHandle, start_http_server
 from gateway.ops.logging import announce, setup_logging
 from gateway.ops.metrics import Metrics
@@ -182,7 +185,7 @@ async def _start_and_serve(
     )
     health.starting("starting hooks")
     chain = Chain.build(settings)
-    server_ref: list[Server] = []
+    outbox = Outbox()  # engine thread → event loop
     slots = backend.num_slots
 
     def set_gauges() -> None:
@@ -193,9 +196,9 @@ async def _start_and_serve(
         metrics.engine_step(phase, seconds, batch)
         set_gauges()
 
-    def deliver(outputs: list, column: object) -> None:
+    def deliver(outputs: list[Output], column: TokenColumn | None) -> None:
         set_gauges()  # after the step: finished sequences are gone
-        server_ref[0].deliver_threadsafe(outputs, column)  # type: ignore[arg-type]
+        outbox.put(outputs, column)
 
     engine = Engine(
         backend,
@@ -206,8 +209,10 @@ async def _start_and_serve(
         prefill_chunk=settings.engine.prefill_chunk,
         on_step=on_step,
     )
-    server = Server(settings, engine, tokenizer, chain, metrics, prompts)
-    server_ref.append(server)
+    inputs = InputProcessor(tokenizer, backend.info, prompts, metrics)
+    path = RequestPath(engine, inputs, chain, metrics)
+    outbox.attach(loop, path.outputs.deliver)
+    server = Server(settings.server, path, backend.info, metrics)
     http = listeners.http
     server.wrong_door = functools.partial(
         _wrong_door,
@@ -261,7 +266,9 @@ async def _start_and_serve(
     log.info("signal received, draining")
     notifier.stopping("draining")
     await server.drain()
-    engine.stop()
+    await path.aclose()
+    outbox.close()  # the engine thread must not wait for a loop that no longer delivers
+    await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop
     await chain.aclose()
     for store in stores:
         store.close()

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 import gateway.client as zc
-from gateway.protocol import ErrorCode
+from gateway.codes import ErrorCode
 
 
 def test_every_error_code_has_one_class_written_out_in_the_source() -> None:
