@@ -242,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        if isinstance(exc, _user_errors()):
+        if isinstance(exc, ConfigError):
             _report(str(exc))
-            return 2 if isinstance(exc, ConfigError) else 1
+            return 2
+        if isinstance(exc, _user_errors()):
+            _report(("cannot start: " if args.command == "serve" else "") + str(exc))
+            return 1
         _report(
             f"unexpected error: {type(exc).__name__}: {exc} (run with --debug or {DEBUG_ENV}=1 "
             "for the traceback)"

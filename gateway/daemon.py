@@ -60,15 +60,13 @@ class StartupError(Exception):
 
 def bind(what: str, setting: str, host: str, port: int, open_: Callable[[], T]) -> T:
     """Run ``open_`` (which binds ``host:port``); an OSError becomes a StartupError naming the
-    listener and its setting, e.g. "frame protocol port 127.0.0.1:7070 (server.port): Address
+    listener and its setting, e.g. "the frame protocol port 127.0.0.1:7070 (server.port): Address
     already in use"."""
     try:
         return open_()
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise StartupError(
-            f"cannot listen on {host}:{port} for the {what} ({setting}): {reason}"
-        ) from exc
+        raise StartupError(f"the {what} port {host}:{port} ({setting}): {reason}") from exc
 
 
 @dataclass

@@ -38,8 +38,8 @@ def _serve_fails(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("taken_as", "listener"),
     [
-        ("ZEROLAYER_SERVER__PORT", "frame protocol (server.port)"),
-        ("ZEROLAYER_METRICS__PORT", "metrics and health HTTP (metrics.port)"),
+        ("ZEROLAYER_SERVER__PORT", "frame protocol port {} (server.port)"),
+        ("ZEROLAYER_METRICS__PORT", "metrics and health HTTP port {} (metrics.port)"),
     ],
 )
 def test_a_taken_port_is_named_and_found_before_the_model_loads(taken_as, listener):
@@ -58,9 +58,8 @@ def test_a_taken_port_is_named_and_found_before_the_model_loads(taken_as, listen
         proc = _serve_fails(env)
     assert proc.returncode == 1
     last = proc.stderr.splitlines()[-1]
-    assert last.endswith(
-        f"zerolayer: cannot listen on 127.0.0.1:{taken} for the {listener}: Address already in use"
-    )
+    where = listener.format(f"127.0.0.1:{taken}")
+    assert last.endswith(f"zerolayer: cannot start: the {where}: Address already in use")
     assert "/nonexistent/model" not in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -106,23 +105,26 @@ def test_health_answers_503_with_the_step_while_starting(tmp_path: Path):
     url = f"http://127.0.0.1:{metrics_port}"
     seen: list[tuple[int, str]] = []  # every answer until the gate holds start-up
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not seen or "hooks" not in seen[-1][1]):
-            try:
-                seen.append(probe(url + "/readyz"))
-            except OSError:  # not bound yet: the process is still importing
-                time.sleep(0.02)
-        assert seen[-1] == (503, "starting: starting hooks\n")
-        assert {s for s, _ in seen} == {503}
-        assert all(body.startswith("starting: ") for _, body in seen)
-        assert probe(url + "/healthz") == (503, "starting: starting hooks\n")
-    finally:
-        go.touch()
-        starter.join(120)
-    (d,) = started
-    with d:
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (not seen or "hooks" not in seen[-1][1]):
+                try:
+                    seen.append(probe(url + "/readyz"))
+                except OSError:  # not bound yet: the process is still importing
+                    time.sleep(0.02)
+            assert seen[-1] == (503, "starting: starting hooks\n")
+            assert {s for s, _ in seen} == {503}
+            assert all(body.startswith("starting: ") for _, body in seen)
+            assert probe(url + "/healthz") == (503, "starting: starting hooks\n")
+        finally:
+            go.touch()
+            starter.join(120)
+        assert len(started) == 1
         assert probe(url + "/readyz") == (200, "ok\n")
         assert probe(url + "/healthz") == (200, "ok\n")
+    finally:
+        for d in started:  # stopped whatever failed above
+            d.__exit__(None, None, None)
 
 
 def test_readiness_follows_a_required_redis_that_goes_away():

@@ -188,7 +188,10 @@ def test_a_worker_that_fails_to_start_stops_the_others():
     try:
         _, err = proc.communicate(timeout=90)
         assert proc.returncode != 0
-        assert f"127.0.0.1:{taken} for the metrics and health HTTP (metrics.port)" in err
+        assert (
+            f"cannot start: the metrics and health HTTP port 127.0.0.1:{taken} (metrics.port)"
+            in err
+        )
         assert "stopping the others" in err
     finally:
         blocker.close()
