@@ -32,28 +32,27 @@ zerolayer config [--config FILE]                  print the effective configurat
 zerolayer --debug COMMAND ...                     tracebacks instead of one-line errors"""
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions whose message is the whole story for an operator (no traceback needed)."""
-    from gateway.daemon import StartupError
-    from gateway.engine.neuron_backend import NeuronBackendError
-    from gateway.hooks import HookConfigError
-    from gateway.hooks.keys import KeysFileError
-    from gateway.models import ModelLoadError
-    from gateway.models.hf_tokenizer import TokenizerLoadError
-    from gateway.prompts import PromptConfigError
+# Exceptions whose message is the whole story for an operator (no traceback needed), by the
+# module that defines them: a module not imported yet cannot have raised one, so checking costs
+# no import (gateway.models would pull in torch just to print one line).
+_USER_ERRORS = (
+    ("gateway.daemon", "StartupError"),
+    ("gateway.engine.neuron_backend", "NeuronBackendError"),
+    ("gateway.hooks.types", "HookConfigError"),
+    ("gateway.hooks.keys", "KeysFileError"),
+    ("gateway.models.loader", "ModelLoadError"),
+    ("gateway.models.hf_tokenizer", "TokenizerLoadError"),
+    ("gateway.prompts", "PromptConfigError"),
+)
 
-    return (
-        ConfigError,
-        StartupError,
-        NeuronBackendError,
-        HookConfigError,
-        KeysFileError,
-        ModelLoadError,
-        TokenizerLoadError,
-        PromptConfigError,
-        ServerError,
-        ConnectionError,  # includes the client's EndpointError
-        ValueError,  # e.g. an endpoint that is not tcp://HOST:PORT
+
+def _is_user_error(exc: BaseException) -> bool:
+    if isinstance(exc, (ServerError, ConnectionError, ValueError)):
+        return True  # a server's refusal, an unreachable endpoint, a malformed argument
+    return any(
+        isinstance(exc, getattr(sys.modules[module], name))
+        for module, name in _USER_ERRORS
+        if module in sys.modules
     )
 
 
@@ -245,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, ConfigError):
             _report(str(exc))
             return 2
-        if isinstance(exc, _user_errors()):
+        if _is_user_error(exc):
             _report(("cannot start: " if args.command == "serve" else "") + str(exc))
             return 1
         _report(

@@ -72,6 +72,14 @@ def test_a_user_error_at_start_up_is_one_line():
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert 'model.path is required for engine.backend = "neuron"' in proc.stderr
+    # With JSON logs the failure is a JSON line too, like every other line.
+    proc = _serve_fails(
+        {"ZEROLAYER_SERVER__PORT": "0", "ZEROLAYER_METRICS__PORT": "0",
+         "ZEROLAYER_ENGINE__BACKEND": "neuron", "ZEROLAYER_LOGGING__JSON_LINES": "true"}
+    )  # fmt: skip
+    records = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert records[-1]["level"] == "error"
+    assert records[-1]["msg"].startswith("cannot start: model.path is required")
 
 
 GATE = """

@@ -137,3 +137,12 @@ def test_an_unknown_section_in_the_environment_stops_the_start() -> None:
         "or key 'tsl' (known: auth, cache, "
     )
     assert proc.stderr.count("\n") == 1
+
+
+def test_the_user_error_list_names_real_exception_classes() -> None:
+    import importlib
+
+    from gateway.cli import _USER_ERRORS
+
+    for module, name in _USER_ERRORS:
+        assert issubclass(getattr(importlib.import_module(module), name), Exception)
