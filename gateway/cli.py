@@ -17,7 +17,7 @@ import sys
 from gateway.client import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
 from gateway.codes import FinishReason
 from gateway.config import DEBUG_ENV, ConfigError, load_settings
-from gateway.hooks.keys import add_keys_subparser
+from gateway.hooks.keys import add_keys_subparser, positive_int
 from gateway.prompts import add_compile_check_subparser
 
 # One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
@@ -138,13 +138,6 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return n
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zerolayer",
@@ -176,27 +169,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--endpoint",
         default=DEFAULT_ENDPOINT,
+        metavar="tcp://H:P",
         help=f"the daemon's frame port as tcp://HOST:PORT (default {DEFAULT_ENDPOINT})",
     )
     gen.add_argument(
         "--raw", action="store_true", help="send PROMPT as plain text, without the chat template"
     )
-    gen.add_argument("--system", default=None, help="system prompt (chat and --raw)")
+    gen.add_argument(
+        "--system", default=None, metavar="TEXT", help="system prompt (chat and --raw)"
+    )
     gen.add_argument(
         "--prompt-id",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="prepend registered system prompt N (listed at the metrics port's /prompts)",
     )
     gen.add_argument(
-        "--max-tokens", type=_positive, default=64, metavar="N", help="tokens to generate (64)"
+        "--max-tokens", type=positive_int, default=64, metavar="N", help="tokens to generate (64)"
     )
     gen.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
     )
     gen.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed")
-    gen.add_argument("--api-key", default=None, help="API key, when the daemon has auth on")
+    gen.add_argument(
+        "--api-key", default=None, metavar="KEY", help="API key, when the daemon has auth on"
+    )
     gen.add_argument(
         "--json",
         action="store_true",
