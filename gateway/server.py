@@ -31,6 +31,7 @@ from gateway.lifecycle import RequestPath, Stream
 from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options
 from gateway.protocol import FrameType, ProtocolError
+from gateway.wrong_door import SNIFF_BYTES
 
 log = logging.getLogger("zerolayer.server")
 
@@ -64,6 +65,8 @@ class Server:
             info.max_context,
             info.name,
         )
+        # first bytes -> the reply to a client at the wrong door (gateway.wrong_door), or None
+        self.wrong_door: Callable[[bytes], bytes | None] | None = None
         self._m_bytes_out = metrics.bytes_out
         self._m_bytes_in = metrics.bytes_in
 
@@ -239,6 +242,15 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closing:
             return
+        if self.first_frame and not self.decoder.buffered and self.server.wrong_door is not None:
+            # The connection's first bytes, at the buffer's start: HTTP or TLS gets its answer.
+            reply = self.server.wrong_door(
+                bytes(self.decoder.get_buffer()[: min(nbytes, SNIFF_BYTES)])
+            )
+            if reply is not None and self.transport is not None:
+                self.transport.write(reply)
+                self.close()
+                return
         self.decoder.advance(nbytes)
         self.server._m_bytes_in.inc(nbytes)
         self.last_activity = time.monotonic()
