@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway import protocol as p
+from gateway.codes import DONE_REASONS
 from gateway.engine.backend import ModelInfo
 from gateway.engine.types import SamplingRow
 from gateway.inputs import InputProcessor, RequestRefused
-from gateway.protocol import ErrorCode, FinishReason, FrameType, ProtocolError
+from gateway.protocol import ErrorCode, FrameType, ProtocolError
 from gateway.tokenizer import ByteTokenizer
 from tests.support.fuzzframes import corpus_files, read_corpus
 
@@ -211,7 +212,7 @@ def tokens(draw: st.DrawFn) -> Case:
 def dones(draw: st.DrawFn) -> Case:
     stream = draw(STREAM)
     done = p.Done(
-        draw(st.sampled_from([r for r in FinishReason if r >= 0])),  # ERROR is not on the wire
+        draw(st.sampled_from(DONE_REASONS)),
         draw(st.integers(0, 3)),
         *(draw(st.integers(0, U32)) for _ in range(5)),
     )
