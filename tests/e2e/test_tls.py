@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.client import Client, RateLimitedError, UnauthenticatedError
+from gateway.client import Client, EndpointError, RateLimitedError, UnauthenticatedError
 from gateway.hooks.keys import add_key
 from gateway.ops.tls import ALPN_FRAME, client_context
 from tests.support import rawclient as rc
@@ -137,19 +137,22 @@ def test_bad_certificates_are_refused(pki):
         ctx12.maximum_version = ssl.TLSVersion.TLSv1_2
         assert run(_refused(d, ctx12)).startswith("handshake")
         # The client refuses a server it cannot verify: wrong CA, wrong hostname.
-        with pytest.raises(ssl.SSLCertVerificationError):
+        with pytest.raises(EndpointError, match="TLS handshake") as err:
             run(_generate(d, pki.client(pki.alice, ca=pki.other_ca)))
-        with pytest.raises(ssl.SSLCertVerificationError, match="match|mismatch"):
+        assert isinstance(err.value.__cause__, ssl.SSLCertVerificationError)
+        with pytest.raises(EndpointError, match="match|mismatch") as err:
             run(_generate(d, pki.client(pki.alice), server_hostname="other.example"))
+        assert isinstance(err.value.__cause__, ssl.SSLCertVerificationError)
         # And still serves a good client afterwards.
         assert run(_generate(d, pki.client(pki.alice)))[0] == 5
 
     for server, why in ((pki.server_expired, "expired"), (pki.server_other_host, "match")):
         with (
             Daemon(pki.env(server, client_ca=False)) as d,
-            pytest.raises(ssl.SSLCertVerificationError, match=why),
+            pytest.raises(EndpointError, match=why) as err,
         ):
             run(_generate(d, pki.client()))
+        assert isinstance(err.value.__cause__, ssl.SSLCertVerificationError)
 
 
 def test_tls12_allowed_when_configured(pki):
