@@ -264,11 +264,11 @@ async def _start_and_serve(
         "zerolayer",
         "listening",
         frame=f"{cfg.host}:{server.port}",
-        tls="on" if tls else "off",
         metrics=f"{http.host}:{http.port}" if http else "off",
         model=info.name,
         backend=settings.engine.backend,
         hooks=",".join(chain.names),
+        tls="on" if tls else "off",
     )
     # Everything built so far lives as long as the process: keep the cyclic garbage collector
     # from scanning it again and again while tokens stream.
