@@ -213,14 +213,8 @@ class Campaign:
                     self.t.unexpected_close += 1
                     self.finding("connection closed after a batch with nothing fatal", data)
                 return False
-            buf += chunk
-            pos = 0
-            while len(buf) - pos >= 12:
-                length, ftype, _, _, sid = ff.HDR.unpack_from(buf, pos)
-                if len(buf) - pos < 12 + length:
-                    break
-                payload = buf[pos + 12 : pos + 12 + length]
-                pos += 12 + length
+            frames, buf = ff.split_frames(buf + chunk)
+            for ftype, sid, payload in frames:
                 if ftype == ff.PONG and payload == ping:
                     pong = True
                 elif ftype in (ff.DONE, ff.ERROR) and sid:
@@ -234,7 +228,6 @@ class Campaign:
                         self.error(payload, data, self.t.stream_errors)
                 elif ftype == ff.ERROR:
                     self.error(payload, data, self.t.conn_errors)
-            buf = buf[pos:]
 
     def error(self, payload: bytes, data: bytes, into: dict[str, int]) -> None:
         code = struct.unpack_from("<H", payload)[0] if len(payload) >= 2 else -1
@@ -260,23 +253,17 @@ class Campaign:
                 if not chunk:
                     finished = "closed"
                     break
-                buf += chunk
-                pos = 0
-                while len(buf) - pos >= 12:
-                    length, ftype, _, _, _ = ff.HDR.unpack_from(buf, pos)
-                    if len(buf) - pos < 12 + length:
-                        break
+                frames, buf = ff.split_frames(buf + chunk)
+                for ftype, _, payload in frames:
                     if ftype == ff.TOKEN:
-                        got += struct.unpack_from("<H", buf, pos + 12)[0]
+                        got += struct.unpack_from("<H", payload)[0]
                     elif ftype == ff.DONE:
-                        reason, _, _, _, ct = struct.unpack_from("<BBHII", buf, pos + 12)
+                        reason, _, _, _, ct = struct.unpack_from("<BBHII", payload)
                         finished = f"finish={reason} completion_tokens={ct}"
                         ok = reason == 1 and ct == n == got
                     elif ftype == ff.ERROR:
-                        finished = "ERROR " + buf[pos + 20 : pos + 12 + length].decode()
+                        finished = "ERROR " + payload[8:].decode("utf-8", "replace")
                         ok = False
-                    pos += 12 + length
-                buf = buf[pos:]
             self.t.long_streams += 1
             if finished == "closed" or not ok:
                 self.t.long_short += 1

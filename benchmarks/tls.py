@@ -29,11 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
 from gateway.ops.tls import client_context  # noqa: E402
+from tests.support import fuzzframes as ff  # noqa: E402
 from tests.support.certs import CA  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
-HDR = struct.Struct("<IBBHI")
-REQ = struct.Struct("<IffIQIHH")
 CLK = os.sysconf("SC_CLK_TCK")
 CIPHERS: set[str] = set()  # what the client's connections negotiated
 
@@ -55,34 +54,26 @@ async def _connection(port, ctx, streams: list[int], tokens: int, rounds: int, n
     CIPHERS.add(f"{sslobj.version()} {sslobj.cipher()[0]}" if sslobj else "plain")
     received = 0
     for r in range(rounds):
-        frames = b""
+        batch = b""
         for s in streams:  # unique prompts: no response-cache hits even if it were on
-            payload = REQ.pack(tokens, 0.0, 1.0, 0, 0, 0, 0, 0) + struct.pack(
+            payload = ff.REQ.pack(tokens, 0.0, 1.0, 0, 0, 0, 0, 0) + struct.pack(
                 "<4i", 72, nonce, r, s
             )
-            frames += HDR.pack(len(payload), 1, 0, 0, s) + payload
-        writer.write(frames)
+            batch += ff.frame(ff.REQUEST, s, payload)
+        writer.write(batch)
         buf, done = b"", 0
         while done < len(streams):
             data = await reader.read(1 << 20)
             if not data:
                 raise SystemExit("server closed the connection")
-            buf += data
-            pos = 0
-            while len(buf) - pos >= 12:
-                length, ftype, _, _, _ = HDR.unpack_from(buf, pos)
-                if len(buf) - pos < 12 + length:
-                    break
-                if ftype == 2:
-                    received += struct.unpack_from("<H", buf, pos + 12)[0]
-                elif ftype == 3:
+            frames, buf = ff.split_frames(buf + data)
+            for ftype, _, payload in frames:
+                if ftype == ff.TOKEN:
+                    received += struct.unpack_from("<H", payload)[0]
+                elif ftype == ff.DONE:
                     done += 1
-                elif ftype == 6:
-                    raise SystemExit(
-                        f"server answered ERROR: {buf[pos + 20 : pos + 12 + length]!r}"
-                    )
-                pos += 12 + length
-            buf = buf[pos:]
+                elif ftype == ff.ERROR:
+                    raise SystemExit(f"server answered ERROR: {payload[8:]!r}")
     writer.close()
     return received
 

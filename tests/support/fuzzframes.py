@@ -34,6 +34,18 @@ def frame(
     return HDR.pack(len(payload), ftype, flags, reserved, stream) + payload
 
 
+def split_frames(buf: bytes) -> tuple[list[tuple[int, int, bytes]], bytes]:
+    """The complete frames at the start of ``buf`` as (type, stream, payload), and the rest."""
+    frames, pos = [], 0
+    while len(buf) - pos >= HDR.size:
+        length, ftype, _, _, sid = HDR.unpack_from(buf, pos)
+        if len(buf) - pos < HDR.size + length:
+            break
+        frames.append((ftype, sid, buf[pos + HDR.size : pos + HDR.size + length]))
+        pos += HDR.size + length
+    return frames, buf[pos:]
+
+
 def request_payload(
     rng: random.Random, vocab: int, max_tokens: tuple[int, int] = (1, 8)
 ) -> tuple[bytes, int]:
