@@ -191,10 +191,10 @@ class Campaign:
             try:
                 chunk = await asyncio.wait_for(reader.read(1 << 16), max(left, 0.001))
             except asyncio.TimeoutError:
+                if ping is False:
+                    return False  # blob/cut: we go away now
                 if time.monotonic() < deadline:
                     continue  # time to cancel
-                if ping is False:
-                    return False
                 self.t.hangs += 1
                 open_ids = [sid for sid in opened if sid not in ended]
                 for sid in open_ids[:3]:  # the exact frames that never ended
