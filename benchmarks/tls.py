@@ -186,7 +186,8 @@ def main() -> None:
         plain = results["results"][f"plain/{conns}"]["cpu_us_per_token"]
         for name, label in (("plain", "plain TCP"), ("tls13", "TLS"), ("mtls13", "mutual TLS")):
             r = results["results"][f"{name}/{conns}"]
-            label = f"{label} ({', '.join(r['tls'])})"
+            if r["tls"] != ["plain"]:
+                label = f"{label} ({', '.join(r['tls'])})"
             r["extra_us_per_token"] = r["cpu_us_per_token"] - plain
             rows.append(
                 [
