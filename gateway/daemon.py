@@ -197,16 +197,16 @@ async def _start_and_serve(
     outbox = Outbox()  # engine thread → event loop
     slots = backend.num_slots
 
-    def set_gauges() -> None:
-        # On the engine thread, at every backend call and after every step: exact occupancy.
-        metrics.set_queue(engine.running, engine.waiting, engine.slots_used, slots)
-
-    def on_step(phase: str, seconds: float, batch: int) -> None:
-        metrics.engine_step(phase, seconds, batch)
-        set_gauges()
+    occupancy = [(-1, -1, -1)]  # what the gauges show
 
     def deliver(outputs: list[Output], column: TokenColumn | None) -> None:
-        set_gauges()  # after the step: finished sequences are gone
+        # On the engine thread after every step (admissions and finished sequences are in):
+        # the occupancy gauges are exact, and set only when they change (a Gauge.set takes a
+        # lock; a steady decode step changes nothing).
+        now = (engine.running, engine.waiting, engine.slots_used)
+        if now != occupancy[0]:
+            occupancy[0] = now
+            metrics.set_queue(*now, slots)
         outbox.put(outputs, column)
 
     engine = Engine(
@@ -216,7 +216,7 @@ async def _start_and_serve(
         max_queue=settings.engine.max_queue,
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,
-        on_step=on_step,
+        on_step=metrics.engine_step,
     )
     inputs = InputProcessor(tokenizer, backend.info, prompts, metrics)
     path = RequestPath(engine, inputs, chain, metrics)

@@ -177,11 +177,8 @@ class Server:
     async def _sweep_idle(self) -> None:
         timeout = self.cfg.idle_timeout_s
         interval = min(1.0, timeout / 4)
-        engine, metrics = self.path.engine, self.metrics
-        slots = engine.backend.num_slots
         while True:
             await asyncio.sleep(interval)
-            metrics.set_queue(engine.running, engine.waiting, engine.slots_used, slots)
             now = time.monotonic()
             hello_deadline = now - self.cfg.hello_timeout_s
             for conn in list(self.connections):
