@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 
+from gateway.bench import add_bench_subparser
 from gateway.client import DEFAULT_ENDPOINT, Client, ServerError
 from gateway.config import ConfigError, load_settings
 from gateway.hooks.keys import add_keys_subparser
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_subparser(sub)
     add_compile_check_subparser(sub)
+    add_bench_subparser(sub)
 
     cfg = sub.add_parser("config", help="print the effective configuration and exit")
     cfg.add_argument("--config", default=None)
