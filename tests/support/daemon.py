@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -13,6 +14,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"zerolayer: listening frame=([\d.]+):(\d+)")
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn``: the kernel SIGKILLs the child when the thread that started it exits, so
+    a test run or benchmark killed without cleaning up leaves no daemon behind (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the parent's own cleanup has to do
+        pass
 
 
 class Daemon:
@@ -38,7 +51,14 @@ class Daemon:
         cmd = [sys.executable, "-m", "gateway.cli", "serve"]
         if config:
             cmd += ["--config", config]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=full_env,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=die_with_parent,
+        )
         self.lines: list[str] = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
