@@ -34,11 +34,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _hist(plt, values_ms: list[float], title: str, xlabel: str, path: Path) -> Path:
+def _hist(plt, values_ms: list[float], title: str, path: Path) -> Path:
+    """A histogram with a log count axis, so the tail shows next to the bulk."""
     fig, ax = plt.subplots(figsize=(5, 3.2))
     if values_ms:
-        ax.hist(values_ms, bins=50, color="#3b6ea8")
-    ax.set(title=title, xlabel=xlabel, ylabel="count")
+        ax.hist(values_ms, bins=60, color="#3b6ea8", log=True)
+    ax.set(title=title, xlabel="ms", ylabel="count (log)")
     path = _save(fig, path)
     plt.close(fig)
     return path
@@ -55,8 +56,8 @@ def plot_run(report: dict, out: Path, plt=None) -> list[Path]:
     else:
         itls, itl_title = [], f"ITL per token (run with --detailed), {label}"
     paths = [
-        _hist(plt, ttfts, f"TTFT, {label}", "ms", out / "ttft.png"),
-        _hist(plt, itls, itl_title, "ms", out / "itl.png"),
+        _hist(plt, ttfts, f"TTFT, {label}", out / "ttft.png"),
+        _hist(plt, itls, itl_title, out / "itl.png"),
     ]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     timeline = report["tokens_per_s_timeline"]

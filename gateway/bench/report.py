@@ -37,7 +37,8 @@ def build_report(
     server: dict | None,
 ) -> dict:
     metrics = aggregate(records, duration, slo)
-    timeline = token_timeline(records, t0, opts.timeline_bin_s)
+    bin_s = opts.timeline_bin_s or min(1.0, max(0.02, duration / 40))
+    timeline = token_timeline(records, t0, bin_s)
     out_tokens = metrics["total_output_tokens"]
     report = {
         "schema": SCHEMA,

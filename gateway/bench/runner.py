@@ -65,7 +65,7 @@ class BenchOptions:
     request_format: str = "auto"  # frames: auto | binary | json
     progress: bool | None = None  # None: only when stderr is a terminal
     detailed: bool = False  # per-token ITLs in the report
-    timeline_bin_s: float = 1.0
+    timeline_bin_s: float | None = None  # None: the run's duration / 40, within 20 ms .. 1 s
     request_timeout: float = 600.0
     label: str = ""
     extra: dict = field(default_factory=dict)  # copied into the report (e.g. server settings)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -22,10 +23,9 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """A ``preexec_fn``: the kernel SIGKILLs the child when the thread that started it exits, so
     a test run or benchmark killed without cleaning up leaves no daemon behind (Linux only)."""
-    try:
+    # Not Linux (no prctl): the parent's own cleanup has to do.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the parent's own cleanup has to do
-        pass
 
 
 class Daemon:
