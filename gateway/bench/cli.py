@@ -22,44 +22,90 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
         "`zerolayer bench compare A.json B.json` prints two reports side by side.",
     )
     a = bench.add_argument
-    a("--endpoint", default="tcp://127.0.0.1:7070", help="tcp://H:P (frames) or http(s)://H:P")
-    a("--protocol", choices=HTTP_PROTOCOLS, default=None, help="API for an http(s) endpoint")
-    a("--model", default=None, help="model name for HTTP requests (default: GET /v1/models)")
-    load = bench.add_argument_group("load shape")
-    load.add_argument("--concurrency", type=int, default=None, help="closed loop: N in flight")
-    load.add_argument(
-        "--request-rate", type=float, default=math.inf, help="open loop: requests/s (Poisson)"
+    a(
+        "--endpoint",
+        default="tcp://127.0.0.1:7070",
+        metavar="URL",
+        help="tcp://H:P (frames) or http(s)://H:P",
     )
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    load.add_argument("--num-requests", type=int, default=None, help="default 100")
-    load.add_argument("--duration", type=float, default=None, help="seconds to send for")
-    load.add_argument("--warmup", type=int, default=0, help="unmeasured requests first")
-    load.add_argument("--seed", type=int, default=0)
+    a("--protocol", choices=HTTP_PROTOCOLS, default=None, help="API for an http(s) endpoint")
+    a(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="model name for HTTP requests (default: GET /v1/models)",
+    )
+    load = bench.add_argument_group("load shape")
     load.add_argument(
-        "--sweep-concurrency", default=None, help="comma list, e.g. 1,8,32,128: one run each"
+        "--concurrency", type=int, default=None, metavar="N", help="closed loop: N in flight"
+    )
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        metavar="R",
+        help="open loop: requests/s (Poisson)",
+    )
+    load.add_argument(
+        "--burstiness", type=float, default=1.0, metavar="K", help="gamma shape (1 = Poisson)"
+    )
+    load.add_argument("--num-requests", type=int, default=None, metavar="N", help="default 100")
+    load.add_argument(
+        "--duration", type=float, default=None, metavar="S", help="seconds to send for"
+    )
+    load.add_argument(
+        "--warmup", type=int, default=0, metavar="N", help="unmeasured requests first"
+    )
+    load.add_argument("--seed", type=int, default=0, metavar="N")
+    load.add_argument(
+        "--sweep-concurrency",
+        default=None,
+        metavar="N,N,...",
+        help="comma list, e.g. 1,8,32,128: one run each",
     )
     inp = bench.add_argument_group("input")
-    inp.add_argument("--input", default=None, help="JSONL or ShareGPT JSON file")
-    inp.add_argument("--dataset", choices=("random",), default="random")
-    inp.add_argument("--input-len", default="128", help="MEAN[:SPREAD] tokens (random)")
-    inp.add_argument("--output-len", default=None, help="MEAN[:SPREAD] max_tokens (default 128)")
-    inp.add_argument("--prompt-id", type=int, default=0, help="a registered prompt (frames)")
-    inp.add_argument("--system-file", default=None, help="system prompt sent with each request")
+    inp.add_argument("--input", default=None, metavar="FILE", help="JSONL or ShareGPT JSON file")
+    inp.add_argument(
+        "--dataset", choices=("random",), default="random", help="without --input (default)"
+    )
+    inp.add_argument(
+        "--input-len", default="128", metavar="MEAN[:SPREAD]", help="MEAN[:SPREAD] tokens (random)"
+    )
+    inp.add_argument(
+        "--output-len",
+        default=None,
+        metavar="MEAN[:SPREAD]",
+        help="MEAN[:SPREAD] max_tokens (default 128)",
+    )
+    inp.add_argument(
+        "--prompt-id", type=int, default=0, metavar="ID", help="a registered prompt (frames)"
+    )
+    inp.add_argument(
+        "--system-file", default=None, metavar="FILE", help="system prompt sent with each request"
+    )
     inp.add_argument(
         "--request-format", choices=("auto", "binary", "json"), default="auto", help="frames"
     )
     inp.add_argument("--no-text", action="store_true", help="frames: token ids, no text deltas")
     opt = bench.add_argument_group("server")
-    opt.add_argument("--api-key", default="")
-    opt.add_argument("--connections", type=int, default=1, help="frame connections to share")
+    opt.add_argument("--api-key", default="", metavar="KEY")
+    opt.add_argument(
+        "--connections", type=int, default=1, metavar="N", help="frame connections to share"
+    )
     opt.add_argument("--ignore-eos", action="store_true", help="HTTP: ask to ignore EOS (vLLM)")
-    opt.add_argument("--metrics-url", default=None, help="the daemon's Prometheus endpoint")
+    opt.add_argument(
+        "--metrics-url", default=None, metavar="URL", help="the daemon's Prometheus endpoint"
+    )
     out = bench.add_argument_group("report")
-    out.add_argument("--slo", default=None, help="goodput limits, e.g. ttft=500ms,tpot=50ms")
-    out.add_argument("--output", default=None, help="write the JSON report here")
+    out.add_argument(
+        "--slo", default=None, metavar="SPEC", help="goodput limits, e.g. ttft=500ms,tpot=50ms"
+    )
+    out.add_argument("--output", default=None, metavar="FILE", help="write the JSON report here")
     out.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here")
     out.add_argument("--detailed", action="store_true", help="per-token ITLs in the report")
-    out.add_argument("--label", default="", help="a name for this run in reports and plots")
+    out.add_argument(
+        "--label", default="", metavar="TEXT", help="a name for this run in reports and plots"
+    )
     out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     bench.set_defaults(func=_cmd_bench)
     nested = bench.add_subparsers(dest="bench_command", required=False, metavar="compare")
