@@ -45,8 +45,13 @@ def machine() -> dict:
         ).stdout.strip()
     except OSError:
         commit = ""
+    try:
+        load = float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        load = None
     return {
         "cpu": cpu,
+        "load_average_1m": load,
         "cores": os.cpu_count(),
         "memory_gib": mem,
         "python": platform.python_version(),
@@ -57,9 +62,11 @@ def machine() -> dict:
 
 
 def machine_line(m: dict) -> str:
+    load = m.get("load_average_1m")
+    busy = f"; 1-minute load average {load:.1f} when it started" if load is not None else ""
     return (
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}, "
-        f"{m['os']}; commit {m['commit']}, {m['date']}."
+        f"{m['os']}; commit {m['commit']}, {m['date']}{busy}."
     )
 
 

@@ -62,9 +62,8 @@ def _bench(server_cls, protocol: str | None = None, **opts) -> tuple[dict, objec
         )
         endpoint = await server.start()
         try:
-            options = BenchOptions(
-                endpoint=endpoint, protocol=protocol, concurrency=1, num_requests=2, **opts
-            )
+            defaults = {"concurrency": 1, "num_requests": 2}
+            options = BenchOptions(endpoint=endpoint, protocol=protocol, **{**defaults, **opts})
             return await run(options, clock=clock), server
         finally:
             await server.close()
@@ -229,3 +228,10 @@ def test_inputs(tmp_path):
     assert len(items) == 1 and items[0].messages == [{"role": "user", "content": "Q?"}]
     assert items[0].max_tokens == 4  # 3 words x 4/3
     assert load_file(share, (9, 0), rng)[0].max_tokens == 9
+
+
+def test_open_loop_run_sends_every_request_within_the_cap():
+    report, server = _bench(FakeFrameServer, request_rate=1000.0, input_len="5", output_len="6")
+    assert report["completed"] == 2 and server.served == 2
+    assert report["request_rate"] == 1000.0 and report["max_concurrent_requests"] == 1
+    _check(report)  # concurrency 1 caps the open loop: the scripted times hold as before
