@@ -80,7 +80,8 @@ class _Conn(asyncio.BufferedProtocol):
                 rec.prompt_tokens = done.prompt_tokens
                 rec.finish = _FINISH.get(done.finish_reason, str(done.finish_reason))
                 rec.cached = bool(done.cache & p.CACHE_RESPONSE)
-                fut.set_result(None)
+                if not fut.done():
+                    fut.set_result(None)
         elif ftype == _ERROR:
             code, _, message = p.parse_error(payload)
             if sid == 0:
@@ -90,7 +91,8 @@ class _Conn(asyncio.BufferedProtocol):
             elif (entry := self.streams.pop(sid, None)) is not None:
                 entry[0].t_end = now
                 entry[0].error = _error_kind(code)
-                entry[1].set_result(None)
+                if not entry[1].done():
+                    entry[1].set_result(None)
         elif ftype == _WELCOME:
             if not self.welcome.done():
                 self.welcome.set_result(p.parse_welcome(payload))
@@ -198,7 +200,11 @@ class FrameTarget:
         conn.streams[sid] = (rec, fut)
         rec.t_send = self._clock()
         conn.transport.write(frame)  # type: ignore[union-attr]
-        await fut
+        try:
+            await fut
+        finally:
+            if conn.streams.pop(sid, None) is not None and conn.lost is None:
+                conn.transport.write(p.encode_cancel(sid))  # timed out or cancelled
 
     async def close(self) -> None:
         for conn in self._conns:
