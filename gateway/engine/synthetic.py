@@ -59,6 +59,8 @@ def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 class SyntheticBackend(Backend):
+    supports_prefix = True
+
     def __init__(
         self,
         num_slots: int,
