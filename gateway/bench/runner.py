@@ -106,8 +106,8 @@ class ItemSource:
 class Progress:
     """One status line on stderr, rewritten twice a second; silent unless enabled."""
 
-    def __init__(self, records: list[RequestRecord], in_flight: Callable[[], int], clock):
-        self._records, self._in_flight, self._clock = records, in_flight, clock
+    def __init__(self, records: list[RequestRecord], live: dict[int, RequestRecord], clock):
+        self._records, self._live, self._clock = records, live, clock
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -119,14 +119,15 @@ class Progress:
             await asyncio.sleep(0.5)
             now = self._clock()
             recs = self._records
-            tokens = sum(r.output_tokens for r in recs)
+            live = list(self._live.values())
+            tokens = sum(r.output_tokens for r in recs) + sum(r.output_tokens for r in live)
             failed = sum(not r.ok for r in recs)
             ttfts = [r.ttft for r in recs[-1000:] if r.ok and r.ttft is not None]
             p50 = f"{np.median(ttfts) * 1000:.1f} ms" if ttfts else "-"
             rate = (tokens - last_tokens) / max(now - last_t, 1e-9)
             last_t, last_tokens = now, tokens
             sys.stderr.write(
-                f"\r done {len(recs) - failed}  in flight {self._in_flight()}  failed {failed}  "
+                f"\r done {len(recs) - failed}  in flight {len(live)}  failed {failed}  "
                 f"{rate:,.0f} tok/s  TTFT p50 {p50}   "
             )
             sys.stderr.flush()
@@ -148,8 +149,7 @@ def _scrape(url: str | None) -> prom.Samples | None:
     return prom.scrape(url) if url else None
 
 
-async def _one(target, item: WorkItem, timeout: float, clock) -> RequestRecord:
-    rec = RequestRecord()
+async def _one(target, item: WorkItem, rec: RequestRecord, timeout: float, clock) -> RequestRecord:
     try:
         await asyncio.wait_for(target.request(item, rec), timeout)
     except asyncio.TimeoutError:
@@ -164,7 +164,8 @@ async def _drive(target, source: ItemSource, opts: BenchOptions, start: int, clo
         n = DEFAULT_NUM_REQUESTS
     t0 = clock()
     deadline = t0 + opts.duration if opts.duration is not None else math.inf
-    state = {"next": 0, "in_flight": 0}
+    state = {"next": 0}
+    live: dict[int, RequestRecord] = {}  # in flight, for the progress line
 
     def take() -> int | None:
         i = state["next"]
@@ -174,13 +175,16 @@ async def _drive(target, source: ItemSource, opts: BenchOptions, start: int, clo
         return i
 
     async def send(i: int) -> None:
-        state["in_flight"] += 1
+        rec = RequestRecord()
+        live[id(rec)] = rec
         try:
-            records.append(await _one(target, source.get(start + i), opts.request_timeout, clock))
+            records.append(
+                await _one(target, source.get(start + i), rec, opts.request_timeout, clock)
+            )
         finally:
-            state["in_flight"] -= 1
+            del live[id(rec)]
 
-    progress = Progress(records, lambda: state["in_flight"], clock)
+    progress = Progress(records, live, clock)
     if opts.progress if opts.progress is not None else sys.stderr.isatty():
         progress.start()
     try:
