@@ -104,8 +104,10 @@ class SseState:
                 else (choice.get("delta") or {}).get("content")
             )
             if text:
-                logprobs = (choice.get("logprobs") or {}).get("content")
-                self._chunk(now, text, len(logprobs) if logprobs else 1)
+                # per-token logprobs: chat's "content" list, completions' "tokens" list
+                logprobs = choice.get("logprobs") or {}
+                per_token = logprobs.get("content") or logprobs.get("tokens")
+                self._chunk(now, text, len(per_token) if per_token else 1)
             if choice.get("finish_reason"):
                 self.rec.finish = choice["finish_reason"]
 

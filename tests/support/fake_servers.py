@@ -82,8 +82,11 @@ class FakeSseServer:
     """OpenAI chat (tokens per event told by logprobs) or Anthropic (told only by the final
     usage) streaming, HTTP/1.1 keep-alive with chunked bodies; GET /v1/models names one model."""
 
-    def __init__(self, clock: ManualClock, scripts: list[Script], protocol: str) -> None:
+    def __init__(
+        self, clock: ManualClock, scripts: list[Script], protocol: str, refuse: int = 0
+    ) -> None:
         self.clock, self.scripts, self.protocol, self.served = clock, scripts, protocol, 0
+        self.refuse = refuse  # answer the first POST with this status (and a JSON error body)
         self.bodies: list[dict] = []
         self.connections = 0
 
@@ -112,6 +115,14 @@ class FakeSseServer:
                     )
                     continue
                 self.bodies.append(json.loads(body))
+                if self.refuse and len(self.bodies) == 1:
+                    out = b'{"error": {"message": "slow down"}}'
+                    writer.write(
+                        f"HTTP/1.1 {self.refuse} Too Many Requests\r\n".encode()
+                        + f"Content-Length: {len(out)}\r\n\r\n".encode()
+                        + out
+                    )
+                    continue
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                     b"Transfer-Encoding: chunked\r\n\r\n"
@@ -138,6 +149,9 @@ class FakeSseServer:
                     "delta": {"type": "text_delta", "text": text},
                 }
                 writer.write(_chunked(_sse(event, "content_block_delta")))
+            elif self.protocol == "openai-completions":
+                choice = {"index": 0, "text": text, "logprobs": {"tokens": ["x"] * k}}
+                writer.write(_chunked(_sse({"choices": [choice]})))
             else:
                 logprobs = {"content": [{"token": "x", "logprob": 0.0}] * k}
                 choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}

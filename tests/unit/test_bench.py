@@ -84,14 +84,41 @@ def test_frame_metrics_match_the_script():
     assert int.from_bytes(payload[:4], "little") == 6
 
 
-@pytest.mark.parametrize("protocol", ["openai-chat", "anthropic"])
+@pytest.mark.parametrize("protocol", ["openai-chat", "openai-completions", "anthropic"])
 def test_sse_metrics_match_the_script(protocol):
     report, server = _bench(FakeSseServer, protocol, input_len="5", output_len="6")
     _check(report)
     assert server.connections == 1  # GET /v1/models and both requests on one keep-alive conn
     body = server.bodies[0]
     assert body["model"] == "fake-model" and body["stream"] is True
-    assert body["max_tokens"] == 6 and len(body["messages"][0]["content"].split()) == 5
+    prompt = body["prompt"] if protocol == "openai-completions" else body["messages"][0]["content"]
+    assert body["max_tokens"] == 6 and len(prompt.split()) == 5
+
+
+def test_http_errors_count_by_status_and_keep_the_connection():
+    async def main():
+        clock = ManualClock()
+        server = FakeSseServer(clock, SCRIPTS, "openai-completions", refuse=429)
+        endpoint = await server.start()
+        try:
+            opts = BenchOptions(
+                endpoint=endpoint,
+                protocol="openai-completions",
+                model="m",
+                num_requests=3,
+                input_len="4",
+                output_len="6",
+            )
+            return await run(opts, clock=clock), server
+        finally:
+            await server.close()
+
+    report, server = asyncio.run(main())
+    assert report["completed"] == 2 and report["failed"] == 1
+    assert report["errors_by_kind"] == {"http_429": 1} and report["errors"][0] == "http_429"
+    assert report["ttfts"][0] is None and report["output_lens"] == [0, 6, 3]
+    assert server.connections == 1  # the refused request's connection was reused
+    assert all(isinstance(b["prompt"], str) for b in server.bodies)
 
 
 def test_usage_spread_over_chunks_by_text_length():
