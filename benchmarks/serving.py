@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import RESULTS, machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks.engine import ForeignLoad, wait_quiet  # noqa: E402
 from gateway import protocol as p  # noqa: E402
 from gateway.bench import BenchOptions, run  # noqa: E402
 from tests.support.daemon import Daemon, die_with_parent  # noqa: E402
@@ -179,15 +180,25 @@ class Floor:
 _SEEDS = itertools.count(time.time_ns() % 1_000_000)
 
 
-def measure(endpoint: str, pid: int, opts: dict, detailed: bool = False) -> dict:
+QUIET_WAIT_S = 20.0  # before a measured run, wait up to this long for other load to go away
+
+
+def measure(
+    endpoint: str, pid: int, opts: dict, detailed: bool = False, warmup: bool = False
+) -> dict:
     """One bench run; the report plus the server's CPU per output token, in all and in its main
-    thread (the event loop: sockets, frames, metrics; the rest is the engine thread)."""
+    thread (the event loop: sockets, frames, metrics; the rest is the engine thread), and the
+    share of the machine other processes used meanwhile."""
+    if not warmup:
+        wait_quiet(QUIET_WAIT_S)
     cpu0, main0 = cpu_seconds(pid), cpu_seconds(pid, pid)
     options = BenchOptions(
         endpoint=endpoint, text_deltas=False, detailed=detailed, seed=next(_SEEDS), **opts
     )
-    report = asyncio.run(run(options))
+    with ForeignLoad((pid,)) as foreign:
+        report = asyncio.run(run(options))
     cpu, main = cpu_seconds(pid) - cpu0, cpu_seconds(pid, pid) - main0
+    report["foreign_load"] = foreign.share
     expected = opts["num_requests"] * int(opts["output_len"])
     if report["response_cache_hits"]:
         raise SystemExit(f"{endpoint}: {report['response_cache_hits']} response-cache replays")
@@ -202,6 +213,7 @@ def measure(endpoint: str, pid: int, opts: dict, detailed: bool = False) -> dict
 
 
 KEYS = (
+    "foreign_load",
     "server_cpu_us_per_token",
     "loop_cpu_us_per_token",
     "output_throughput",
@@ -238,7 +250,7 @@ def flat_out(args) -> dict:
     }
     results: dict = {"load": load}
     with Floor(0) as floor:
-        measure(floor.endpoint, floor.proc.pid, load)  # warm-up
+        measure(floor.endpoint, floor.proc.pid, load, warmup=True)
         runs = [measure(floor.endpoint, floor.proc.pid, load) for _ in range(args.runs)]
         results["floor"] = median_of(runs)
     variants = {
@@ -250,7 +262,7 @@ def flat_out(args) -> dict:
     }
     for name, env in variants.items():
         with Daemon(env) as d:
-            measure(d.endpoint, d.proc.pid, load)  # warm-up
+            measure(d.endpoint, d.proc.pid, load, warmup=True)
             runs = [measure(d.endpoint, d.proc.pid, load) for _ in range(args.runs)]
             results[name] = median_of(runs)
             d.terminate()
@@ -312,7 +324,7 @@ def paced(args, plots: Path | None) -> dict:
     }
     reports: dict[str, list[dict]] = {}
     with Floor(args.step_ms) as floor:
-        measure(floor.endpoint, floor.proc.pid, load)  # warm-up
+        measure(floor.endpoint, floor.proc.pid, load, warmup=True)
         reports["pump"] = [
             measure(floor.endpoint, floor.proc.pid, load, detailed=True)
             for _ in range(args.paced_runs)
@@ -327,7 +339,7 @@ def paced(args, plots: Path | None) -> dict:
     }
     for name, variant in variants.items():
         with Daemon(variant) as d:
-            measure(d.endpoint, d.proc.pid, load)  # warm-up
+            measure(d.endpoint, d.proc.pid, load, warmup=True)
             reports[name] = [
                 measure(d.endpoint, d.proc.pid, load, detailed=True) for _ in range(args.paced_runs)
             ]
@@ -359,6 +371,14 @@ def paced(args, plots: Path | None) -> dict:
     return results
 
 
+OTHER_LOAD = (
+    "Other load: the share of the machine's cores that other processes used during the run "
+    "(median over runs; each measured run first waits up to 20 s for it to fall under 0.10). "
+    "Short runs on a shared VM vary by tens of percent from run to run; compare the rows of one "
+    "run."
+)
+
+
 def flat_md(r: dict, args) -> str:
     labels = (
         ("floor (no-logic uvloop server)", "floor"),
@@ -373,6 +393,7 @@ def flat_md(r: dict, args) -> str:
             f"{r[k]['server_cpu_us_per_token'] / floor_cpu:.2f}x",
             f"{r[k]['output_throughput']:,.0f}",
             f"{r[k]['client_cpu_us_per_token']:.2f}",
+            f"{r[k]['foreign_load']:.2f}",
         ]
         for label, k in labels
     ]
@@ -386,12 +407,19 @@ def flat_md(r: dict, args) -> str:
         "runs ahead and frames carry many tokens. Server CPU = run time of the server's threads "
         "during the load (schedstat, ns).\n\n"
         + table(
-            ["server", "CPU µs / token", "vs floor", "tokens / s", "client CPU µs / token"], rows
+            [
+                "server",
+                "CPU µs / token",
+                "vs floor",
+                "tokens / s",
+                "client CPU µs / token",
+                "other load",
+            ],
+            rows,
         )
         + "\n\nZeroLayer's CPU includes its engine thread (scheduling, stop checks, the "
         "hand-off to the event loop) as well as the loop (framing, writes, metrics). Every "
-        "prompt is unique, so the response cache only records (never replays). Short runs on a "
-        "shared VM vary by tens of percent from run to run; compare the rows of one run."
+        "prompt is unique, so the response cache only records (never replays). " + OTHER_LOAD
     )
 
 
@@ -415,6 +443,7 @@ def paced_md(r: dict, args) -> str:
             f"{x['median_ttft_ms']:.1f}",
             f"{x['p99_ttft_ms']:.1f}",
             f"{x['output_throughput']:,.0f}",
+            f"{x['foreign_load']:.2f}",
         ]
         for name, x in servers
     ]
@@ -462,7 +491,9 @@ def paced_md(r: dict, args) -> str:
         f"{load['num_requests']} requests into an idle server (closed loop, token ids, no text); "
         f"median of {args.paced_runs} runs after a warm-up. The pump is a no-logic uvloop server "
         "paced the same way (a tick every step: one TOKEN frame per active stream, one write per "
-        "connection). ITL is per token at the client, TTFT from send to first TOKEN frame.\n\n"
+        "connection). ITL is per token at the client, TTFT from send to first TOKEN frame. "
+        + OTHER_LOAD
+        + "\n\n"
         + table(
             [
                 "server",
@@ -475,6 +506,7 @@ def paced_md(r: dict, args) -> str:
                 "TTFT P50 ms",
                 "TTFT P99 ms",
                 "tokens / s",
+                "other load",
             ],
             rows,
         )
