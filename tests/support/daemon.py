@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import re
@@ -18,14 +17,17 @@ _LISTENING = re.compile(r"zerolayer: listening frame=([\d.]+):(\d+)")
 
 
 _PR_SET_PDEATHSIG = 1
+try:  # looked up here, not in the forked child (dlopen there could deadlock on another thread)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the parent's own cleanup has to do
+    _prctl = None
 
 
 def die_with_parent() -> None:
     """A ``preexec_fn``: the kernel SIGKILLs the child when the thread that started it exits, so
     a test run or benchmark killed without cleaning up leaves no daemon behind (Linux only)."""
-    # Not Linux (no prctl): the parent's own cleanup has to do.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Daemon:
