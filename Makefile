@@ -31,6 +31,7 @@ test-unit: $(STAMP)
 # Benchmarks print only unless given --write; this target updates the tracked results and docs.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py --write
+	$(BIN)/python benchmarks/serving.py --scenario engine-step --write
 	$(BIN)/python benchmarks/engine.py --dtype float32 --write
 	$(BIN)/python benchmarks/engine.py --dtype bfloat16 --runs 3 --write
 	$(BIN)/python benchmarks/hooks.py --write

@@ -14,7 +14,11 @@ paced: the synthetic backend paced like a model (ENGINE__SYNTHETIC_STEP_MS, one 
   same pace: every tick one TOKEN frame per active stream and one write per connection. Measured:
   server CPU per token, ITL P50/P99 (per token) and TTFT P50/P99 at the client.
 
-    python benchmarks/serving.py [--scenario both|flat|paced] [--write]
+engine-step (a diagnostic, its own section): the engine and the synthetic backend in this
+  process on their own thread, no server (outputs dropped), 256 streams x 150 tokens of 16-id
+  prompts at several step times: the engine thread's CPU per step, back to back and paced.
+
+    python benchmarks/serving.py [--scenario both|flat|paced|engine-step] [--write]
 """
 
 from __future__ import annotations
@@ -379,6 +383,77 @@ OTHER_LOAD = (
 )
 
 
+def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> dict:
+    """The engine thread's CPU per step for one burst, with outputs dropped (no server)."""
+    import threading
+
+    import numpy as np
+
+    from gateway.engine.engine import Engine, Sequence
+    from gateway.engine.synthetic import SyntheticBackend
+    from gateway.engine.types import SamplingRow
+    from gateway.tokenizer import ByteTokenizer
+
+    finished = threading.Event()
+    ended = [0]
+
+    def deliver(outputs, column) -> None:  # noqa: ANN001
+        ended[0] += sum(1 for o in outputs if o[3] >= 0)
+        if ended[0] >= streams:
+            finished.set()
+
+    backend = SyntheticBackend(streams, VOCAB, 2048, step_ms=step_ms)
+    engine = Engine(
+        backend,
+        ByteTokenizer(VOCAB),
+        deliver,
+        max_queue=4 * streams,
+        max_step_tokens=512,
+        prefill_chunk=256,
+    )
+    engine.start()
+    try:
+        time.sleep(0.1)
+        tid = engine._compute.thread.native_id  # type: ignore[union-attr]
+        rng = np.random.default_rng(next(_SEEDS))
+        cpu0, steps0 = cpu_seconds(os.getpid(), tid), engine.steps
+        for i in range(streams):
+            prompt = rng.integers(0, VOCAB, 16).astype(np.int32)
+            engine.submit(Sequence(i, prompt, tokens, SamplingRow()))
+        finished.wait(120)
+        cpu, steps = cpu_seconds(os.getpid(), tid) - cpu0, engine.steps - steps0
+    finally:
+        engine.stop()
+    return {"step_ms": step_ms, "steps": steps, "cpu_us_per_step": cpu / max(steps, 1) * 1e6}
+
+
+def engine_step(args) -> dict:
+    runs = {ms: [engine_step_cost(ms) for _ in range(args.runs)] for ms in (0.0, 1.0, 5.0, 20.0)}
+    return {
+        str(ms): {
+            "steps": statistics.median(r["steps"] for r in rs),
+            "cpu_us_per_step": statistics.median(r["cpu_us_per_step"] for r in rs),
+        }
+        for ms, rs in runs.items()
+    }
+
+
+def engine_step_md(r: dict, args) -> str:
+    rows = [
+        [f"{float(ms):g}", f"{v['steps']:.0f}", f"{v['cpu_us_per_step']:.0f}"]
+        for ms, v in r.items()
+    ]
+    return (
+        "## Engine thread CPU per step, back to back and paced (diagnostic)\n\n"
+        "`python benchmarks/serving.py --scenario engine-step` — the engine and the synthetic "
+        "backend in the benchmark's process on their own thread, no server (outputs dropped), "
+        "one burst of 256 streams x 150 tokens with 16-id prompts; CPU of the engine thread "
+        f"(schedstat) per step, median of {args.runs} runs. The work per step is the same at "
+        "every step time; what changes is the pause before it.\n\n"
+        + table(["step time ms", "steps", "engine thread CPU µs / step"], rows)
+    )
+
+
 def flat_md(r: dict, args) -> str:
     labels = (
         ("floor (no-logic uvloop server)", "floor"),
@@ -523,7 +598,7 @@ def paced_md(r: dict, args) -> str:
 
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--scenario", choices=("both", "flat", "paced"), default="both")
+    ap.add_argument("--scenario", choices=("both", "flat", "paced", "engine-step"), default="both")
     ap.add_argument("--streams", type=int, default=64, help="flat: concurrent streams")
     ap.add_argument("--tokens", type=int, default=256, help="flat: tokens per stream")
     ap.add_argument("--runs", type=int, default=3, help="flat: measured runs")
@@ -546,6 +621,9 @@ def main() -> None:
     if args.scenario in ("both", "flat"):
         results["flat"] = flat_out(args)
         sections.append(flat_md(results["flat"], args))
+    if args.scenario == "engine-step":
+        results["engine_step"] = engine_step(args)
+        sections.append(engine_step_md(results["engine_step"], args))
     if args.scenario in ("both", "paced"):
         plots = RESULTS / "plots" if args.write else None
         results["paced"] = paced(args, plots)
