@@ -37,6 +37,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/hooks.py --write
 	$(BIN)/python benchmarks/prompts.py --size medium --write
 	$(BIN)/python benchmarks/prompts.py --size builtin --write
+	$(BIN)/python benchmarks/connections.py --write
+	$(BIN)/python benchmarks/fairness.py --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway kernels tests benchmarks
