@@ -40,7 +40,7 @@ from benchmarks._report import RESULTS, machine, machine_line, parser, publish, 
 from benchmarks.engine import ForeignLoad, wait_quiet  # noqa: E402
 from gateway import protocol as p  # noqa: E402
 from gateway.bench import BenchOptions, run  # noqa: E402
-from tests.support.daemon import Daemon, die_with_parent  # noqa: E402
+from tests.support.daemon import Daemon, child_preexec  # noqa: E402
 
 HDR = struct.Struct("<IBBHI")
 VOCAB = 100_000
@@ -165,7 +165,7 @@ class Floor:
             [sys.executable, __file__, "--floor-server", str(pace_ms)],
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=child_preexec(),
         )
         self.endpoint = f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}"
 

@@ -56,7 +56,9 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
     load.add_argument(
         "--warmup", type=int, default=0, metavar="N", help="unmeasured requests first"
     )
-    load.add_argument("--seed", type=int, default=0, metavar="N")
+    load.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="random prompts and arrival times"
+    )
     load.add_argument(
         "--sweep-concurrency",
         default=None,
@@ -88,7 +90,7 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
     )
     inp.add_argument("--no-text", action="store_true", help="frames: token ids, no text deltas")
     opt = bench.add_argument_group("server")
-    opt.add_argument("--api-key", default="", metavar="KEY")
+    opt.add_argument("--api-key", default="", metavar="KEY", help="HELLO key or HTTP bearer key")
     opt.add_argument(
         "--connections", type=int, default=1, metavar="N", help="frame connections to share"
     )
@@ -106,11 +108,16 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
     out.add_argument(
         "--label", default="", metavar="TEXT", help="a name for this run in reports and plots"
     )
-    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    out.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress line on stderr (default: when it is a terminal)",
+    )
     bench.set_defaults(func=_cmd_bench)
     nested = bench.add_subparsers(dest="bench_command", required=False, metavar="compare")
     cmp = nested.add_parser("compare", help="print two JSON reports side by side with ratios")
-    cmp.add_argument("reports", nargs=2, metavar="REPORT.json")
+    cmp.add_argument("reports", nargs=2, metavar="REPORT.json", help="two --output reports")
     cmp.set_defaults(func=_cmd_compare)
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,9 +28,16 @@ except (OSError, AttributeError):  # not Linux: the parent's own cleanup has to 
 
 def die_with_parent() -> None:
     """A ``preexec_fn``: the kernel SIGKILLs the child when the thread that started it exits, so
-    a test run or benchmark killed without cleaning up leaves no daemon behind (Linux only)."""
+    a test run or benchmark killed without cleaning up leaves no daemon behind (Linux only).
+    Use it from the main thread only (``child_preexec``): another thread may end first."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def child_preexec() -> Callable[[], None] | None:
+    """``die_with_parent`` when called on the main thread (which lives as long as the process),
+    else None: a child started from a short-lived thread must outlive that thread."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 def free_port() -> int:
@@ -84,7 +92,7 @@ class Daemon:
             env=full_env,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=child_preexec(),
         )
         self.lines: list[str] = []
         deadline = time.monotonic() + 120
