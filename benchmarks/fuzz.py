@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contextlib
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from tests.support import fuzzframes as ff  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
@@ -338,7 +338,7 @@ async def campaign(d: Daemon, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--frames", type=int, default=1_000_000)
     ap.add_argument("--warmup", type=int, default=20_000)
     ap.add_argument("--connections", type=int, default=32)
@@ -348,7 +348,6 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=1800.0, help="stop after this long")
     ap.add_argument("--cache", action="store_true", help="response cache on (default off)")
     ap.add_argument("--findings", default="benchmarks/results/fuzz-findings")
-    ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
     args.vocab = 32000
     args.max_frame = 1_048_576
@@ -383,7 +382,7 @@ def main() -> None:
     }
     out = {
         "machine": machine(),
-        "args": {k: v for k, v in vars(args).items() if k != "no_write"},
+        "args": {k: v for k, v in vars(args).items() if k != "write"},
         "frames": t.frames - res["warm"]["frames"],
         "warmup_frames": res["warm"]["frames"],
         "connections_opened": t.connections,
@@ -423,10 +422,7 @@ def main() -> None:
         + machine_line(out["machine"])
         + "\n"
     )
-    print(md)
-    if not args.no_write:
-        write_json("fuzz", out)
-        write_section("fuzz", md)
+    publish(args, "fuzz", out, md)
     sys.exit(0 if all(checks.values()) else 1)
 
 

@@ -11,7 +11,6 @@ resident memory growth after the first epoch (the warm-up).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,14 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 from tests.support.soak import daemon_env, run_epochs, write_keys  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--epoch", type=float, default=20.0, help="seconds between checkpoints")
     ap.add_argument("--clients", type=int, default=24)
@@ -38,7 +37,6 @@ def main() -> None:
         default=None,
         help="response cache bound (default: the config default, 64 MiB)",
     )
-    ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
     keys_file = Path(tempfile.mkdtemp(prefix="zl-soak-")) / "keys.toml"
     keys = write_keys(keys_file)
@@ -104,10 +102,7 @@ def main() -> None:
         + machine_line(res["machine"])
         + "\n"
     )
-    print(md)
-    if not args.no_write:
-        write_json("soak", res)
-        write_section("soak", md)
+    publish(args, "soak", res, md)
     sys.exit(0 if all(res["checks"].values()) else 1)
 
 

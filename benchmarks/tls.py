@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.ops.tls import client_context  # noqa: E402
 from tests.support import fuzzframes as ff  # noqa: E402
 from tests.support.certs import CA  # noqa: E402
@@ -126,7 +126,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument(
@@ -137,7 +137,6 @@ def main() -> None:
     )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--client", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--conns", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--ca", default="", help=argparse.SUPPRESS)
@@ -215,10 +214,7 @@ def main() -> None:
         + machine_line(results["machine"])
         + "\n"
     )
-    print(md)
-    if not args.no_write:
-        write_json("tls", results)
-        write_section("tls", md)
+    publish(args, "tls", results, md)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from gateway.bench import add_bench_subparser
 from gateway.client import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
 from gateway.codes import FinishReason
 from gateway.config import DEBUG_ENV, ConfigError, load_settings
@@ -30,6 +31,10 @@ zerolayer generate [OPTIONS] PROMPT               stream a completion (chat temp
 zerolayer keys add NAME [--rpm N] [--tpm N] [--cert-name CN] | keys list | keys revoke NAME
 zerolayer compile-check [FILE|-] [--config FILE]  validate system prompts for precompilation
 zerolayer config [--config FILE]                  print the effective configuration
+zerolayer bench [OPTIONS]                         load-test a daemon or an OpenAI-compatible server
+    [--endpoint URL] [--protocol P] [--concurrency N | --request-rate R] [--num-requests N]
+    [--input FILE | --input-len L --output-len L] [--output FILE] [--plot DIR]
+zerolayer bench compare A.json B.json             two bench reports side by side with ratios
 zerolayer --debug COMMAND ...                     tracebacks instead of one-line errors"""
 
 
@@ -228,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_subparser(sub)
     add_compile_check_subparser(sub)
+    add_bench_subparser(sub)
 
     cfg = sub.add_parser("config", help="print the effective configuration and exit")
     cfg.add_argument("--config", default=None, help="TOML file (default as for serve)")

@@ -84,6 +84,7 @@ class EngineConfig(_Section):
     prefill_chunk: int = Field(256, ge=1)
     max_context: int = Field(2048, ge=16)
     synthetic_step_ms: float = Field(0.0, ge=0)
+    synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default (one per core)
     # Precompiled system prompts (docs/prompts.md)
