@@ -259,9 +259,9 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
         raise ConfigError(_describe_env_error(exc)) from exc
 
 
-def changed_keys(running: Settings, new: Settings) -> list[str]:
-    """Dotted keys whose value differs, as "key: old -> new" (for a SIGHUP that re-reads the
-    file: nothing in it is applied without a restart, and each change is named)."""
+def changed_keys(running: Settings, new: Settings) -> dict[str, str]:
+    """Dotted keys whose value differs → "key: old -> new" (for a SIGHUP that re-reads the
+    file: each change is either applied live or named as needing a restart)."""
 
     def flat(value: Any, prefix: str) -> dict[str, Any]:
         if isinstance(value, dict):
@@ -272,8 +272,17 @@ def changed_keys(running: Settings, new: Settings) -> list[str]:
         return {prefix: value}
 
     old, cur = flat(running.model_dump(), ""), flat(new.model_dump(), "")
-    return [
-        f"{k}: {old.get(k)!r} -> {cur.get(k)!r}"
+    return {
+        k: f"{k}: {old.get(k)!r} -> {cur.get(k)!r}"
         for k in sorted(old.keys() | cur.keys())
         if old.get(k) != cur.get(k)
-    ]
+    }
+
+
+def with_values(settings: Settings, source: Settings, keys: set[str]) -> Settings:
+    """A copy of ``settings`` with the dotted ``keys`` (``section.key``) taken from ``source``."""
+    out = settings.model_copy(deep=True)
+    for key in keys:
+        section, name = key.split(".", 1)
+        setattr(getattr(out, section), name, getattr(getattr(source, section), name))
+    return out

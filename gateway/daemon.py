@@ -32,7 +32,7 @@ from typing import TypeVar
 import uvloop
 
 from gateway import wrong_door
-from gateway.config import ConfigError, Settings, changed_keys, load_settings
+from gateway.config import ConfigError, Settings, changed_keys, load_settings, with_values
 from gateway.engine.compute import ComputeThread
 from gateway.engine.engine import Engine, Output, TokenColumn
 from gateway.engine.factory import build_backend
@@ -136,8 +136,11 @@ def _wrong_door(first: bytes, **ports: int | None) -> bytes | None:
 
 
 def _on_sighup(
-    chain: Chain, tls: ServerTLS | None, settings: Settings, config_path: str | None
+    chain: Chain, tls: ServerTLS | None, running: list[Settings], config_path: str | None
 ) -> None:
+    """Re-read the keys file, the certificates and the config file; apply what can change live
+    (the log level here; the hooks apply theirs, e.g. the rate-limit defaults) and name every
+    other change as needing a restart. ``running[0]`` is what is in effect."""
     chain.reload()
     if tls is not None:
         tls.reload()  # the same files, re-read: new connections get the new certificate
@@ -146,8 +149,19 @@ def _on_sighup(
     except ConfigError as exc:
         log.error("SIGHUP: the configuration no longer loads, keeping the running one: %s", exc)
         return
-    for change in changed_keys(settings, current):
-        log.warning("SIGHUP: %s changed but is read only at start-up; restart to apply it", change)
+    changes = changed_keys(running[0], current)
+    applied = chain.apply_settings(current) & changes.keys()
+    if "logging.level" in changes:
+        logging.getLogger().setLevel(current.logging.level.upper())
+        applied.add("logging.level")
+    for key, change in changes.items():
+        if key in applied:
+            log.warning("SIGHUP: %s applied", change)
+        else:
+            log.warning(
+                "SIGHUP: %s changed but is read only at start-up; restart to apply it", change
+            )
+    running[0] = with_values(running[0], current, applied)
 
 
 async def _serve(settings: Settings, config_path: str | None = None) -> None:
@@ -255,7 +269,7 @@ async def _start_and_serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, tls, settings, config_path)
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, tls, [settings], config_path)
     health.serving()
     info = backend.info
     # One machine-readable line, whatever the log level: tests and scripts wait for it to learn

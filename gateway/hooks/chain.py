@@ -118,6 +118,7 @@ class Chain:
         self._on_done: tuple[Callable[[Any, Any], None], ...] = ()
         self._on_done_flagged: tuple[tuple[Callable[[Any, Any], Any], bool], ...] = ()
         self._reloaders: tuple[Callable[[], None], ...] = ()
+        self._appliers: tuple[Callable[[Any], Any], ...] = ()
         self._closers: tuple[Callable[[], Any], ...] = ()
         self._labels: dict[Any, str] = {}
         self._pending: set[asyncio.Task[None]] = set()
@@ -140,6 +141,7 @@ class Chain:
 
         stages: dict[str, list[tuple[Callable[..., Any], bool, str]]] = {s: [] for s in STAGES}
         reloaders: list[Callable[[], None]] = []
+        appliers: list[Callable[[Any], Any]] = []
         closers: list[Callable[[], Any]] = []
         names: list[str] = []
         for spec in (*BUILTIN_MODULES, *extra):
@@ -150,7 +152,7 @@ class Chain:
                     "function or @hook on a class)"
                 )
             for reg in regs:
-                chain._add(reg, settings, stages, reloaders, closers, names)
+                chain._add(reg, settings, stages, reloaders, appliers, closers, names)
 
         def plain(stage: str) -> tuple[Callable[..., Any], ...]:
             return tuple(
@@ -167,6 +169,7 @@ class Chain:
         chain._on_done = plain("on_done")
         chain._on_done_flagged = tuple((fn, a) for fn, a, _ in stages["on_done"])
         chain._reloaders = tuple(reloaders)
+        chain._appliers = tuple(appliers)
         chain._closers = tuple(closers)
         # (the spawners registered their own labels above)
         chain._labels.update({fn: label for entries in stages.values() for fn, _, label in entries})
@@ -180,6 +183,7 @@ class Chain:
         settings: Any,
         stages: dict[str, list[tuple[Callable[..., Any], bool, str]]],
         reloaders: list[Callable[[], None]],
+        appliers: list[Callable[[Any], Any]],
         closers: list[Callable[[], Any]],
         names: list[str],
     ) -> None:
@@ -208,6 +212,9 @@ class Chain:
         reload = getattr(instance, "reload", None)
         if reload is not None:
             reloaders.append(reload)
+        apply = getattr(instance, "apply_settings", None)
+        if apply is not None:
+            appliers.append(apply)
         closer = getattr(instance, "aclose", None) or getattr(instance, "close", None)
         if closer is not None:
             closers.append(closer)
@@ -356,6 +363,17 @@ class Chain:
                 fn()
             except Exception:
                 log.exception("hook reload failed")
+
+    def apply_settings(self, settings: Any) -> set[str]:
+        """SIGHUP with a re-read config: each hook applies what it can change live and returns
+        those dotted keys (``ratelimit.default_rpm``, ...). Never raises."""
+        applied: set[str] = set()
+        for fn in self._appliers:
+            try:
+                applied.update(fn(settings) or ())
+            except Exception:
+                log.exception("hook apply_settings failed")
+        return applied
 
     async def drain(self) -> None:
         """Wait for on_done/on_refused tasks still running."""

@@ -133,8 +133,8 @@ def test_changed_keys_names_each_difference(tmp_path):
     old = load_settings(DEFAULT_CONFIG)
     cfg = tmp_path / "c.toml"
     cfg.write_text("[ratelimit]\ndefault_rpm = 120\n[server]\nport = 7071\n")
-    assert changed_keys(old, load_settings(cfg)) == [
-        "ratelimit.default_rpm: None -> 120",
-        "server.port: 7070 -> 7071",
-    ]
-    assert changed_keys(old, old) == []
+    assert changed_keys(old, load_settings(cfg)) == {
+        "ratelimit.default_rpm": "ratelimit.default_rpm: None -> 120",
+        "server.port": "server.port: 7070 -> 7071",
+    }
+    assert changed_keys(old, old) == {}
