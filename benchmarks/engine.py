@@ -60,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from gateway.config import BUILTIN_MODEL  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -247,9 +248,8 @@ def model_source(args: argparse.Namespace, directory: Path) -> dict[str, str]:
     """ModelConfig fields that make the daemon load ``directory``."""
     if args.model or args.size != "builtin":
         return {"path": str(directory)}
-    # An empty model.path selects the built-in model, generated in this data dir: the same
-    # directory transformers loads.
-    return {"data_dir": str(directory.parent)}
+    # The built-in model, generated in this data dir: the same directory transformers loads.
+    return {"path": BUILTIN_MODEL, "data_dir": str(directory.parent)}
 
 
 def make_prompts(config: dict[str, Any], count: int, seed: int) -> list[list[int]]:

@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
 from gateway.client import Client  # noqa: E402
+from gateway.config import BUILTIN_MODEL  # noqa: E402
 from gateway.prompts import system_ids  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
 from gateway.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
@@ -304,7 +305,7 @@ def main() -> int:
 
         directory = ensure_builtin(args.data_dir)
         work = Workload(ByteTokenizer(), word_level=False)
-        model = {"data_dir": str(directory.parent), "dtype": args.dtype}
+        model = {"path": BUILTIN_MODEL, "data_dir": str(directory.parent), "dtype": args.dtype}
         name = "the built-in model (byte tokenizer)"
     params = parameter_count(directory) if args.size == "medium" else None
     system = work.system_prompt()
