@@ -75,6 +75,20 @@ class GGUFImportError(Exception):
     holds."""
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: Path) -> bool:
+    """A path names a GGUF file: it ends in .gguf, or it is a file starting with the GGUF magic
+    (as an Ollama blob, named by its digest, does)."""
+    if path.suffix == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with open(path, "rb") as fh:
+        return fh.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -196,7 +196,7 @@ def resolve_source(model_cfg: ModelConfig) -> ModelSource:
     (converted once into a cached directory under ``model.data_dir``) or a checkpoint directory.
     Conversion runs here, so call it where the model is loaded (the engine thread)."""
     from gateway.models import bundled
-    from gateway.models.gguf_import import GGUFImportError, ensure_converted
+    from gateway.models.gguf_import import GGUFImportError, ensure_converted, is_gguf
 
     path = model_cfg.path
     if not path:
@@ -218,11 +218,16 @@ def resolve_source(model_cfg: ModelConfig) -> ModelSource:
                     ) from exc
                 return ModelSource(directory, model_cfg.name or BUILTIN_NAME, builtin_tokenizer())
             gguf_file, default_name = bundled.smollm2_gguf(), bundled.SMOLLM2_NAME
-        elif path.endswith(".gguf"):
+        elif is_gguf(Path(path).expanduser()):
             gguf_file = Path(path).expanduser()
             default_name = gguf_file.stem
         else:
             directory = Path(path).expanduser()
+            if directory.is_file():
+                raise ModelLoadError(
+                    f"model.path {directory} is a file but not a GGUF file (no GGUF magic); give "
+                    "a .gguf file or a checkpoint directory"
+                )
             return ModelSource(directory, model_cfg.name or directory.name)
         return ModelSource(
             ensure_converted(gguf_file, model_cfg.data_dir), model_cfg.name or default_name

@@ -122,6 +122,17 @@ def test_missing_or_broken_files_are_clear_errors(tmp_path: Path) -> None:
         load_model(ModelConfig(path=str(junk), data_dir=str(tmp_path)), 64)
 
 
+def test_a_gguf_without_the_suffix_is_found_by_its_magic(tiny, tmp_path: Path) -> None:
+    blob = tmp_path / "sha256-0123abcd"  # how Ollama names a model blob
+    blob.symlink_to(tiny[0])
+    loaded = load_model(ModelConfig(path=str(blob), data_dir=str(tmp_path)), 64)
+    assert loaded.config.hidden_size == 64 and loaded.name == "sha256-0123abcd"
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ModelLoadError, match="weights.bin is a file but not a GGUF file"):
+        load_model(ModelConfig(path=str(other), data_dir=str(tmp_path)), 64)
+
+
 def test_named_models_and_empty_path(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="unknown named model '@nope'.*@smollm2, @builtin"):
         load_model(ModelConfig(path="@nope", data_dir=str(tmp_path)), 64)
