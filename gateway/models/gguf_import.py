@@ -24,13 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from gateway.models.cachedir import ensure_dir
 
 log = logging.getLogger("zerolayer.models")
 
@@ -111,23 +110,9 @@ def ensure_converted(path: str | Path, data_dir: str = "") -> Path:
     if not path.is_file():
         raise GGUFImportError(f"GGUF file {path} does not exist")
     target = cache_dir_for(path, data_dir)
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s into %s (once; later starts reuse it)", path, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        convert(path, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any download
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise  # not a lost race with another process: a real error
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    if not (target / "model.safetensors").is_file():
+        log.info("converting %s into %s (once; later starts reuse it)", path, target)
+    return ensure_dir(target, "model.safetensors", lambda tmp: convert(path, tmp))
 
 
 def _open(path: Path) -> Any:
