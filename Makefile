@@ -36,6 +36,9 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/hooks.py
 	$(BIN)/python benchmarks/prompts.py --size medium
 	$(BIN)/python benchmarks/prompts.py --size builtin
+	$(BIN)/python benchmarks/engine.py --size smollm2 --dtype float32
+	$(BIN)/python benchmarks/engine.py --size smollm2 --dtype bfloat16
+	$(BIN)/python benchmarks/prompts.py --size smollm2
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway kernels tests benchmarks

@@ -24,7 +24,7 @@ first TOKEN read) is recorded too. Each registered answer is checked token-ident
 Results: ``benchmarks/results/prompts-<size>.json`` and section ``prompts-<size>`` of
 docs/benchmarks.md.
 
-    python benchmarks/prompts.py [--size medium|builtin] [--dtype float32|bfloat16]
+    python benchmarks/prompts.py [--size medium|builtin|smollm2] [--dtype float32|bfloat16]
                                  [--rounds N] [--no-write]
 """
 
@@ -57,7 +57,7 @@ TARGET_TOKENS = 1000
 MAX_TOKENS = 8
 CONCURRENCY = (1, 16)
 MODES = ("inline", "registered (prompt_id)", "registered (JSON system)")
-ROUNDS = {"medium": 5, "builtin": 8, "smollm2": 5}
+ROUNDS = {"medium": 5, "builtin": 8, "smollm2": 2}
 SIZE_NOTES = {
     "medium": (
         "The text is written in the checkpoint's word-level vocabulary, one token per word or "
