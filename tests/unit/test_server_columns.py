@@ -1,6 +1,7 @@
-"""The server's output path in process (a fake transport; no loop, socket or engine thread).
+"""The output path in process: engine steps → output processor → frame door (a fake
+transport; no loop, socket or engine thread).
 
-The engine's columnar steps (TokenColumn, packed through a ColumnPlan) must write exactly the
+The engine's columnar steps (TokenColumn, written through a ColumnPlan) must write exactly the
 frames the per-token Outputs write, and leave the same counts and response-cache recordings,
 however steps are grouped into deliveries and whatever ends a stream between them.
 """
@@ -10,81 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from gateway import protocol as p
-from gateway.config import Settings
-from gateway.engine.engine import Engine
-from gateway.engine.factory import build_backend
-from gateway.hooks import Chain, Completion
-from gateway.ops.metrics import Metrics
+from gateway.hooks import Completion
 from gateway.protocol import ErrorCode, FrameType
-from gateway.server import Connection, Server
-
-
-class FakeTransport:
-    """What Connection uses of an asyncio transport; keeps what was written."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.writes = 0
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return default
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-        self.writes += 1
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def make_server() -> tuple[Server, list[Completion]]:
-    settings = Settings(
-        engine={
-            "backend": "synthetic",
-            "max_batch_size": 8,
-            "max_context": 96,
-            "synthetic_vocab_size": 300,
-        }
-    )
-    backend, tokenizer = build_backend(settings)
-    chain = Chain.build(settings)
-    completions: list[Completion] = []
-    on_done = chain.on_done
-
-    def record(ctx, completion: Completion) -> None:
-        completions.append(completion)
-        on_done(ctx, completion)
-
-    chain.on_done = record  # type: ignore[method-assign]
-    engine = Engine(
-        backend,
-        tokenizer,
-        lambda outputs, column: None,  # never started: the test steps it
-        max_queue=64,
-        max_step_tokens=64,
-        prefill_chunk=16,
-    )
-    return Server(settings, engine, tokenizer, chain, Metrics()), completions
-
-
-def connect(server: Server) -> tuple[Connection, FakeTransport]:
-    conn = Connection(server)
-    transport = FakeTransport()
-    conn.connection_made(transport)  # type: ignore[arg-type]
-    return conn, transport
-
-
-def send(conn: Connection, data: bytes) -> None:
-    buf = conn.get_buffer(len(data))
-    buf[: len(data)] = data
-    conn.buffer_updated(len(data))
+from tests.support.inproc import connect, make_server, send
 
 
 def frames(data: bytes) -> list[tuple[int, int, bytes]]:
@@ -119,7 +48,9 @@ def serve(columnar: bool, group: int, script: dict[int, str] | None = None) -> t
     (a, ta), (b, tb) = connect(server), connect(server)
     for stream, prompt, max_tokens, opts in REQUESTS:
         send(a if stream % 2 else b, p.encode_request(stream, prompt, max_tokens, **opts))
-    engine, steps, deliveries = server.engine, [], 0
+    engine, steps, deliveries = server.path.engine, [], 0
+    deliver = server.path.outputs.deliver
+    columns = 0  # columnar steps taken
     for i in range(500):
         event = (script or {}).get(i)
         if event == "cancel 3":
@@ -129,17 +60,18 @@ def serve(columnar: bool, group: int, script: dict[int, str] | None = None) -> t
         elif event == "slow b":
             b.end_all_streams(ErrorCode.SLOW_CONSUMER, "client is not reading its output")
         steps.append(engine.step_columns() if columnar else (engine.step(), None))
+        columns += steps[-1][1] is not None
         if len(steps) == group:
-            server.deliver(steps)
+            deliver(steps)
             deliveries += 1
             steps = []
-        if not (engine._inbox or engine._waiting or engine._running):
+        if engine.idle:
             break
-    server.deliver(steps)
+    deliver(steps)
     deliveries += 1
     if not script:  # one write per connection per delivery, however many steps it carries
         assert ta.writes <= deliveries and tb.writes <= deliveries
-    return frames(ta.data), frames(tb.data), completions, server
+    return frames(ta.data), frames(tb.data), completions, columns
 
 
 def completion_key(c: Completion) -> tuple:
@@ -150,12 +82,12 @@ def completion_key(c: Completion) -> tuple:
 def check_same(script: dict[int, str] | None = None) -> None:
     for group in (1, 3, 8):
         ref_a, ref_b, ref_done, _ = serve(columnar=False, group=group, script=script)
-        got_a, got_b, got_done, server = serve(columnar=True, group=group, script=script)
+        got_a, got_b, got_done, columns = serve(columnar=True, group=group, script=script)
         assert got_a == ref_a and got_b == ref_b, f"frames differ, group {group}"
         assert sorted(map(completion_key, got_done), key=str) == sorted(
             map(completion_key, ref_done), key=str
         )
-        assert server._plan is not None  # the columnar path was taken
+        assert columns > 10  # the columnar path was taken
         # Every stream ended once (DONE or ERROR), and DONE counts its TOKEN frames' ids.
         for conn_frames in (got_a, got_b):
             counts: dict[int, int] = {}
