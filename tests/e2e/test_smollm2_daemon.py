@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from gateway.client import Client
 from gateway.models.hf_tokenizer import HFTokenizer
 from gateway.protocol import CACHE_PROMPT
 from tests.support.daemon import Daemon
-from tests.support.smollm2 import CHATS, MAX_NEW, data_dir_of
+from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
 
 
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_daemon_serves_smollm2_greedy_like_transformers(
     smollm2_dir: Path, smollm2_reference, tmp_path: Path
 ) -> None:

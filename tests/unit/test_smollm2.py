@@ -17,7 +17,7 @@ from gateway.config import SMOLLM2_MODEL, ModelConfig
 from gateway.models.hf_tokenizer import HFTokenizer
 from gateway.models.loader import load_model
 from kernels.llama import KVCache
-from tests.support.smollm2 import CHATS, MAX_NEW, data_dir_of
+from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
 
 # llama.cpp's `smollm` pre-tokenizer (src/llama-vocab.cpp): the text is split at every \p{N}
 # character (each one a piece of its own), then each piece by GPT-2's regex.
@@ -74,6 +74,7 @@ def rust_tokenizer(smollm2_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
 
 
+@pytest.mark.timeout(SLOW_TIMEOUT_S)  # the first test converts and loads the model
 def test_converted_config_has_the_files_facts(smollm2_dir: Path, loaded) -> None:
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert cfg["rope_theta"] == 100000.0 and cfg["max_position_embeddings"] == 8192
@@ -119,6 +120,7 @@ def test_special_tokens_are_matched_whole(loaded) -> None:
     )
 
 
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_transformers_gguf_tokenizer_drops_the_digit_split(loaded) -> None:
     from transformers import AutoTokenizer
 
@@ -173,6 +175,7 @@ def greedy_batch(loaded, prompts: list[list[int]], max_new: int) -> list[list[in
     return out
 
 
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_greedy_ids_match_transformers_on_the_same_gguf(loaded, smollm2_reference) -> None:
     tok = loaded.tokenizer
     prompts = [tok.encode(tok.render_chat([{"role": "user", "content": c}], None)) for c in CHATS]
