@@ -73,9 +73,8 @@ STATIC_BATCH = 32
 PROMPT_MIN, PROMPT_MAX = 32, 64
 # Per checkpoint size: (new tokens, requests, runs). The medium model decodes one token at a time
 # roughly 25x slower than the built-in one, so its serial runs are kept short enough for a
-# whole default run to take a few minutes on a 2-core machine; SmolLM2's 30 layers make its
-# batch-1 steps slower still, so its requests are shorter.
-SIZE_DEFAULTS = {"builtin": (128, 64, 3), "medium": (64, 32, 1), "smollm2": (16, 32, 1)}
+# whole default run to take a few minutes on a 2-core machine.
+SIZE_DEFAULTS = {"builtin": (128, 64, 3), "medium": (64, 32, 1), "smollm2": (64, 32, 1)}
 
 MEDIUM_SEED = 20240611
 MEDIUM_STD = 0.02
