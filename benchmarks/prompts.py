@@ -24,7 +24,7 @@ first TOKEN read) is recorded too. Each registered answer is checked token-ident
 Results: ``benchmarks/results/prompts-<size>.json`` and section ``prompts-<size>`` of
 docs/benchmarks.md.
 
-    python benchmarks/prompts.py [--size medium|builtin] [--dtype float32|bfloat16]
+    python benchmarks/prompts.py [--size medium|builtin|smollm2] [--dtype float32|bfloat16]
                                  [--rounds N] [--write]
 """
 
@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.client import Client  # noqa: E402
+from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
 from gateway.prompts import system_ids  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
 from gateway.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
@@ -56,12 +57,18 @@ TARGET_TOKENS = 1000
 MAX_TOKENS = 8
 CONCURRENCY = (1, 16)
 MODES = ("inline", "registered (prompt_id)", "registered (JSON system)")
-ROUNDS = {"medium": 5, "builtin": 8}
+ROUNDS = {"medium": 5, "builtin": 8, "smollm2": 2}
 SIZE_NOTES = {
     "medium": (
         "The text is written in the checkpoint's word-level vocabulary, one token per word or "
         "punctuation mark (pseudo-words w3..w99), so the user turn has about as many tokens as "
         "a subword tokenizer makes of it."
+    ),
+    "smollm2": (
+        "The default model on its real weights and subword tokenizer. Its 1,000-token system "
+        "prompt is the support text followed by a parts list (part numbers and prices, one "
+        "token per digit), which keeps it within the 4,096 characters a registered prompt may "
+        "have."
     ),
     "builtin": (
         "A pessimistic case for the ratio: with one token per byte the user turn is 77-79 "
@@ -89,9 +96,10 @@ _SENTENCES = [
 class Workload:
     """The tokenizer of the served checkpoint, and English written in its vocabulary."""
 
-    def __init__(self, tok: Tokenizer, word_level: bool) -> None:
+    def __init__(self, tok: Tokenizer, word_level: bool, subword: bool = False) -> None:
         self.tok = tok
         self.word_level = word_level
+        self.subword = subword
 
     def render(self, english: str) -> str:
         """Byte tokenizer: the text itself. Word-level: each word or run of punctuation becomes
@@ -107,6 +115,8 @@ class Workload:
         # BOS, the role header, the closing newline: what the template adds to one token.
         need = tokens - (len(system_ids(self.tok, self.render("x"))) - 1)
         text, i = "", 0
+        if self.subword:
+            return self._subword_prompt(tokens)
         if self.word_level:
             words: list[str] = []
             while len(words) < need:
@@ -121,6 +131,31 @@ class Workload:
             while len(system_ids(self.tok, text)) < tokens:  # rstrip dropped a character or two
                 text += "."
         assert len(system_ids(self.tok, text)) == tokens
+        return text
+
+    def _subword_prompt(self, tokens: int) -> str:
+        """The sentences, then a parts list, cut to exactly ``tokens`` tokens. Digits are one
+        token each for a tokenizer that splits them (SmolLM2's), so the cut is made just below
+        the target and digits fill it up exactly."""
+        parts = [
+            f"Part {10000 + 7919 * k % 90000}, {name}: {499 + 1733 * k % 20000} cents."
+            for k, name in enumerate(["brake pads", "chain", "tyre", "tube", "saddle"] * 40)
+        ]
+        full = " ".join(_SENTENCES) + " Parts and prices: " + " ".join(parts)
+
+        def count(text: str) -> int:
+            return len(system_ids(self.tok, text))
+
+        lo, hi = 0, len(full)
+        while lo < hi:  # the shortest prefix with at least `tokens` tokens
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if count(full[:mid].rstrip()) < tokens else (lo, mid)
+        text = full[:lo].rstrip()
+        while count(text) > tokens:
+            text = text[:-1].rstrip()
+        while count(text) < tokens:
+            text += "1"
+        assert count(text) == tokens
         return text
 
     def user_turn(self, n: int) -> str:
@@ -283,7 +318,8 @@ def main() -> int:
         "--size",
         choices=sorted(ROUNDS),
         default="medium",
-        help="medium (the 124M checkpoint of benchmarks/engine.py) or the built-in model",
+        help="medium (the 124M checkpoint of benchmarks/engine.py), smollm2 (the default "
+        "model, real weights) or the built-in model",
     )
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--rounds", type=int, help="rounds per concurrency (default: by --size)")
@@ -298,14 +334,25 @@ def main() -> int:
         work = Workload(HFTokenizer(directory), word_level=True)
         model = {"path": str(directory), "dtype": args.dtype}
         name = f"`{directory.name}`"
+    elif args.size == "smollm2":
+        from benchmarks.engine import parameter_count
+        from gateway.models.bundled import smollm2_gguf
+        from gateway.models.gguf_import import ensure_converted
+        from gateway.models.hf_tokenizer import HFTokenizer
+
+        directory = ensure_converted(smollm2_gguf(), args.data_dir)
+        work = Workload(HFTokenizer(directory), word_level=False, subword=True)
+        data_dir = str(directory.parent.parent)
+        model = {"path": SMOLLM2_MODEL, "data_dir": data_dir, "dtype": args.dtype}
+        name = "SmolLM2-135M-Instruct (the default model, `@smollm2`)"
     else:
         from gateway.models.builtin import ensure_builtin
 
         directory = ensure_builtin(args.data_dir)
         work = Workload(ByteTokenizer(), word_level=False)
-        model = {"data_dir": str(directory.parent), "dtype": args.dtype}
+        model = {"path": BUILTIN_MODEL, "data_dir": str(directory.parent), "dtype": args.dtype}
         name = "the built-in model (byte tokenizer)"
-    params = parameter_count(directory) if args.size == "medium" else None
+    params = parameter_count(directory) if args.size != "builtin" else None
     system = work.system_prompt()
     with tempfile.TemporaryDirectory() as tmp:
         config = config_file(Path(tmp), system, model)

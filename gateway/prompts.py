@@ -493,11 +493,13 @@ def _load_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int, Any, Path
             return ByteTokenizer(settings.engine.synthetic_vocab_size), max_tokens, settings, config
         path = settings.model.path
     if path:
-        from gateway.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
+        from gateway.config import ModelConfig
+        from gateway.models.loader import ModelLoadError, load_tokenizer
 
         try:
-            return HFTokenizer(path), max_tokens, settings, config
-        except TokenizerLoadError as exc:
+            tokenizer = load_tokenizer(ModelConfig(path=path, data_dir=settings.model.data_dir))
+            return tokenizer, max_tokens, settings, config
+        except ModelLoadError as exc:
             raise _UsageError(str(exc)) from exc
     from gateway.models.builtin import builtin_tokenizer
 
@@ -577,7 +579,11 @@ def add_compile_check_subparser(subparsers: Any) -> None:
         help="TOML with [[prompts]], a JSON object with a 'system' field, or plain text; "
         "- reads stdin; omitted: the daemon config's own prompts",
     )
-    cc.add_argument("--model", default=None, help="checkpoint directory whose tokenizer to use")
+    cc.add_argument(
+        "--model",
+        default=None,
+        help="model whose tokenizer to use: checkpoint directory, .gguf file, @smollm2, @builtin",
+    )
     cc.add_argument(
         "--config",
         default=None,

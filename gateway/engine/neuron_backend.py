@@ -122,10 +122,11 @@ class NeuronSettings:
 
 
 def _read_checkpoint(path: str) -> tuple[Path, dict[str, Any]]:
-    if not path:
+    if not path or path.startswith("@"):  # empty, or a named model (those are for the CPU)
         raise NeuronBackendError(
             'model.path is required for engine.backend = "neuron": set it to a Hugging Face '
             "checkpoint directory (config.json, safetensors weights, tokenizer.json)"
+            + (f"; {path} is served by the cpu backend only" if path else "")
         )
     checkpoint = Path(path).expanduser()
     if not checkpoint.is_dir():

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from gateway.models.cachedir import ensure_dir
 from gateway.tokenizer import ByteTokenizer
 from kernels.llama import LlamaConfig
 from kernels.sampling import splitmix64
@@ -116,25 +114,6 @@ def write_builtin(directory: Path) -> None:
 
 
 def ensure_builtin(data_dir: str = "") -> Path:
-    """The built-in checkpoint directory, generated on first use.
-
-    Files are written into a temporary sibling and renamed into place, so a crash or a
-    concurrent daemon never leaves a half-written directory behind.
-    """
-    target = builtin_dir(data_dir)
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_builtin(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any download
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise  # not a lost race with another process: a real error
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The built-in checkpoint directory, generated on first use (written atomically:
+    ``gateway.models.cachedir``)."""
+    return ensure_dir(builtin_dir(data_dir), "model.safetensors", write_builtin)

@@ -4,8 +4,8 @@ A checkpoint is a local Hugging Face directory: config.json, *.safetensors (one 
 listed in model.safetensors.index.json), tokenizer.json and the optional tokenizer_config.json,
 chat_template.jinja and generation_config.json. Every problem a user can cause (wrong path,
 missing file, other architecture, missing tensors) is a ``ModelLoadError`` naming the path and
-what is wrong. ``load_model`` is what the engine calls; an empty ``model.path`` selects the
-built-in model (``gateway.models.builtin``).
+what is wrong. ``load_model`` is what the engine calls; ``resolve_source`` turns ``model.path``
+(a directory, a ``.gguf`` file, or a named model) into a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from gateway.config import ModelConfig
+from gateway.config import BUILTIN_MODEL, ModelConfig
 from gateway.tokenizer import Tokenizer
 from kernels.llama import Llama, LlamaConfig
 
@@ -181,26 +181,83 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """What ``model.path`` resolves to: a checkpoint directory, the name to report, and the
+    tokenizer when the directory carries none (the built-in model's byte tokenizer)."""
+
+    directory: Path
+    name: str
+    tokenizer: Tokenizer | None = None
+
+
+def resolve_source(model_cfg: ModelConfig) -> ModelSource:
+    """Resolve ``model.path``: a named model (``@smollm2``, ``@builtin``), a ``.gguf`` file
+    (converted once into a cached directory under ``model.data_dir``) or a checkpoint directory.
+    Conversion runs here, so call it where the model is loaded (the engine thread)."""
+    from gateway.models import bundled
+    from gateway.models.gguf_import import GGUFImportError, ensure_converted, is_gguf
+
+    path = model_cfg.path
+    if not path:
+        raise ModelLoadError(
+            "model.path is empty: set a checkpoint directory, a .gguf file, or a named model "
+            f"({', '.join(bundled.NAMED_MODELS)})"
+        )
+    try:
+        if bundled.is_named(path):
+            bundled.check_named(path)
+            if path == BUILTIN_MODEL:
+                from gateway.models.builtin import BUILTIN_NAME, builtin_tokenizer, ensure_builtin
+
+                try:
+                    directory = ensure_builtin(model_cfg.data_dir)
+                except OSError as exc:
+                    raise ModelLoadError(
+                        f"cannot write the built-in model under {exc.filename}: {exc}"
+                    ) from exc
+                return ModelSource(directory, model_cfg.name or BUILTIN_NAME, builtin_tokenizer())
+            gguf_file, default_name = bundled.smollm2_gguf(), bundled.SMOLLM2_NAME
+        elif is_gguf(Path(path).expanduser()):
+            gguf_file = Path(path).expanduser()
+            default_name = gguf_file.stem
+        else:
+            directory = Path(path).expanduser()
+            if directory.is_file():
+                raise ModelLoadError(
+                    f"model.path {directory} is a file but not a GGUF file (no GGUF magic); give "
+                    "a .gguf file or a checkpoint directory"
+                )
+            return ModelSource(directory, model_cfg.name or directory.name)
+        return ModelSource(
+            ensure_converted(gguf_file, model_cfg.data_dir), model_cfg.name or default_name
+        )
+    except (bundled.BundledModelError, GGUFImportError) as exc:
+        raise ModelLoadError(str(exc)) from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot convert {path} under {exc.filename}: {exc}") from exc
+
+
+def load_tokenizer(model_cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer of the configured model, without loading its weights."""
+    from gateway.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
+
+    source = resolve_source(model_cfg)
+    if source.tokenizer is not None:
+        return source.tokenizer
+    try:
+        return HFTokenizer(source.directory)
+    except TokenizerLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
 def load_model(
     model_cfg: ModelConfig, max_context: int, dtype: torch.dtype | str | None = None
 ) -> LoadedModel:
-    """The model the daemon serves: ``model_cfg.path``, or the built-in model when it is empty.
+    """The model the daemon serves, as ``model.path`` names it (``resolve_source``).
     ``dtype`` defaults to ``model_cfg.dtype``."""
     torch_dtype = resolve_dtype(dtype if dtype is not None else model_cfg.dtype)
-    if model_cfg.path:
-        return load_checkpoint(model_cfg.path, max_context, torch_dtype, name=model_cfg.name)
-    from gateway.models.builtin import BUILTIN_NAME, builtin_tokenizer, ensure_builtin
-
-    try:
-        directory = ensure_builtin(model_cfg.data_dir)
-    except OSError as exc:
-        raise ModelLoadError(
-            f"cannot write the built-in model under {exc.filename}: {exc}"
-        ) from exc
+    source = resolve_source(model_cfg)
     return load_checkpoint(
-        directory,
-        max_context,
-        torch_dtype,
-        tokenizer=builtin_tokenizer(),
-        name=model_cfg.name or BUILTIN_NAME,
+        source.directory, max_context, torch_dtype, tokenizer=source.tokenizer, name=source.name
     )

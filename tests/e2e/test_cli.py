@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from gateway.config import BUILTIN_MODEL
 from gateway.tokenizer import ByteTokenizer
 from tests.support.daemon import ROOT, Daemon
 
@@ -78,7 +79,7 @@ def test_server_errors_are_one_line(daemon):
 
 
 def test_control_characters_are_escaped_on_a_terminal_only(tmp_path):
-    env = {"ENGINE__BACKEND": "cpu", "MODEL__DATA_DIR": str(tmp_path)}
+    env = {"ENGINE__BACKEND": "cpu", "MODEL__PATH": BUILTIN_MODEL, "MODEL__DATA_DIR": str(tmp_path)}
     with Daemon(env) as d:
         # Sampled with a fixed seed: the same bytes every run, control characters among them.
         argv = ("--raw", "--temperature", "1", "--seed", "1", "--max-tokens", "64", "hello")

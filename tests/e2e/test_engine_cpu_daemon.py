@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from gateway.config import BUILTIN_MODEL
 from tests.support import rawclient as rc
 from tests.support.daemon import Daemon
 
@@ -38,6 +39,7 @@ def test_disconnect_and_cancel_free_slots_in_the_daemon(cpu):
     _, _, data_dir = cpu
     env = {
         "ENGINE__BACKEND": "cpu",
+        "MODEL__PATH": BUILTIN_MODEL,
         "MODEL__DATA_DIR": data_dir,
         "ENGINE__MAX_BATCH_SIZE": "4",
         "ENGINE__MAX_CONTEXT": "1024",
@@ -66,7 +68,12 @@ def test_daemon_loads_and_runs_the_model_on_one_thread(cpu, tmp_path):
     # these ran on another thread than the engine loop, the backend would log the warning.
     config = tmp_path / "prompts.toml"
     config.write_text('[[prompts]]\nid = 1\nname = "p"\ntext = "You are terse."\n')
-    env = {"ENGINE__BACKEND": "cpu", "MODEL__DATA_DIR": cpu[2], "ENGINE__MAX_BATCH_SIZE": "2"}
+    env = {
+        "ENGINE__BACKEND": "cpu",
+        "MODEL__PATH": BUILTIN_MODEL,
+        "MODEL__DATA_DIR": cpu[2],
+        "ENGINE__MAX_BATCH_SIZE": "2",
+    }
     with Daemon(env, config=str(config)) as d:
         conn = rc.RawConnection(d.host, d.port)
         conn.send(rc.request(1, b"hello", 4))

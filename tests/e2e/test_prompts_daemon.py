@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.config import BUILTIN_MODEL
 from gateway.prompts import (
     system_ids,
 )
@@ -30,6 +31,7 @@ needs_wiring = pytest.mark.skipif(not WIRED, reason="Settings has no [[prompts]]
 
 E2E_ENV = {
     "ENGINE__BACKEND": "cpu",
+    "MODEL__PATH": BUILTIN_MODEL,
     "ENGINE__MAX_BATCH_SIZE": "4",
     "ENGINE__MAX_CONTEXT": "512",
     "ENGINE__PREFILL_CHUNK": "64",

@@ -23,6 +23,13 @@ TERSE = "You are terse."
 TERSE_TOKENS = len(system_ids(ByteTokenizer(), TERSE))
 
 
+@pytest.fixture(autouse=True)
+def _byte_tokenizer_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --model or --config, compile-check counts with the default config's model
+    (SmolLM2); these tests count with the byte tokenizer, which an empty model.path selects."""
+    monkeypatch.setenv("ZEROLAYER_MODEL__PATH", "")
+
+
 def check(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str], str]:
     parser = argparse.ArgumentParser(prog="zerolayer")
     add_compile_check_subparser(parser.add_subparsers(dest="command", required=True))
@@ -195,7 +202,7 @@ def test_without_config_the_environment_still_applies(tmp_path, capsys, monkeypa
     assert code == 2
     assert "no-such-model" in err
     monkeypatch.setenv("ZEROLAYER_ENGINE__MAX_PREFIX_TOKENS", "3")
-    monkeypatch.delenv("ZEROLAYER_MODEL__PATH")
+    monkeypatch.setenv("ZEROLAYER_MODEL__PATH", "")
     code, out, _ = check([write(tmp_path / "q.json", json.dumps({"system": TERSE}))], capsys)
     assert code == 1 and "3" in out[0]
 

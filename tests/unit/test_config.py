@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gateway.config import DEFAULT_CONFIG, ConfigError, load_settings
+from gateway.config import DEFAULT_CONFIG, SMOLLM2_MODEL, ConfigError, load_settings
 from tests.support.daemon import ROOT
 
 
@@ -21,7 +21,7 @@ def test_default_file_gives_documented_defaults(monkeypatch):
     assert s.server.max_streams_per_connection == 256
     assert s.server.drain_timeout_s == 30
     assert s.engine.backend == "cpu" and s.engine.synthetic_step_ms == 0
-    assert s.model.path == "" and s.auth.enabled is False
+    assert s.model.path == SMOLLM2_MODEL and s.auth.enabled is False
     assert (s.metrics.host, s.metrics.port) == ("127.0.0.1", 9464)
 
 

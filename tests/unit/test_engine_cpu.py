@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.config import EngineConfig, ModelConfig
+from gateway.config import BUILTIN_MODEL, EngineConfig, ModelConfig
 from gateway.engine.cpu_backend import create_cpu_backend
 from gateway.engine.engine import NO_TOKEN, NOT_FINISHED, Engine, Sequence
 from gateway.engine.types import SamplingRow
@@ -16,7 +16,7 @@ from gateway.engine.types import SamplingRow
 def cpu(tmp_path_factory):
     data_dir = str(tmp_path_factory.mktemp("builtin"))
     cfg = EngineConfig(max_batch_size=32, max_context=256, prefill_chunk=64, max_step_tokens=256)
-    backend, tokenizer = create_cpu_backend(ModelConfig(data_dir=data_dir), cfg)
+    backend, tokenizer = create_cpu_backend(ModelConfig(path=BUILTIN_MODEL, data_dir=data_dir), cfg)
     return backend, tokenizer, data_dir
 
 
@@ -102,7 +102,9 @@ def test_cancel_frees_the_slot_at_the_next_step(cpu):
 @pytest.fixture(scope="module")
 def cpu_bf16(cpu):
     cfg = EngineConfig(max_batch_size=8, max_context=256, prefill_chunk=64, max_step_tokens=256)
-    backend, tokenizer = create_cpu_backend(ModelConfig(data_dir=cpu[2], dtype="bfloat16"), cfg)
+    backend, tokenizer = create_cpu_backend(
+        ModelConfig(path=BUILTIN_MODEL, data_dir=cpu[2], dtype="bfloat16"), cfg
+    )
     return backend, tokenizer
 
 

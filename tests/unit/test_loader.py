@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gateway.config import EngineConfig, ModelConfig
+from gateway.config import BUILTIN_MODEL, EngineConfig, ModelConfig
 from gateway.engine.cpu_backend import create_cpu_backend
 from gateway.engine.types import PrefillChunk, SamplingRow
 from gateway.models import HFTokenizer, ModelLoadError, builtin, load_checkpoint, load_model
@@ -254,7 +254,7 @@ def test_builtin_generated_deterministically_and_cached(
         raise AssertionError("the built-in model was regenerated")
 
     monkeypatch.setattr(builtin, "write_builtin", must_not_run)
-    loaded = load_model(ModelConfig(data_dir=str(tmp_path / "a")), 4096)
+    loaded = load_model(ModelConfig(path=BUILTIN_MODEL, data_dir=str(tmp_path / "a")), 4096)
     assert loaded.path == first
     assert loaded.name == builtin.BUILTIN_NAME
     assert isinstance(loaded.tokenizer, ByteTokenizer)
@@ -268,7 +268,7 @@ def test_builtin_backend_generates_same_tokens_each_run(
 ) -> None:
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)  # keep the suite's threads
-    model_cfg = ModelConfig(data_dir=str(tmp_path))
+    model_cfg = ModelConfig(path=BUILTIN_MODEL, data_dir=str(tmp_path))
     engine_cfg = EngineConfig(max_batch_size=2, max_context=256, threads=1)
     outputs = []
     for _ in range(2):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.config import EngineConfig, ModelConfig
+from gateway.config import BUILTIN_MODEL, EngineConfig, ModelConfig
 from gateway.engine.backend import Backend, ModelInfo
 from gateway.engine.engine import FINISH, NOT_FINISHED, OWNER, TOKEN, Engine, Output, Sequence
 from gateway.engine.synthetic import SyntheticBackend
@@ -314,7 +314,9 @@ def builtin(builtin_dir: Path):
     engine_cfg = EngineConfig(
         max_batch_size=2, max_context=512, prefill_chunk=16, max_step_tokens=64
     )
-    return create_cpu_backend(ModelConfig(data_dir=str(builtin_dir)), engine_cfg)
+    return create_cpu_backend(
+        ModelConfig(path=BUILTIN_MODEL, data_dir=str(builtin_dir)), engine_cfg
+    )
 
 
 def test_compile_on_cpu_backend_saves_the_kv_of_all_but_the_last_token(builtin) -> None:

@@ -1,0 +1,68 @@
+"""The daemon serving its default model, SmolLM2-135M-Instruct, on the real weights: chats sent
+together (batched by the engine) decode greedily to transformers' ids on the same GGUF file, and
+a registered system prompt gives the same tokens as the same text inline."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gateway.client import Client
+from gateway.models.hf_tokenizer import HFTokenizer
+from gateway.protocol import CACHE_PROMPT
+from tests.support.daemon import Daemon
+from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
+
+SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_daemon_serves_smollm2_greedy_like_transformers(
+    smollm2_dir: Path, smollm2_reference, tmp_path: Path
+) -> None:
+    config = tmp_path / "zerolayer.toml"
+    config.write_text(f'[[prompts]]\nid = 1\nname = "tutor"\ntext = "{SYSTEM}"\n')
+    env = {
+        "ENGINE__BACKEND": "cpu",  # model.path is left at its default: the bundled SmolLM2
+        "MODEL__DATA_DIR": data_dir_of(smollm2_dir),
+        "ENGINE__MAX_BATCH_SIZE": "4",
+        "ENGINE__MAX_CONTEXT": "512",
+        "CACHE__ENABLED": "false",  # repeats must run the model, not replay a stored answer
+    }
+    tok = HFTokenizer(smollm2_dir)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    inline_ids = tok.encode(tok.render_chat(question, SYSTEM))
+
+    async def run(endpoint: str) -> dict:
+        async with await Client.connect(endpoint) as c:
+
+            async def chat(messages: list[dict], **extra):
+                req = {"max_tokens": MAX_NEW, "temperature": 0.0, "messages": messages, **extra}
+                return await (await c.generate_json(req)).collect()
+
+            chats = [chat([{"role": "user", "content": text}]) for text in CHATS]
+            together = await asyncio.gather(*chats)
+            by_id = await chat(question, prompt_id=1)
+            by_text = await chat(question, system=SYSTEM)
+            inline = await (await c.generate(inline_ids, MAX_NEW, text=False)).collect()
+            return {"chats": together, "by_id": by_id, "by_text": by_text, "inline": inline}
+
+    with Daemon(env, config=str(config)) as d:
+        assert "model=SmolLM2-135M-Instruct" in d.log
+        got = asyncio.run(run(d.endpoint))
+
+    for text, result in zip(CHATS, got["chats"], strict=True):
+        prompt = tok.encode(tok.render_chat([{"role": "user", "content": text}], None))
+        assert result.prompt_tokens == len(prompt)
+        assert result.ids == smollm2_reference(prompt, MAX_NEW), text
+    assert "Paris" in got["chats"][0].text
+
+    by_id, by_text, inline = got["by_id"], got["by_text"], got["inline"]
+    assert by_id.cache & CACHE_PROMPT and by_text.cache & CACHE_PROMPT
+    assert not inline.cache & CACHE_PROMPT
+    assert by_id.ids == by_text.ids == inline.ids and by_id.ids
+    assert by_id.prompt_tokens == inline.prompt_tokens == len(inline_ids)
+    assert by_id.ids == smollm2_reference(inline_ids, MAX_NEW)
+    assert "Paris" in by_id.text

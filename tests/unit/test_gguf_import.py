@@ -1,0 +1,140 @@
+"""GGUF import on tiny files written at test time: conversion matches transformers' own GGUF
+loader, the cache is reused and written atomically, and files it does not convert are refused
+with a message naming what they hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.config import ModelConfig
+from gateway.models import gguf_import
+from gateway.models.gguf_import import GGUFImportError, ensure_converted, unpermute_rows
+from gateway.models.loader import ModelLoadError, load_model, load_tokenizer
+from kernels.llama import KVCache
+from tests.support.gguf_files import HEADS, llama_cpp_permute, write_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_gguf(path)
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    w = np.arange(HEADS * 16 * 3, dtype=np.float32).reshape(HEADS * 16, 3)
+    permuted = llama_cpp_permute(w, HEADS)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(unpermute_rows(permuted, HEADS), w)
+
+
+def test_converted_model_matches_transformers_gguf_loader(tiny, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    path, source = tiny
+    loaded = load_model(ModelConfig(path=str(path), data_dir=str(tmp_path)), 256)
+    assert loaded.name == "tiny"
+    assert loaded.config.tie_word_embeddings and loaded.config.rope_theta == 50000.0
+    assert loaded.config.num_key_value_heads == 2 and loaded.max_context == 256
+    # Q4_1 is lossy, but close: the un-permuted q rows match the original layout.
+    q = loaded.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    assert np.abs(q - source["model.layers.0.self_attn.q_proj.weight"]).max() < 0.05
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = loaded.tokenizer.encode("the cat 123 sat <|im_start|> there")
+    cache = KVCache.allocate(loaded.config, 1, 256, torch.float32)
+    with torch.inference_mode():
+        ours = loaded.model.prefill(torch.tensor(ids), 0, 0, cache, all_logits=True)
+        theirs = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_special_tokens_and_template_come_from_the_file(tiny, tmp_path: Path) -> None:
+    tok = load_tokenizer(ModelConfig(path=str(tiny[0]), data_dir=str(tmp_path)))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (1, 2, False)
+    ids = tok.encode("<|im_start|>hi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) == 4
+    assert tok.decode(ids) == "hi"  # control tokens are special: skipped when decoding
+    chat = tok.render_chat([{"role": "user", "content": "yo"}], None)
+    assert chat == "<|im_start|>yo<|im_end|>"
+
+
+def test_second_start_reuses_the_cache_and_leaves_no_temp_dirs(
+    tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = ensure_converted(tiny[0], str(tmp_path))
+    assert sorted(p.name for p in first.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "source.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+
+    def must_not_run(path: Path, directory: Path) -> None:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(gguf_import, "convert", must_not_run)
+    assert ensure_converted(tiny[0], str(tmp_path)) == first
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [first.name]
+
+
+def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    write_gguf(path, arch="qwen2")
+    with pytest.raises(GGUFImportError):
+        ensure_converted(path, str(tmp_path / "cache"))
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"arch": "qwen2"}, "unsupported architecture 'qwen2'; supported: llama"),
+        ({"tokenizer_model": "llama"}, "unsupported tokenizer model 'llama'"),
+        ({"pre": "qwen2"}, "unsupported pre-tokenizer 'qwen2'"),
+        ({"matrix_type": "I8"}, "unsupported tensor type I8 (e.g. blk.0.attn_q.weight)"),
+        ({"extra_tensor": "rope_freqs.weight"}, "holds rope_freqs.weight"),
+        ({"extra_tensor": "blk.0.attn_q_norm.weight"}, "unexpected tensor 'blk.0.attn_q_norm"),
+    ],
+)
+def test_unsupported_files_are_refused_with_what_they_hold(
+    tmp_path: Path, options: dict, message: str
+) -> None:
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, **options)
+    with pytest.raises(ModelLoadError, match="bad.gguf") as info:
+        load_model(ModelConfig(path=str(path), data_dir=str(tmp_path)), 64)
+    assert message in str(info.value)
+
+
+def test_missing_or_broken_files_are_clear_errors(tmp_path: Path) -> None:
+    cfg = ModelConfig(path=str(tmp_path / "none.gguf"), data_dir=str(tmp_path))
+    with pytest.raises(ModelLoadError, match="none.gguf does not exist"):
+        load_model(cfg, 64)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all, just text" * 10)
+    with pytest.raises(ModelLoadError, match="junk.gguf is not a readable GGUF file"):
+        load_model(ModelConfig(path=str(junk), data_dir=str(tmp_path)), 64)
+
+
+def test_a_gguf_without_the_suffix_is_found_by_its_magic(tiny, tmp_path: Path) -> None:
+    blob = tmp_path / "sha256-0123abcd"  # how Ollama names a model blob
+    blob.symlink_to(tiny[0])
+    loaded = load_model(ModelConfig(path=str(blob), data_dir=str(tmp_path)), 64)
+    assert loaded.config.hidden_size == 64 and loaded.name == "sha256-0123abcd"
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ModelLoadError, match="weights.bin is a file but not a GGUF file"):
+        load_model(ModelConfig(path=str(other), data_dir=str(tmp_path)), 64)
+
+
+def test_named_models_and_empty_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="unknown named model '@nope'.*@smollm2, @builtin"):
+        load_model(ModelConfig(path="@nope", data_dir=str(tmp_path)), 64)
+    with pytest.raises(ModelLoadError, match="model.path is empty"):
+        load_model(ModelConfig(path="", data_dir=str(tmp_path)), 64)
