@@ -345,7 +345,7 @@ class CompletionReply(_OpenAIReply):
 
 def models_body(served: str, created: int) -> bytes:
     """GET /v1/models: one model, in a shape both SDKs read (OpenAI's list with Anthropic's
-    ``type``/``display_name``/``created_at``/``has_more`` fields alongside)."""
+    ``type``/``display_name``/``created_at``/``lifecycle``/``has_more`` fields alongside)."""
     return dumps(
         {
             "object": "list",
@@ -366,4 +366,5 @@ def model_object(served: str, created: int) -> dict:
         "type": "model",
         "display_name": served,
         "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat(),
+        "lifecycle": "active",
     }
