@@ -317,7 +317,7 @@ def test_messages_stream_matches_the_sdk_types():
         "message_stop",
     ]
     parsed = [json.loads(d) for _, d in events]
-    assert all(p["type"] == n for p, n in zip(parsed, names))
+    assert all(p["type"] == n for p, n in zip(parsed, names, strict=True))
     start = at.RawMessageStartEvent.model_validate(parsed[0])
     assert start.message.usage.input_tokens == 11
     deltas = [at.RawContentBlockDeltaEvent.model_validate(p) for p in parsed[3:5]]
