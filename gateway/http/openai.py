@@ -357,6 +357,11 @@ def models_body(served: str, created: int) -> bytes:
     )
 
 
+def model_body(served: str, created: int) -> bytes:
+    """GET /v1/models/{id}."""
+    return dumps(model_object(served, created))
+
+
 def model_object(served: str, created: int) -> dict:
     return {
         "id": served,

@@ -163,6 +163,7 @@ class HttpConnection(asyncio.Protocol):
         self.chunked = False
         self.chunk_at = -1  # offset of the open chunk's size line in ``out``; -1 = none
         self.close_after = False  # close once the active response ends
+        self.dirty = False  # in the door's list of connections to flush
 
     # ------------------------------------------------------------------ transport callbacks
 

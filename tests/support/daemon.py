@@ -29,6 +29,7 @@ class Daemon:
             {
                 "ZEROLAYER_SERVER__PORT": "0",
                 "ZEROLAYER_METRICS__PORT": "0",
+                "ZEROLAYER_HTTP__PORT": "0",
                 "ZEROLAYER_ENGINE__BACKEND": "synthetic",
                 "ZEROLAYER_LOGGING__LEVEL": "warning",
             }
@@ -54,6 +55,9 @@ class Daemon:
                     f"http://{metrics.group(1)}:{metrics.group(2)}" if metrics else None
                 )
                 self.endpoint = f"tcp://{self.host}:{self.port}"
+                http = re.search(r"http=([\d.]+):(\d+)", line)
+                self.http_port = int(http.group(2)) if http else None
+                self.http_url = f"http://{http.group(1)}:{http.group(2)}" if http else None
                 self.extra = dict(re.findall(r"(\w+)=(\S+)", line))
                 # Keep draining stderr so a chatty daemon never blocks on a full pipe.
                 threading.Thread(target=self._drain, daemon=True).start()
