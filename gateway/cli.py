@@ -8,11 +8,10 @@ import json
 import sys
 
 from gateway.client import DEFAULT_ENDPOINT, Client, ServerError
+from gateway.codes import FinishReason
 from gateway.config import ConfigError, load_settings
 from gateway.hooks.keys import add_keys_subparser
 from gateway.prompts import add_compile_check_subparser
-
-FINISH_NAMES = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled"}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -65,7 +64,7 @@ async def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         if args.verbose:
             print(
-                f"[finish={FINISH_NAMES.get(result.finish_reason, result.finish_reason)} "
+                f"[finish={FinishReason(result.finish_reason).label} "
                 f"prompt_tokens={result.prompt_tokens} "
                 f"completion_tokens={result.completion_tokens} "
                 f"ttft={result.ttft_us / 1000:.1f}ms total={result.total_us / 1000:.1f}ms]",

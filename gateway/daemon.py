@@ -23,7 +23,10 @@ from gateway.config import Settings
 from gateway.engine.compute import ComputeThread
 from gateway.engine.engine import Engine
 from gateway.engine.factory import build_backend
+from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
+from gateway.inputs import InputProcessor
+from gateway.lifecycle import RequestPath
 from gateway.ops.health import start_http_server
 from gateway.ops.logging import setup_logging
 from gateway.ops.metrics import Metrics
@@ -59,18 +62,20 @@ async def _serve(settings: Settings) -> None:
         )
     )
     chain = Chain.build(settings)
-    server_ref: list[Server] = []
+    outbox = Outbox()  # engine thread → event loop
     engine = Engine(
         backend,
         tokenizer,
-        lambda outputs, column: server_ref[0].deliver_threadsafe(outputs, column),
+        outbox.put,
         max_queue=settings.engine.max_queue,
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,
         on_step=metrics.engine_step,
     )
-    server = Server(settings, engine, tokenizer, chain, metrics, prompts)
-    server_ref.append(server)
+    inputs = InputProcessor(tokenizer, backend.info, prompts, metrics)
+    path = RequestPath(engine, inputs, chain, metrics)
+    outbox.attach(loop, path.outputs.deliver)
+    server = Server(settings.server, path, backend.info, metrics)
 
     def engine_alive() -> bool:
         return engine.alive and time.monotonic() - engine.last_beat < ENGINE_STALE_S
@@ -115,7 +120,8 @@ async def _serve(settings: Settings) -> None:
     log.info("signal received, draining")
     notifier.stopping("draining")
     await server.drain()
-    engine.stop()
+    outbox.close()  # the engine thread must not wait for a loop that no longer delivers
+    await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop
     await chain.aclose()
     if monitor is not None:
         monitor.close()

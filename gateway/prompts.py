@@ -334,7 +334,7 @@ class PromptRegistry:
             self.compiled = True
             return []
         name = backend_name or type(backend).__name__
-        if not all(hasattr(backend, m) for m in ("save_prefix", "load_prefix", "prefix_nbytes")):
+        if not backend.supports_prefix:
             raise PromptConfigError(f"precompiled prompts are not supported by the {name} backend")
         if chunk < 1:
             raise ValueError("chunk must be >= 1")

@@ -19,6 +19,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from gateway.codes import ErrorCode, FinishReason  # noqa: F401 - FinishReason: re-exported
+
 VERSION = 1
 HEADER = struct.Struct("<IBBHI")  # length, type, flags, reserved, stream
 HEADER_SIZE = HEADER.size  # 12
@@ -36,31 +38,6 @@ class FrameType(IntEnum):
     HELLO = 0x08
     WELCOME = 0x09
     GOAWAY = 0x0A
-
-
-class ErrorCode(IntEnum):
-    MALFORMED_FRAME = 1
-    FRAME_TOO_LARGE = 2
-    UNSUPPORTED_VERSION = 3
-    UNAUTHENTICATED = 4
-    RATE_LIMITED = 5
-    OVERLOADED = 6
-    INVALID_REQUEST = 7
-    PROMPT_TOO_LONG = 8
-    UNKNOWN_PROMPT = 9
-    STREAM_IN_USE = 10
-    TOO_MANY_STREAMS = 11
-    IDLE_TIMEOUT = 12
-    SHUTTING_DOWN = 13
-    SLOW_CONSUMER = 14
-    INTERNAL = 15
-
-
-class FinishReason(IntEnum):
-    EOS = 0
-    MAX_TOKENS = 1
-    STOP = 2
-    CANCELLED = 3
 
 
 # REQUEST flags and options

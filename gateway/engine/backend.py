@@ -4,6 +4,9 @@ A backend owns ``num_slots`` KV-cache slots of ``max_context`` positions each. T
 assigns slots, feeds prompt chunks (``prefill``) and runs batched ``decode`` steps, and calls
 ``free`` when a sequence ends. Implementations: ``synthetic`` (no model), ``cpu`` (kernels/ on
 torch), ``neuron`` (transformers-neuronx on NeuronCores).
+
+Prefix KV (precompiled prompts) is optional: a backend that can save a slot's leading KV and
+copy it into another slot sets ``supports_prefix`` and implements the three prefix methods.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Backend(ABC):
 
     info: ModelInfo
     num_slots: int
+    supports_prefix: bool = False  # save_prefix / load_prefix / prefix_nbytes are implemented
 
     @abstractmethod
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
@@ -47,3 +51,17 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release devices and threads at shutdown."""
+
+    # ---- prefix KV (only when ``supports_prefix``) ----------------------------------------
+
+    def save_prefix(self, slot: int, length: int) -> object:
+        """A copy of the KV of positions ``0 .. length - 1`` of ``slot`` (an opaque handle)."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix KV support")
+
+    def load_prefix(self, prefix: object, slot: int) -> None:
+        """Copy a saved prefix into ``slot``; its prefill then starts after the prefix."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix KV support")
+
+    def prefix_nbytes(self, prefix: object) -> int:
+        """Memory held by a saved prefix."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix KV support")

@@ -77,6 +77,8 @@ def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int)
 
 
 class CpuBackend(Backend):
+    supports_prefix = True
+
     def __init__(
         self,
         loaded: LoadedModel,

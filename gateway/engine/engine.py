@@ -1,43 +1,52 @@
 """The engine: a continuous-batching scheduler running a Backend in its own thread.
 
-Every step it (1) takes in new sequences and cancellations, (2) admits waiting sequences into free
-KV slots, (3) builds one batch: a decode row per running sequence plus prompt chunks for sequences
-still in prefill, within ``max_step_tokens``, (4) runs the backend, (5) turns sampled ids into
-outputs (stop checks, UTF-8-safe text, stop sequences) and (6) hands all of the step's outputs to
-the event loop in ONE call. The waiting queue is bounded: ``submit`` refuses when it is full.
+A step is schedule → execute → update (``step_columns``):
+- **schedule** takes in new sequences and cancellations, admits waiting sequences into free KV
+  slots, and returns a ``StepPlan``: prompt chunks for sequences still in prefill (within
+  ``max_step_tokens``) and the decode batch of every decoding sequence. A plain dataclass that
+  tests can inspect.
+- **execute** runs the backend on the plan (nothing else); a failing batched call is retried row
+  by row so that a failure ends only the sequence that caused it.
+- **update** turns sampled ids into outputs (stop checks, UTF-8-safe text, stop sequences) and
+  frees the slots of finished sequences; the caller hands the step's outputs on in ONE call.
+The waiting queue is bounded: ``submit`` refuses when it is full.
 
 Steady-state decode steps take a columnar path: while the decode rows are unchanged, the "plain"
 rows (no text, no stop ids) hand over their sampled ids as one ``TokenColumn`` per step instead
 of one Output tuple per token, as long as none of them samples EOS or can reach max_tokens or
-max_context; the other rows of the batch go token by token as before. Plain rows then all
-advance by exactly one token per step, so their counters are brought up to date only when the
-path is left (``_sync_columns``).
+max_context; the other rows of the batch go token by token. Plain rows then all advance by
+exactly one token per step, so their counters are brought up to date only when the path is left
+(``_Columnar.sync``). The decode rows are a tuple that only ``_set_decoding`` replaces, bumping
+``_rows_version``: every cache keyed on the rows (the decode batch, the columnar path, the
+consumer's frame plan) compares versions, never object identity.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.codes import FinishReason
 from gateway.engine.backend import Backend
 from gateway.engine.compute import ComputeThread
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
-from gateway.protocol import FinishReason
 from gateway.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("zerolayer.engine")
 
-# Output.finish for a sequence that ended in an engine failure (the server answers INTERNAL).
-FINISH_ERROR = -1
+# Output.finish for a sequence that ended in an engine failure (the door answers INTERNAL).
+FINISH_ERROR = FinishReason.ERROR
 NOT_FINISHED = -2
+INT32_MAX = 2**31 - 1
 
 
 class EngineOverloaded(Exception):
@@ -121,10 +130,11 @@ OWNER, TOKEN, TEXT, FINISH, T_ADMIT = range(5)
 @dataclass(slots=True)
 class TokenColumn:
     """One columnar decode step: ``owners[i]`` got token ``tokens[i]`` and goes on (no text, not
-    finished). ``owners`` is the same list object for every step while the rows stay the same,
-    so a consumer may cache per-row work by its identity. Both are read-only: the engine feeds
-    ``tokens`` back to the backend as the next step's input."""
+    finished). ``version`` names the row set: it is the same for every step while the rows stay
+    the same and changes whenever they change, so a consumer may cache per-row work under it.
+    Both arrays are read-only: the engine feeds ``tokens`` back as the next step's input."""
 
+    version: int
     owners: list[object]
     tokens: np.ndarray  # int32 [len(owners)]
 
@@ -133,8 +143,72 @@ class TokenColumn:
 Deliver = Callable[[list[Output], TokenColumn | None], None]
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """What one step runs: prompt chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then one decode
+    row per sequence of ``decode`` (rows version ``version``) as ``batch``."""
+
+    chunks: list[PrefillChunk] = field(default_factory=list)
+    chunk_seqs: list[Sequence] = field(default_factory=list)
+    decode: tuple[Sequence, ...] = ()
+    version: int = 0
+    batch: DecodeBatch | None = None
+
+
+class _Columnar:
+    """The columnar path's state for one decode row set (see the module docstring): its plain
+    rows, their owners and indices in the batch (None: every row is plain), the other rows and
+    their indices, how many columnar steps the plain rows can take before one of them may
+    finish, how many they took since their counters were last written, and the last of those
+    steps' tokens."""
+
+    __slots__ = ("rows_version", "version", "seqs", "owners", "index", "others", "others_index",
+                 "limit", "steps", "last")  # fmt: skip
+
+    def __init__(
+        self, rows: tuple[Sequence, ...], rows_version: int, version: int, max_context: int
+    ) -> None:
+        self.rows_version = rows_version
+        self.version = version  # TokenColumn.version: new for every set-up
+        self.steps = 0
+        self.last = np.empty(0, np.int32)
+        plain = [i for i, seq in enumerate(rows) if seq.detok is None and not seq.stop_ids]
+        if len(plain) == len(rows):
+            self.seqs, self.index = list(rows), None
+            self.others, self.others_index = [], None
+        else:
+            self.seqs = [rows[i] for i in plain]
+            self.index = np.array(plain, np.intp)
+            other = sorted(set(range(len(rows))) - set(plain))
+            self.others = [rows[i] for i in other]
+            self.others_index = np.array(other, np.intp)
+        self.owners = [seq.owner for seq in self.seqs]
+        # A row ends on the token that brings it to max_tokens or max_context: every step
+        # before that one may go columnar.
+        self.limit = (
+            min(min(s.max_tokens - s.generated, max_context - s.position) for s in self.seqs) - 1
+            if self.seqs
+            else 0
+        )
+
+    def sync(self) -> None:
+        """Write the columnar steps taken so far into the rows' counters."""
+        k = self.steps
+        if not k:
+            return
+        self.steps = 0
+        self.limit -= k
+        for seq, token in zip(self.seqs, self.last.tolist(), strict=True):
+            seq.generated += k
+            seq.position += k
+            seq.last_token = token
+
+
 class Engine:
-    """Owns the scheduler thread. ``submit`` and ``cancel`` are safe from any thread."""
+    """Owns the scheduler thread. ``submit`` and ``cancel`` are safe from any thread.
+
+    ``deliver(outputs, column)`` is called on the engine thread once per step that produced
+    anything (the daemon passes its ``Outbox.put``)."""
 
     def __init__(
         self,
@@ -149,7 +223,7 @@ class Engine:
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
-        self._deliver = deliver  # called from the engine thread, once per step with outputs
+        self._deliver = deliver
         self._max_queue = max_queue
         self._max_step_tokens = max_step_tokens
         self._prefill_chunk = prefill_chunk
@@ -158,9 +232,9 @@ class Engine:
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
-        # ... and those decoding: replaced (never mutated) when it changes, so an unchanged
-        # object means an unchanged batch (see _decode_batch).
-        self._decoding: list[Sequence] = []
+        self._decoding: tuple[Sequence, ...] = ()  # ... and those decoding (_set_decoding)
+        self._rows_version = 0
+        self._versions = 0  # source of new row and column versions
         self._cancel_pending = False
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
@@ -170,25 +244,12 @@ class Engine:
         self._top_k = np.zeros(n, np.int32)
         self._seeds = np.zeros(n, np.uint64)
         self._seeded = np.zeros(n, np.bool_)
-        self._last_rows: list[Sequence] = []
         self._last_batch: DecodeBatch | None = None
+        self._last_batch_version = -1
         self._last_sampled = np.empty(0, np.int32)
         self._eos = tokenizer.eos_token_ids
         self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
-        # The columnar path (see the module docstring): the decode rows it was set up for; their
-        # plain rows, those rows' owners and indices in the batch (None: every row is plain);
-        # the other rows and their indices; how many columnar steps the plain rows can take
-        # before one of them may finish, how many they took since their counters were last
-        # written, and the last of those steps' tokens.
-        self._col_rows: list[Sequence] | None = None
-        self._col_seqs: list[Sequence] = []
-        self._col_owners: list[object] = []
-        self._col_index: np.ndarray | None = None
-        self._col_others: list[Sequence] = []
-        self._col_others_index: np.ndarray | None = None
-        self._col_limit = 0
-        self._col_steps = 0
-        self._col_last = self._last_sampled
+        self._col: _Columnar | None = None
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -218,6 +279,11 @@ class Engine:
     def alive(self) -> bool:
         loop = self._running_loop
         return loop is not None and not loop.done()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, waiting or running (for tests and shutdown)."""
+        return not (self._inbox or self._waiting or self._running)
 
     def submit(self, seq: Sequence) -> None:
         if not len(seq.prompt):  # the server never sends one: a precompiled prefix keeps a token
@@ -253,25 +319,31 @@ class Engine:
             self._accepting = False
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop, then close the backend on the engine thread (torch stays on one
+        thread). Blocks up to ``timeout``: call it off the event loop. The deliver callback must
+        not block by then (the daemon closes its Outbox first)."""
         self.stop_accepting()
         self._stop = True
         self._wake.set()
-        if self._compute is not None:
-            self._compute.close(timeout)  # returns once _run has (or after timeout)
-        self.backend.close()
+        if self._compute is None:
+            self.backend.close()
+            return
+        with contextlib.suppress(RuntimeError):  # RuntimeError: the thread is already gone
+            self._compute.submit(self.backend.close)  # runs after _run has returned
+        self._compute.close(timeout)
 
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
         while not self._stop:
             self.last_beat = time.monotonic()
-            if not (self._inbox or self._waiting or self._running):
+            if self.idle:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
             try:
                 outputs, column = self.step_columns()
-            except Exception:
+            except Exception:  # a bug in the scheduler itself: nothing can be trusted
                 log.exception("engine step failed; failing the sequences in flight")
                 outputs, column = self._fail_all(), None
             if outputs or column is not None:
@@ -282,32 +354,44 @@ class Engine:
         Public so tests can drive the engine without the thread."""
         outputs, column = self.step_columns()
         if column is not None:
-            for seq, token in zip(self._col_seqs, column.tokens.tolist(), strict=True):
+            col = self._col
+            assert col is not None
+            for seq, token in zip(col.seqs, column.tokens.tolist(), strict=True):
                 outputs.append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
         return outputs
 
     def step_columns(self) -> tuple[list[Output], TokenColumn | None]:
-        """One scheduling step: its Outputs, and the decode rows' tokens as one TokenColumn when
-        the step took the columnar path (no Output then comes from those rows)."""
+        """One step: its Outputs, and the decode rows' tokens as one TokenColumn when the step
+        took the columnar path (no Output then comes from those rows)."""
         outputs: list[Output] = []
-        column: TokenColumn | None = None
-        self._take_inbox()
+        plan = self.schedule(outputs)
+        if plan is None:
+            return outputs, None
+        prefilled, decoded, failed = self.execute(plan)
+        column = self._update(plan, prefilled, decoded, failed, outputs)
+        self.steps += 1
+        return outputs, column
+
+    # ---- schedule ----------------------------------------------------------------------------
+
+    def schedule(self, outputs: list[Output]) -> StepPlan | None:
+        """Take in new sequences and cancellations (their endings go to ``outputs``) and plan
+        the step; None when nothing runs."""
+        while self._inbox:
+            self._waiting.append(self._inbox.popleft())
         self._admit(outputs)
         self._drop_cancelled(outputs)
         if not self._running:
-            return outputs, None
-        decode_rows = self._decoding
-        budget = self._max_step_tokens - len(decode_rows)
-        chunks: list[PrefillChunk] = []
-        chunk_seqs: list[Sequence] = []
+            return None
+        plan = StepPlan(decode=self._decoding, version=self._rows_version)
+        budget = self._max_step_tokens - len(plan.decode)
         for seq in self._prefilling:
-            remaining = len(seq.prompt) - seq.prefilled
             if budget <= 0:
                 break
-            n = min(remaining, self._prefill_chunk, budget)
-            budget -= n
             start = seq.prefilled
-            chunks.append(
+            n = min(len(seq.prompt) - start, self._prefill_chunk, budget)
+            budget -= n
+            plan.chunks.append(
                 PrefillChunk(
                     slot=seq.slot,
                     tokens=seq.prompt[start : start + n],
@@ -316,130 +400,14 @@ class Engine:
                     sampling=seq.sampling,
                 )
             )
-            chunk_seqs.append(seq)
-        finished: list[Sequence] = []
-        if chunks:
-            t0 = time.perf_counter()
-            sampled = self.backend.prefill(chunks)
-            self._report("prefill", time.perf_counter() - t0, len(chunks))
-            completed = []
-            for seq, chunk, token in zip(chunk_seqs, chunks, sampled.tolist(), strict=True):
-                seq.prefilled += len(chunk.tokens)
-                if chunk.last:
-                    completed.append(seq)
-                    self._accept_token(seq, token, outputs, finished)
-            if completed:  # they decode from the next step on
-                self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
-                self._decoding = [*self._decoding, *completed]
-        if decode_rows:
-            if decode_rows is not self._col_rows:
-                self._sync_columns()  # the rows changed: bring the old rows' counters up to date
-            batch = self._decode_batch(decode_rows)
-            t0 = time.perf_counter()
-            sampled = self.backend.decode(batch)
-            self._report("decode", time.perf_counter() - t0, batch.size)
-            self._last_sampled = sampled
-            if decode_rows is not self._col_rows:
-                self._set_up_columns(decode_rows)
-            if self._col_seqs:
-                index = self._col_index
-                plain = sampled if index is None else sampled[index]
-                if self._col_steps < self._col_limit and not self._any_eos(plain):
-                    self._col_steps += 1
-                    self._col_last = plain
-                    column = TokenColumn(self._col_owners, plain)
-                    if index is not None:
-                        others = self._col_others_index
-                        assert others is not None
-                        self._accept_decoded(self._col_others, sampled[others], outputs, finished)
-                else:
-                    # A plain row may finish: this step goes token by token, and the next one
-                    # sets the columnar path up again for the rows that are left.
-                    self._sync_columns()
-                    self._col_rows = None
-                    self._accept_decoded(decode_rows, sampled, outputs, finished)
-            else:
-                self._accept_decoded(decode_rows, sampled, outputs, finished)
-        for seq in finished:
-            self._release(seq)
-        self.steps += 1
-        return outputs, column
-
-    def _accept_decoded(
-        self,
-        rows: list[Sequence],
-        sampled: np.ndarray,
-        outputs: list[Output],
-        finished: list[Sequence],
-    ) -> None:
-        """One decode step's tokens, row by row."""
-        eos, max_context, append = self._eos, self._max_context, outputs.append
-        for seq, token in zip(rows, sampled.tolist(), strict=True):
-            if seq.detok is None and not seq.stop_ids and token not in eos:
-                # The common case inlined (one per token): no text, no stop ids, not EOS.
-                seq.generated += 1
-                seq.position += 1
-                seq.last_token = token
-                if seq.generated < seq.max_tokens and seq.position < max_context:
-                    append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
-                    continue
-                append(self._end(seq, token, FinishReason.MAX_TOKENS))
-                finished.append(seq)
-            else:
-                self._accept_token(seq, token, outputs, finished)
-
-    def _set_up_columns(self, rows: list[Sequence]) -> None:
-        """Called once per new decode row list, with the rows' counters up to date."""
-        self._col_rows = rows
-        self._col_steps = 0
-        plain = [i for i, seq in enumerate(rows) if seq.detok is None and not seq.stop_ids]
-        if len(plain) == len(rows):
-            self._col_seqs, self._col_index = rows, None
-            self._col_others, self._col_others_index = [], None
-        else:
-            self._col_seqs = [rows[i] for i in plain]
-            self._col_index = np.array(plain, np.intp)
-            other = sorted(set(range(len(rows))) - set(plain))
-            self._col_others = [rows[i] for i in other]
-            self._col_others_index = np.array(other, np.intp)
-        self._col_owners = [seq.owner for seq in self._col_seqs]
-        if self._col_seqs:
-            # A row ends on the token that brings it to max_tokens or max_context: every step
-            # before that one may go columnar.
-            max_context = self._max_context
-            self._col_limit = (
-                min(
-                    min(seq.max_tokens - seq.generated, max_context - seq.position)
-                    for seq in self._col_seqs
-                )
-                - 1
-            )
-
-    def _sync_columns(self) -> None:
-        """Write the columnar steps taken so far into the rows' counters."""
-        k = self._col_steps
-        if not k:
-            return
-        self._col_steps = 0
-        self._col_limit -= k
-        for seq, token in zip(self._col_seqs, self._col_last.tolist(), strict=True):
-            seq.generated += k
-            seq.position += k
-            seq.last_token = token
-
-    def _any_eos(self, sampled: np.ndarray) -> bool:
-        eos = self._eos_ids
-        if len(eos) == 1:  # the usual case: one comparison is cheaper than np.isin
-            return bool((sampled == eos[0]).any())
-        return bool(len(eos) and np.isin(sampled, eos).any())
-
-    def _report(self, phase: str, seconds: float, batch: int) -> None:
-        if self._on_step is not None:
-            self._on_step(phase, seconds, batch)
-
-    def _take_inbox(self) -> None:
-        while self._inbox:
-            self._waiting.append(self._inbox.popleft())
+            plan.chunk_seqs.append(seq)
+        if plan.decode:
+            col = self._col
+            if col is not None and col.rows_version != plan.version:
+                col.sync()  # the rows changed: bring the old rows' counters up to date first
+                self._col = None
+            plan.batch = self._decode_batch(plan.decode, plan.version)
+        return plan
 
     def _admit(self, outputs: list[Output]) -> None:
         while self._waiting and self._free_slots:
@@ -453,14 +421,22 @@ class Engine:
             # Lowest slot first keeps the active slots consecutive, which lets the CPU kernels
             # read the KV cache in place instead of gathering it.
             seq.slot = slot = heapq.heappop(self._free_slots)
-            sp = seq.sampling
-            self._temperature[slot] = sp.temperature
-            self._top_p[slot] = sp.top_p
-            self._top_k[slot] = sp.top_k
-            self._seeds[slot] = sp.seed
-            self._seeded[slot] = sp.seeded
-            if seq.prefix is not None:
-                self.backend.load_prefix(seq.prefix, seq.slot)  # type: ignore[attr-defined]
+            try:
+                sp = seq.sampling
+                self._temperature[slot] = sp.temperature
+                self._top_p[slot] = sp.top_p
+                self._top_k[slot] = sp.top_k
+                self._seeds[slot] = sp.seed
+                self._seeded[slot] = sp.seeded
+                if seq.prefix is not None:
+                    self.backend.load_prefix(seq.prefix, slot)
+            except Exception:  # this sequence alone cannot run: it ends, the others go on
+                log.exception("admitting a sequence failed; ending it")
+                outputs.append(self._end(seq, NO_TOKEN, FINISH_ERROR))
+                self.backend.free(slot)
+                heapq.heappush(self._free_slots, slot)
+                seq.slot = -1
+                continue
             self._running.append(seq)
             self._prefilling.append(seq)
 
@@ -483,12 +459,12 @@ class Engine:
             outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
             self._release(seq)
 
-    def _decode_batch(self, rows: list[Sequence]) -> DecodeBatch:
+    def _decode_batch(self, rows: tuple[Sequence, ...], version: int) -> DecodeBatch:
         # Sampling parameters live in per-slot arrays written once at admission; per step only
         # the slot list, last tokens and positions are gathered. In the steady state (the same
         # rows as the previous step) even those are reused: only the tokens are new.
         last = self._last_batch
-        if last is not None and rows is self._last_rows:
+        if last is not None and version == self._last_batch_version:
             batch = DecodeBatch(
                 slots=last.slots,
                 tokens=self._last_sampled,  # each row feeds back what it sampled last step
@@ -500,34 +476,199 @@ class Engine:
                 seeded=last.seeded,
             )
         else:
-            batch = self._gather_batch(rows)
-        self._last_rows, self._last_batch = rows, batch
+            slots = np.array([s.slot for s in rows], np.int32)
+            batch = DecodeBatch(
+                slots=slots,
+                tokens=np.array([s.last_token for s in rows], np.int32),
+                positions=np.array([s.position - 1 for s in rows], np.int32),
+                temperature=self._temperature[slots],
+                top_p=self._top_p[slots],
+                top_k=self._top_k[slots],
+                seeds=self._seeds[slots],
+                seeded=self._seeded[slots],
+            )
+        self._last_batch, self._last_batch_version = batch, version
         return batch
 
-    def _gather_batch(self, rows: list[Sequence]) -> DecodeBatch:
-        slots = np.array([s.slot for s in rows], np.int32)
-        return DecodeBatch(
-            slots=slots,
-            tokens=np.array([s.last_token for s in rows], np.int32),
-            positions=np.array([s.position - 1 for s in rows], np.int32),
-            temperature=self._temperature[slots],
-            top_p=self._top_p[slots],
-            top_k=self._top_k[slots],
-            seeds=self._seeds[slots],
-            seeded=self._seeded[slots],
-        )
+    # ---- execute -----------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> tuple[np.ndarray | None, np.ndarray | None, set[int]]:
+        """Run the backend on ``plan``: (sampled per chunk, sampled per decode row, the ids of
+        sequences whose rows failed even when run alone)."""
+        failed: set[int] = set()
+        prefilled = decoded = None
+        if plan.chunks:
+            t0 = time.perf_counter()
+            prefilled = self._call_rows(
+                self.backend.prefill, plan.chunks, plan.chunk_seqs, _one_chunk, failed
+            )
+            self._report("prefill", time.perf_counter() - t0, len(plan.chunks))
+        if plan.batch is not None:
+            t0 = time.perf_counter()
+            decoded = self._call_rows(
+                self.backend.decode, plan.batch, plan.decode, _one_row, failed
+            )
+            self._report("decode", time.perf_counter() - t0, plan.batch.size)
+        return prefilled, decoded, failed
+
+    @staticmethod
+    def _call_rows(call, work, seqs, one, failed: set[int]) -> np.ndarray:  # noqa: ANN001
+        """``call(work)``; when it raises, run each row alone so that only the rows that fail
+        by themselves are lost (their sequences' ids go to ``failed``, their tokens are -1)."""
+        try:
+            return call(work)
+        except Exception:
+            log.exception("a batched backend call failed; retrying its %d rows one by one",
+                          len(seqs))  # fmt: skip
+        sampled = np.full(len(seqs), -1, np.int32)
+        for i, seq in enumerate(seqs):
+            try:
+                sampled[i] = call(one(work, i))[0]
+            except Exception:
+                log.exception("backend call failed for one sequence; ending it")
+                failed.add(id(seq))
+        return sampled
+
+    def _report(self, phase: str, seconds: float, batch: int) -> None:
+        if self._on_step is not None:
+            self._on_step(phase, seconds, batch)
+
+    # ---- update ------------------------------------------------------------------------------
+
+    def _update(
+        self,
+        plan: StepPlan,
+        prefilled: np.ndarray | None,
+        decoded: np.ndarray | None,
+        failed: set[int],
+        outputs: list[Output],
+    ) -> TokenColumn | None:
+        finished: list[Sequence] = []
+        if prefilled is not None:
+            completed = []
+            tokens = prefilled.tolist()
+            for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, tokens, strict=True):
+                if failed and id(seq) in failed:
+                    self._fail(seq, outputs, finished)
+                    continue
+                seq.prefilled += len(chunk.tokens)
+                if chunk.last:
+                    completed.append(seq)
+                    self._accept_token(seq, token, outputs, finished)
+            if completed:  # they decode from the next step on
+                self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
+                self._set_decoding((*self._decoding, *completed))
+        column = None
+        if decoded is not None:
+            self._last_sampled = decoded
+            if failed:
+                self._update_rows(plan.decode, decoded, failed, outputs, finished)
+            else:
+                column = self._update_decode(plan, decoded, outputs, finished)
+        for seq in finished:
+            self._release(seq)
+        return column
+
+    def _update_decode(
+        self,
+        plan: StepPlan,
+        sampled: np.ndarray,
+        outputs: list[Output],
+        finished: list[Sequence],
+    ) -> TokenColumn | None:
+        col = self._col
+        if col is None:
+            self._versions += 1
+            self._col = col = _Columnar(
+                plan.decode, plan.version, self._versions, self._max_context
+            )
+        if not col.seqs:
+            self._accept_decoded(plan.decode, sampled, outputs, finished)
+            return None
+        index = col.index
+        plain = sampled if index is None else sampled[index]
+        if col.steps < col.limit and not self._any_eos(plain):
+            col.steps += 1
+            col.last = plain
+            if index is not None:
+                others = col.others_index
+                assert others is not None
+                self._accept_decoded(col.others, sampled[others], outputs, finished)
+            return TokenColumn(col.version, col.owners, plain)
+        # A plain row may finish: this step goes token by token, and the next one sets the
+        # columnar path up again for the rows that are left.
+        self._leave_columns()
+        self._accept_decoded(plan.decode, sampled, outputs, finished)
+        return None
+
+    def _update_rows(
+        self,
+        rows: tuple[Sequence, ...],
+        sampled: np.ndarray,
+        failed: set[int],
+        outputs: list[Output],
+        finished: list[Sequence],
+    ) -> None:
+        """A decode step in which some rows failed: every row token by token."""
+        self._leave_columns()
+        for seq, token in zip(rows, sampled.tolist(), strict=True):
+            if id(seq) in failed:
+                self._fail(seq, outputs, finished)
+            else:
+                self._accept_token(seq, token, outputs, finished)
+
+    def _leave_columns(self) -> None:
+        if self._col is not None:
+            self._col.sync()
+            self._col = None
+
+    def _accept_decoded(
+        self,
+        rows: tuple[Sequence, ...] | list[Sequence],
+        sampled: np.ndarray,
+        outputs: list[Output],
+        finished: list[Sequence],
+    ) -> None:
+        """One decode step's tokens, row by row."""
+        eos, max_context, append = self._eos, self._max_context, outputs.append
+        for seq, token in zip(rows, sampled.tolist(), strict=True):
+            if seq.detok is None and not seq.stop_ids and token not in eos:
+                # The common case inlined (one per token): no text, no stop ids, not EOS.
+                seq.generated += 1
+                seq.position += 1
+                seq.last_token = token
+                if seq.generated < seq.max_tokens and seq.position < max_context:
+                    append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
+                    continue
+                append(self._end(seq, token, FinishReason.MAX_TOKENS))
+                finished.append(seq)
+            else:
+                self._accept_token(seq, token, outputs, finished)
+
+    def _any_eos(self, sampled: np.ndarray) -> bool:
+        eos = self._eos_ids
+        if len(eos) == 1:  # the usual case: one comparison is cheaper than np.isin
+            return bool((sampled == eos[0]).any())
+        return bool(len(eos) and np.isin(sampled, eos).any())
 
     def _accept_token(
         self, seq: Sequence, token: int, outputs: list[Output], finished: list[Sequence]
     ) -> None:
+        try:
+            out = self._next_output(seq, token)
+        except Exception:  # e.g. a detokenizer failure: this sequence ends, the others go on
+            log.exception("processing a sampled token failed; ending its sequence")
+            self._fail(seq, outputs, finished)
+            return
+        outputs.append(out)
+        if out[FINISH] != NOT_FINISHED:
+            finished.append(seq)
+
+    def _next_output(self, seq: Sequence, token: int) -> Output:
         if token in self._eos:
-            outputs.append(self._end(seq, NO_TOKEN, FinishReason.EOS))
-            finished.append(seq)
-            return
+            return self._end(seq, NO_TOKEN, FinishReason.EOS)
         if token in seq.stop_ids:
-            outputs.append(self._end(seq, NO_TOKEN, FinishReason.STOP))
-            finished.append(seq)
-            return
+            return self._end(seq, NO_TOKEN, FinishReason.STOP)
         seq.generated += 1
         seq.position += 1
         seq.last_token = token
@@ -537,14 +678,10 @@ class Engine:
             if seq.stop_sequences:
                 text, hit = self._scan_stops(seq, text)
                 if hit:
-                    outputs.append(self._end(seq, token, FinishReason.STOP, text, flush=False))
-                    finished.append(seq)
-                    return
+                    return self._end(seq, token, FinishReason.STOP, text, flush=False)
         if seq.generated >= seq.max_tokens or seq.position >= self._max_context:
-            outputs.append(self._end(seq, token, FinishReason.MAX_TOKENS, text))
-            finished.append(seq)
-            return
-        outputs.append((seq.owner, token, text, NOT_FINISHED, seq.t_admit))
+            return self._end(seq, token, FinishReason.MAX_TOKENS, text)
+        return (seq.owner, token, text, NOT_FINISHED, seq.t_admit)
 
     @staticmethod
     def _scan_stops(seq: Sequence, text: str) -> tuple[str, bool]:
@@ -571,7 +708,7 @@ class Engine:
     def _end(
         self, seq: Sequence, token: int, finish: int, text: str = "", flush: bool = True
     ) -> Output:
-        if flush and seq.detok is not None:
+        if flush and seq.detok is not None and finish != FINISH_ERROR:
             rest = seq.detok.flush()
             if seq.stop_sequences:
                 rest, hit = self._scan_stops(seq, rest)
@@ -586,6 +723,18 @@ class Engine:
             self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
         return (seq.owner, token, text, finish, seq.t_admit)
 
+    def _fail(self, seq: Sequence, outputs: list[Output], finished: list[Sequence]) -> None:
+        outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))
+        finished.append(seq)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _set_decoding(self, rows: tuple[Sequence, ...]) -> None:
+        """The only place the decode rows change: a new tuple and a new version."""
+        self._decoding = rows
+        self._versions += 1
+        self._rows_version = self._versions
+
     def _release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             self.backend.free(seq.slot)
@@ -595,13 +744,30 @@ class Engine:
         if seq.prefilled < len(seq.prompt):
             self._prefilling.remove(seq)
         else:
-            self._decoding = [s for s in self._decoding if s is not seq]
+            self._set_decoding(tuple(s for s in self._decoding if s is not seq))
 
     def _fail_all(self) -> list[Output]:
-        self._sync_columns()
-        self._col_rows = None
-        outputs = []
+        self._leave_columns()
+        outputs: list[Output] = []
         for seq in list(self._running):
             outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))
             self._release(seq)
         return outputs
+
+
+def _one_chunk(chunks: list[PrefillChunk], i: int) -> list[PrefillChunk]:
+    return [chunks[i]]
+
+
+def _one_row(batch: DecodeBatch, i: int) -> DecodeBatch:
+    s = slice(i, i + 1)
+    return DecodeBatch(
+        slots=batch.slots[s],
+        tokens=batch.tokens[s],
+        positions=batch.positions[s],
+        temperature=batch.temperature[s],
+        top_p=batch.top_p[s],
+        top_k=batch.top_k[s],
+        seeds=batch.seeds[s],
+        seeded=batch.seeded[s],
+    )

@@ -49,6 +49,8 @@ def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 class SyntheticBackend(Backend):
+    supports_prefix = True
+
     def __init__(
         self, num_slots: int, vocab_size: int, max_context: int, step_ms: float = 0.0
     ) -> None:

@@ -1,7 +1,7 @@
 """The narrow types hooks exchange with the server: who is calling, what is asked, how it ended.
 
-Error codes are the frame protocol's (PROTOCOL.md); they are repeated here so that a hook module
-needs nothing but ``gateway.hooks`` to refuse a request.
+Error codes and finish reasons are gateway.codes' (defined once, re-exported here) so that a hook
+module needs nothing but ``gateway.hooks`` to refuse a request.
 """
 
 from __future__ import annotations
@@ -10,17 +10,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-UNAUTHENTICATED = 4
-RATE_LIMITED = 5
-INVALID_REQUEST = 7
-INTERNAL = 15
+from gateway.codes import ErrorCode, FinishReason, error_code
 
-# Completion.finish_reason values (DONE's finish_reason, plus -1 for a stream that ended in ERROR).
-FINISH_EOS = 0
-FINISH_MAX_TOKENS = 1
-FINISH_STOP = 2
-FINISH_CANCELLED = 3
-FINISH_ERROR = -1
+UNAUTHENTICATED = ErrorCode.UNAUTHENTICATED
+RATE_LIMITED = ErrorCode.RATE_LIMITED
+INVALID_REQUEST = ErrorCode.INVALID_REQUEST
+INTERNAL = ErrorCode.INTERNAL
+
+# Completion.finish_reason values (DONE's finish_reason, plus ERROR for a stream that ended in
+# an ERROR frame).
+FINISH_EOS = FinishReason.EOS
+FINISH_MAX_TOKENS = FinishReason.MAX_TOKENS
+FINISH_STOP = FinishReason.STOP
+FINISH_CANCELLED = FinishReason.CANCELLED
+FINISH_ERROR = FinishReason.ERROR
 
 
 class HookError(Exception):
@@ -28,9 +31,13 @@ class HookError(Exception):
 
     def __init__(self, code: int, message: str, retry_after_ms: int = 0) -> None:
         super().__init__(message)
-        self.code = code
+        # Checked here, once: a code outside the protocol's becomes INTERNAL for that stream
+        # only, instead of failing wherever the code is later turned into a frame.
+        self.code = error_code(code)
+        if self.code != code:
+            message = f"{message} (a hook refused with unknown error code {code!r})"
         self.message = message
-        self.retry_after_ms = retry_after_ms
+        self.retry_after_ms = min(max(0, int(retry_after_ms)), 0xFFFFFFFF)  # u32 on the wire
 
     def __repr__(self) -> str:
         return f"HookError({self.code}, {self.message!r}, retry_after_ms={self.retry_after_ms})"

@@ -13,6 +13,9 @@ import bisect
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.codes import DONE_REASONS, ErrorCode
+from gateway.protocol import FrameType
+
 __all__ = [
     "CONTENT_TYPE_LATEST",
     "ERROR_CODES",
@@ -22,36 +25,9 @@ __all__ = [
 ]
 
 # The protocol's names (docs/protocol.md); each gets a pre-resolved child.
-FRAME_TYPES: tuple[str, ...] = (
-    "REQUEST",
-    "TOKEN",
-    "DONE",
-    "PING",
-    "PONG",
-    "ERROR",
-    "CANCEL",
-    "HELLO",
-    "WELCOME",
-    "GOAWAY",
-)
-FINISH_REASONS: tuple[str, ...] = ("eos", "max_tokens", "stop", "cancelled")
-ERROR_CODES: tuple[str, ...] = (
-    "MALFORMED_FRAME",
-    "FRAME_TOO_LARGE",
-    "UNSUPPORTED_VERSION",
-    "UNAUTHENTICATED",
-    "RATE_LIMITED",
-    "OVERLOADED",
-    "INVALID_REQUEST",
-    "PROMPT_TOO_LONG",
-    "UNKNOWN_PROMPT",
-    "STREAM_IN_USE",
-    "TOO_MANY_STREAMS",
-    "IDLE_TIMEOUT",
-    "SHUTTING_DOWN",
-    "SLOW_CONSUMER",
-    "INTERNAL",
-)
+FRAME_TYPES: tuple[str, ...] = tuple(t.name for t in FrameType)
+FINISH_REASONS: tuple[str, ...] = tuple(r.label for r in DONE_REASONS)
+ERROR_CODES: tuple[str, ...] = tuple(c.name for c in ErrorCode)
 DIRECTIONS: tuple[str, ...] = ("in", "out")
 PHASES: tuple[str, ...] = ("prefill", "decode")
 
@@ -187,13 +163,14 @@ class Metrics:
         self._bytes = {d: nbytes.labels(d) for d in DIRECTIONS}
         # Aliases so a caller can pass the protocol enums (IntEnum hashes as its int) or their
         # upper-case names without converting: FinishReason.EOS, "EOS", "eos" are one child.
-        for i, reason in enumerate(FINISH_REASONS):
-            self._success[i] = self._success[reason.upper()] = self._success[reason]
-        for i, code in enumerate(ERROR_CODES, start=1):
-            self._errors[i] = self._errors[code]
-        for i, t in enumerate(FRAME_TYPES, start=1):
+        for reason in DONE_REASONS:
+            child = self._success[reason.label]
+            self._success[int(reason)] = self._success[reason.name] = child
+        for code in ErrorCode:
+            self._errors[int(code)] = self._errors[code.name]
+        for ftype in FrameType:
             for d in DIRECTIONS:
-                self._frames[(d, i)] = self._frames[(d, t)]
+                self._frames[(d, int(ftype))] = self._frames[(d, ftype.name)]
         # Named children for the commonest calls, so a caller can hold them directly.
         self.frames_in_request = self._frames[("in", "REQUEST")]
         self.frames_out_token = self._frames[("out", "TOKEN")]

@@ -316,7 +316,7 @@ def columnar_steps(engine: Engine, sink: list[Output], limit: int = 1000) -> int
         sink.extend(outputs)
         if column is not None:
             n += 1
-            assert column.owners is engine._col_owners
+            assert column.owners is engine._col.owners
             assert len(column.owners) == len(column.tokens)
             tokens = column.tokens.tolist()
             sink.extend(

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.ops.metrics import ERROR_CODES, FRAME_TYPES, Metrics
+from gateway.ops.metrics import ERROR_CODES, FINISH_REASONS, FRAME_TYPES, Metrics
 
 
 @pytest.fixture
@@ -155,17 +155,15 @@ def test_render_lists_every_family(m: Metrics) -> None:
         assert f'zerolayer_frames_total{{direction="out",type="{t}"}} 0.0' in text
 
 
-def test_tables_match_the_protocol_enums() -> None:
-    from gateway.protocol import ErrorCode, FinishReason, FrameType
+def test_label_values_are_the_documented_wire_names() -> None:
+    """The label tables are derived from gateway.codes; these are the names dashboards and
+    docs/metrics.md use, and the wire values DONE carries for them."""
+    from gateway.codes import DONE_REASONS
 
-    assert [c.name for c in sorted(ErrorCode)] == list(ERROR_CODES)
-    assert [t.name for t in sorted(FrameType)] == list(FRAME_TYPES)
-    assert [r.name.lower() for r in sorted(FinishReason)] == [
-        "eos",
-        "max_tokens",
-        "stop",
-        "cancelled",
-    ]
+    assert FINISH_REASONS == ("eos", "max_tokens", "stop", "cancelled")
+    assert [int(r) for r in DONE_REASONS] == [0, 1, 2, 3]
+    assert ERROR_CODES[0] == "MALFORMED_FRAME" and ERROR_CODES[-1] == "INTERNAL"
+    assert len(ERROR_CODES) == 15 and FRAME_TYPES[0] == "REQUEST" and len(FRAME_TYPES) == 10
 
 
 def test_enum_and_name_aliases(m: Metrics) -> None:

@@ -1,6 +1,7 @@
-"""The server's output path in process (a fake transport; no loop, socket or engine thread).
+"""The output path in process: engine steps → output processor → frame door (a fake
+transport; no loop, socket or engine thread).
 
-The engine's columnar steps (TokenColumn, packed through a ColumnPlan) must write exactly the
+The engine's columnar steps (TokenColumn, written through a ColumnPlan) must write exactly the
 frames the per-token Outputs write, and leave the same counts and response-cache recordings,
 however steps are grouped into deliveries and whatever ends a stream between them.
 """
@@ -14,6 +15,8 @@ from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.engine.factory import build_backend
 from gateway.hooks import Chain, Completion
+from gateway.inputs import InputProcessor
+from gateway.lifecycle import RequestPath
 from gateway.ops.metrics import Metrics
 from gateway.protocol import ErrorCode, FrameType
 from gateway.server import Connection, Server
@@ -71,7 +74,9 @@ def make_server() -> tuple[Server, list[Completion]]:
         max_step_tokens=64,
         prefill_chunk=16,
     )
-    return Server(settings, engine, tokenizer, chain, Metrics()), completions
+    metrics = Metrics()
+    path = RequestPath(engine, InputProcessor(tokenizer, backend.info), chain, metrics)
+    return Server(settings.server, path, backend.info, metrics), completions
 
 
 def connect(server: Server) -> tuple[Connection, FakeTransport]:
@@ -119,7 +124,9 @@ def serve(columnar: bool, group: int, script: dict[int, str] | None = None) -> t
     (a, ta), (b, tb) = connect(server), connect(server)
     for stream, prompt, max_tokens, opts in REQUESTS:
         send(a if stream % 2 else b, p.encode_request(stream, prompt, max_tokens, **opts))
-    engine, steps, deliveries = server.engine, [], 0
+    engine, steps, deliveries = server.path.engine, [], 0
+    deliver = server.path.outputs.deliver
+    columns = 0  # columnar steps taken
     for i in range(500):
         event = (script or {}).get(i)
         if event == "cancel 3":
@@ -129,17 +136,18 @@ def serve(columnar: bool, group: int, script: dict[int, str] | None = None) -> t
         elif event == "slow b":
             b.end_all_streams(ErrorCode.SLOW_CONSUMER, "client is not reading its output")
         steps.append(engine.step_columns() if columnar else (engine.step(), None))
+        columns += steps[-1][1] is not None
         if len(steps) == group:
-            server.deliver(steps)
+            deliver(steps)
             deliveries += 1
             steps = []
-        if not (engine._inbox or engine._waiting or engine._running):
+        if engine.idle:
             break
-    server.deliver(steps)
+    deliver(steps)
     deliveries += 1
     if not script:  # one write per connection per delivery, however many steps it carries
         assert ta.writes <= deliveries and tb.writes <= deliveries
-    return frames(ta.data), frames(tb.data), completions, server
+    return frames(ta.data), frames(tb.data), completions, columns
 
 
 def completion_key(c: Completion) -> tuple:
@@ -150,12 +158,12 @@ def completion_key(c: Completion) -> tuple:
 def check_same(script: dict[int, str] | None = None) -> None:
     for group in (1, 3, 8):
         ref_a, ref_b, ref_done, _ = serve(columnar=False, group=group, script=script)
-        got_a, got_b, got_done, server = serve(columnar=True, group=group, script=script)
+        got_a, got_b, got_done, columns = serve(columnar=True, group=group, script=script)
         assert got_a == ref_a and got_b == ref_b, f"frames differ, group {group}"
         assert sorted(map(completion_key, got_done), key=str) == sorted(
             map(completion_key, ref_done), key=str
         )
-        assert server._plan is not None  # the columnar path was taken
+        assert columns > 10  # the columnar path was taken
         # Every stream ended once (DONE or ERROR), and DONE counts its TOKEN frames' ids.
         for conn_frames in (got_a, got_b):
             counts: dict[int, int] = {}

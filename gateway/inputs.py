@@ -1,0 +1,170 @@
+"""The input processor: a parsed request (from any door) → what the engine runs, or a refusal.
+
+Validates every field against what the model and the engine can hold, renders the chat template,
+tokenizes, and splits off a precompiled system prompt when the ids extend it token for token.
+Pure apart from the prefix query metric: no server, connection or hook is involved, so request
+validation is tested on its own (tests/unit/test_inputs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway import protocol as p
+from gateway.codes import ErrorCode
+from gateway.engine.backend import ModelInfo
+from gateway.engine.types import SamplingRow
+from gateway.ops.metrics import Metrics
+from gateway.prompts import PromptRegistry, split_prompt
+from gateway.tokenizer import Detokenizer, Tokenizer
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class RequestRefused(Exception):
+    """A refusal of one request (its stream ends in ERROR; the connection goes on)."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+def _invalid(message: str) -> RequestRefused:
+    return RequestRefused(ErrorCode.INVALID_REQUEST, message)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request: the ids to prefill after an optional precompiled prefix, and how to
+    sample and stop. ``full_ids`` is the whole prompt (prefix included) as the hooks see it."""
+
+    prompt: np.ndarray  # int32: the ids after the prefix
+    full_ids: np.ndarray  # int32: the whole prompt
+    prefix: object | None
+    prefix_len: int
+    cache_bits: int
+    sampling: SamplingRow
+    max_tokens: int
+    stop_ids: frozenset[int]
+    stop_sequences: tuple[str, ...]
+    detokenizer: Detokenizer | None
+    deterministic: bool  # greedy or seeded: the same request gives the same answer
+
+
+class InputProcessor:
+    """Turns a ``protocol.Request`` into a ``Prepared``; raises RequestRefused."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        info: ModelInfo,
+        prompts: PromptRegistry | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.prompts = prompts
+        self.metrics = metrics
+
+    def _prefix_query(self, hit: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.prefix_query(hit)
+
+    def prepare(self, req: p.Request) -> Prepared:
+        self._check_sampling(req)
+        vocab = self.info.vocab_size
+        compiled, system = self._registered(req)
+        # The full prompt ids, exactly as without the registry; the prefix is split off below.
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise _invalid(f"prompt token id outside the vocabulary [0, {vocab})")
+            if compiled is not None:
+                ids = np.concatenate((compiled.ids, ids))
+        else:
+            tok = self.tokenizer
+            if req.messages is not None:
+                text = tok.render_chat(req.messages, system)
+            elif system:
+                text = tok.render_system(system) + (req.prompt_text or "")
+            else:
+                text = req.prompt_text or ""
+            ids = tok.encode_prompt(text)
+        if not len(ids):
+            raise _invalid("the prompt is empty after tokenization")
+        if len(req.stop_ids) and (int(req.stop_ids.min()) < 0 or int(req.stop_ids.max()) >= vocab):
+            raise _invalid(f"stop token id outside the vocabulary [0, {vocab})")
+        max_context = self.info.max_context
+        if len(ids) + req.max_tokens > max_context:
+            raise RequestRefused(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                f"max_context {max_context}",
+            )
+        prompt, prefix, prefix_len, cache_bits = ids, None, 0, 0
+        if compiled is not None:
+            # Reuse the prefix only when the ids extend it token for token; else prefill inline.
+            rest = split_prompt(compiled, ids)
+            if rest is not None:
+                prompt, prefix, prefix_len = rest, compiled.prefix, compiled.prefix_len
+                cache_bits = p.CACHE_PROMPT
+            self._prefix_query(rest is not None)
+        wants_detok = req.want_text or bool(req.stop_sequences)
+        return Prepared(
+            prompt=np.ascontiguousarray(prompt, dtype=np.int32),
+            full_ids=np.ascontiguousarray(ids, dtype=np.int32),
+            prefix=prefix,
+            prefix_len=prefix_len,
+            cache_bits=cache_bits,
+            sampling=SamplingRow(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed or 0,
+                seeded=req.seed is not None,
+            ),
+            max_tokens=req.max_tokens,
+            stop_ids=frozenset(req.stop_ids.tolist()),
+            stop_sequences=req.stop_sequences,
+            detokenizer=Detokenizer(self.tokenizer) if wants_detok else None,
+            deterministic=req.temperature == 0 or req.seed is not None,
+        )
+
+    @staticmethod
+    def _check_sampling(req: p.Request) -> None:
+        """What the engine's per-slot arrays hold (float32, int32, uint64), beyond the wire's
+        own ranges: a value the engine cannot store is refused here, naming the field."""
+        if not 0 <= req.temperature <= FLOAT32_MAX:
+            raise _invalid(f"temperature must be a finite float32 >= 0, got {req.temperature}")
+        if not 0 < req.top_p <= 1:
+            raise _invalid(f"top_p must be in (0, 1], got {req.top_p}")
+        if not 0 <= req.top_k <= INT32_MAX:
+            raise _invalid(f"top_k must be in [0, {INT32_MAX}] (0 = off), got {req.top_k}")
+        if req.seed is not None and not 0 <= req.seed < 2**64:
+            raise _invalid(f"seed must be in [0, 2**64), got {req.seed}")
+        if req.max_tokens < 1:
+            raise _invalid("max_tokens must be >= 1")
+
+    def _registered(self, req: p.Request):  # noqa: ANN202 - (CompiledPrompt | None, str | None)
+        """The registered prompt the request names or whose system text it repeats."""
+        system = req.system
+        if req.prompt_id:
+            compiled = self.prompts.by_id(req.prompt_id) if self.prompts is not None else None
+            if compiled is None:
+                self._prefix_query(False)
+                raise RequestRefused(
+                    ErrorCode.UNKNOWN_PROMPT, f"no precompiled prompt {req.prompt_id}"
+                )
+            if system is not None and system != compiled.text:
+                raise _invalid(
+                    f"system differs from the text of prompt {req.prompt_id}; send one of them"
+                )
+            return compiled, compiled.text
+        if system and self.prompts is not None:
+            return self.prompts.by_system(system), system  # O(1), by a digest of the text
+        return None, system

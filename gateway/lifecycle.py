@@ -1,0 +1,411 @@
+"""The one request path, shared by every door: a stream's life from accepted to ended.
+
+A door (the frame server's Connection, the HTTP front end) parses its own wire format into a
+``protocol.Request`` and hands it to ``RequestPath.open``; from there the path is the same for
+every door: validate and tokenize (gateway.inputs) → hook chain (auth, rate limit, response
+cache; sync or async) → engine, or a replay of a cached answer. A door only writes: the path
+calls its ``Door`` methods with each token, the DONE record or the ERROR.
+
+One state per stream, moved only here (``Phase``: NEW → HOOKS → ENGINE → ENDED), and one
+function that ends a stream, ``_end``: whatever ends it (the engine, a refusal, CANCEL, a
+disconnect, a slow consumer, the drain deadline, a failure anywhere on the path) goes through
+it, so each of these holds by construction:
+- a stream ends exactly once: a second end, or an engine output for an ended stream, is dropped;
+- the door writes exactly one DONE or ERROR (none when the door itself is gone);
+- the output processor's counts are settled before DONE and its cached column plan forgets the
+  stream;
+- the engine is told to cancel a sequence that is still running;
+- the hooks get exactly one of on_refused (from the chain) or on_done; when async hooks are still
+  running, on_done comes after them;
+- the rate-limit charge follows one policy (``charged_prompt_tokens``);
+- metrics and the request log see every ending once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import Protocol
+
+import numpy as np
+
+from gateway import protocol as p
+from gateway.codes import COMPLETE_REASONS, ErrorCode, FinishReason
+from gateway.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
+from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
+from gateway.inputs import InputProcessor, RequestRefused
+from gateway.ops.logging import REQUEST_LOG
+from gateway.ops.metrics import Metrics
+from gateway.outputs import OutputProcessor
+
+log = logging.getLogger("zerolayer.requests")
+
+_perf = time.perf_counter
+
+
+class Phase(enum.IntEnum):
+    NEW = 0  # accepted by a door; not (yet) in the engine, no hook running
+    HOOKS = 1  # async on_request hooks are running
+    ENGINE = 2  # submitted to the engine (or being answered from the response cache)
+    ENDED = 3
+
+
+class Door(Protocol):
+    """What the request path needs from a door. All calls happen on the event loop."""
+
+    open: bool  # False once the peer is gone: nothing more is written
+    dirty: bool  # has unwritten output; the output processor flushes it after a delivery
+    label: str  # names the door in logs ("7" for frame connection 7)
+
+    def write_token(self, st: Stream, token: int, text: str) -> int:
+        """One sampled token (or, with token -1, text alone); returns TOKEN frames written."""
+
+    def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
+        """A whole answer replayed from the response cache; returns TOKEN frames written."""
+
+    def write_done(
+        self, st: Stream, finish: FinishReason, timings: tuple[float, float, float]
+    ) -> None:
+        """The stream finished (st holds the counts); timings = (queue_s, ttft_s, total_s)."""
+
+    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
+        """The stream ended in an error."""
+
+    def column_writer(self, streams: list[Stream]) -> ColumnWriter:
+        """A writer for one token per stream per step, for these streams of this door."""
+
+    def stream_ended(self, st: Stream) -> None:
+        """After the ending was written: forget the stream (and close when draining)."""
+
+    def flush(self) -> None:
+        """Write what was buffered (one write per door per delivery)."""
+
+
+class ColumnWriter(Protocol):
+    def write(self, tokens: np.ndarray) -> None:
+        """One token per stream, in the order the writer was made for."""
+
+
+class Stream:
+    """One request in flight, whatever its door. Its phase moves only through RequestPath."""
+
+    __slots__ = ("door", "key", "api", "phase", "seq", "ctx", "t_recv", "t_first", "n_ids",
+                 "prompt_tokens", "cache_bits", "want_text", "rec_ids", "rec_text", "full_ids",
+                 "finish", "from_cache", "state")  # fmt: skip
+
+    def __init__(self, door: Door, key: int, api: str, want_text: bool = False) -> None:
+        self.door = door
+        self.key = key  # the door's id for it (the frame stream id)
+        self.api = api  # "frames", "openai", "anthropic": for metrics and logs
+        self.phase = Phase.NEW
+        self.seq: Sequence | None = None
+        self.ctx: RequestContext | None = None  # while on_done is still owed to the hooks
+        self.t_recv = _perf()
+        self.t_first = 0.0
+        self.n_ids = 0  # tokens sent (settled by the output processor before anyone reads it)
+        self.prompt_tokens = 0
+        self.cache_bits = 0
+        self.want_text = want_text
+        self.rec_ids: list[int] | None = None  # the stream, recorded for the response cache
+        self.rec_text: list[str] | None = None
+        self.full_ids: np.ndarray | None = None  # the whole prompt, precompiled prefix included
+        self.finish = FinishReason.ERROR  # how it ended, once ENDED
+        self.from_cache = False
+        self.state: object = None  # the door's own per-stream data
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is Phase.ENDED
+
+
+def charged_prompt_tokens(st: Stream) -> int:
+    """The charging policy, in one place: a request pays for its prompt once its prefill started
+    in the engine or it was answered from the response cache; refused, or cancelled or
+    disconnected before its prefill started (in the hooks or in the queue), it pays nothing for
+    its prompt. Completion tokens are paid as sent (``Completion.completion_tokens``)."""
+    if st.from_cache:
+        return st.prompt_tokens
+    seq = st.seq
+    if seq is None:
+        return 0
+    return st.prompt_tokens if (seq.prefilled > 0 or seq.generated > 0) else 0
+
+
+class RequestPath:
+    """Validation → hooks → engine for every door, and the one place a stream ends."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        inputs: InputProcessor,
+        chain: Chain,
+        metrics: Metrics,
+        tokenizer_decode=None,  # noqa: ANN001 - Callable[[list[int]], str]
+    ) -> None:
+        self.engine = engine
+        self.inputs = inputs
+        self.chain = chain
+        self.metrics = metrics
+        self.model = inputs.info.name
+        self._decode = tokenizer_decode or inputs.tokenizer.decode
+        self.outputs = OutputProcessor(self, metrics)
+        self.draining = False
+        self.hook_tasks: set[asyncio.Task] = set()  # async on_request hooks in flight
+        self._per_request_hooks = chain.per_request
+        self._records = chain.records
+        self._log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
+
+    # ---- doors call these ------------------------------------------------------------------
+
+    def authenticate(self, key: bytes) -> Principal:
+        """A door's credentials → the principal; raises HookError (UNAUTHENTICATED)."""
+        return self.chain.on_hello(key)
+
+    def open(self, st: Stream, principal: Principal, req: p.Request) -> None:
+        """Run ``req`` for ``st`` (already known to its door). Never raises for anything the
+        request contains: every outcome reaches the door through its methods."""
+        assert st.phase is Phase.NEW
+        try:
+            if self.draining:
+                raise RequestRefused(ErrorCode.SHUTTING_DOWN, "server is draining")
+            self._prepare(st, req)
+        except RequestRefused as exc:
+            self.fail(st, exc.code, exc.message, exc.retry_after_ms)
+            return
+        if not self._per_request_hooks:
+            self._submit(st)
+            return
+        st.ctx = self._context(st, principal, req)
+        if self.chain.is_async:
+            # Redis-backed hooks: the stream is open (its id taken) while they run.
+            st.phase = Phase.HOOKS
+            task = asyncio.get_running_loop().create_task(self._run_hooks_async(st))
+            self.hook_tasks.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self.hook_tasks.discard)
+            return
+        try:
+            cached = self.chain.on_request(st.ctx)
+        except HookError as exc:
+            self._refused(st, exc)
+            return
+        self._proceed(st, cached)
+
+    def refuse(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+        """A door refuses the request before opening it (stream limits, bad payload)."""
+        self.fail(st, code, message, retry_after_ms)
+
+    def cancel(self, st: Stream) -> None:
+        """The client cancelled (or went away): the stream ends CANCELLED now, its sequence
+        leaves the engine at the next step. Nothing happens for an ended stream."""
+        self._end(st, FinishReason.CANCELLED)
+
+    def fail(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+        """End ``st`` with an ERROR."""
+        self._end(st, FinishReason.ERROR, (code, message, retry_after_ms))
+
+    # ---- the output processor calls this ----------------------------------------------------
+
+    def finished(self, st: Stream, finish: int, t_admit: float) -> None:
+        """The engine ended the sequence (its last output)."""
+        if finish == FinishReason.ERROR:
+            self._end(st, FinishReason.ERROR, (ErrorCode.INTERNAL, "the model backend failed", 0),
+                      t_admit=t_admit, from_engine=True)  # fmt: skip
+        else:
+            self._end(st, FinishReason(finish), t_admit=t_admit, from_engine=True)
+
+    # ---- the path ---------------------------------------------------------------------------
+
+    def _prepare(self, st: Stream, req: p.Request) -> None:
+        prep = self.inputs.prepare(req)
+        st.full_ids = prep.full_ids
+        st.prompt_tokens = len(prep.full_ids)
+        st.cache_bits = prep.cache_bits
+        st.want_text = req.want_text
+        # Deterministic requests are recorded when a hook caches responses: their ids, and the
+        # text deltas when the engine produces them anyway; otherwise the text is decoded once
+        # at the end rather than per token.
+        if self._records and prep.deterministic:
+            st.rec_ids = []
+            st.rec_text = [] if prep.detokenizer is not None else None
+        st.seq = Sequence(
+            owner=st,
+            prompt=prep.prompt,
+            max_tokens=prep.max_tokens,
+            sampling=prep.sampling,
+            stop_ids=prep.stop_ids,
+            stop_sequences=prep.stop_sequences,
+            detokenizer=prep.detokenizer,
+            prefix=prep.prefix,
+            prefix_len=prep.prefix_len,
+        )
+
+    def _context(self, st: Stream, principal: Principal, req: p.Request) -> RequestContext:
+        seq = st.seq
+        assert seq is not None and st.full_ids is not None
+        return RequestContext(
+            principal=principal,
+            model=self.model,
+            prompt_ids=st.full_ids,
+            prompt_id=req.prompt_id,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop_ids=tuple(sorted(seq.stop_ids)),
+            stop_sequences=req.stop_sequences,
+            want_text=req.want_text,
+        )
+
+    async def _run_hooks_async(self, st: Stream) -> None:
+        ctx = st.ctx
+        assert ctx is not None
+        try:
+            try:
+                cached = await self.chain.on_request_async(ctx)
+            except HookError as exc:
+                if st.phase is Phase.HOOKS:
+                    st.phase = Phase.NEW
+                    self._refused(st, exc)
+                else:  # it ended while the hooks ran; the chain ran on_refused: nothing owed
+                    st.ctx = None
+                return
+            if st.phase is not Phase.HOOKS:  # ended while the hooks ran: on_done after them
+                self._hooks_done(st)
+                return
+            st.phase = Phase.NEW
+            self._proceed(st, cached)
+        except Exception:  # a bug after the chain (replay, submit): this stream alone ends
+            log.exception("request path failed after the hook chain")
+            self.fail(st, ErrorCode.INTERNAL, "internal server error")
+        finally:
+            if st.door.open:
+                st.door.flush()
+
+    def _refused(self, st: Stream, exc: HookError) -> None:
+        """A hook refused (the chain already ran on_refused: no on_done for this request)."""
+        st.ctx = None
+        if exc.code == ErrorCode.RATE_LIMITED:
+            self.metrics.rate_limited()
+        self.fail(st, exc.code, exc.message, exc.retry_after_ms)
+
+    def _proceed(self, st: Stream, cached: CachedResponse | None) -> None:
+        if cached is not None:
+            self._replay(st, cached)
+        else:
+            self._submit(st)
+
+    def _submit(self, st: Stream) -> None:
+        assert st.seq is not None
+        st.phase = Phase.ENGINE
+        try:
+            self.engine.submit(st.seq)
+        except EngineOverloaded as exc:
+            self.fail(st, ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms)
+        except EngineStopped:
+            self.fail(st, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+
+    def _replay(self, st: Stream, cached: CachedResponse) -> None:
+        """Answer from the response cache: the stored stream, then DONE with cache bit 0."""
+        st.phase = Phase.ENGINE
+        self.metrics.response_cache_hit()
+        ids = cached.token_ids.tolist()
+        frames = st.door.write_cached(st, ids, cached.text)
+        self.metrics.frames_out_token.inc(frames)
+        st.n_ids = len(ids)
+        st.t_first = _perf()
+        st.cache_bits = p.CACHE_RESPONSE  # replayed: no precompiled KV was used either
+        st.prompt_tokens = cached.prompt_tokens
+        st.from_cache = True
+        st.rec_ids = st.rec_text = None  # nothing to record: it came from the cache
+        self._end(st, FinishReason(cached.finish_reason))
+
+    # ---- the one end of a stream -------------------------------------------------------------
+
+    def _end(
+        self,
+        st: Stream,
+        finish: FinishReason,
+        error: tuple[ErrorCode, str, int] | None = None,
+        *,
+        t_admit: float = 0.0,
+        from_engine: bool = False,
+    ) -> None:
+        if st.phase is Phase.ENDED:
+            return
+        hooks_running = st.phase is Phase.HOOKS
+        in_engine = st.phase is Phase.ENGINE and st.seq is not None and not st.from_cache
+        st.phase = Phase.ENDED
+        st.finish = finish
+        self.outputs.stream_ended(st)  # settles st.n_ids / recordings, forgets cached plans
+        if in_engine and not from_engine:
+            self.engine.cancel(st.seq)  # type: ignore[arg-type]
+        door = st.door
+        now = _perf()
+        queue_s = max(0.0, t_admit - st.t_recv) if t_admit else 0.0
+        ttft_s = (st.t_first - st.t_recv) if st.t_first else 0.0
+        total_s = now - st.t_recv
+        # Metrics count what was written (docs/metrics.md): an ending whose door is gone (the
+        # client disconnected, or an ERROR on stream 0 ended its connection) writes nothing.
+        written = door.open
+        if error is not None:
+            code, message, retry_ms = error
+            if written:
+                door.write_error(st, code, message, retry_ms)
+                self.metrics.request_error(code.name)
+            if self._log_requests or code == ErrorCode.INTERNAL:
+                REQUEST_LOG.warning(
+                    "request refused",
+                    extra={"request_id": f"{door.label}:{st.key}", "code": code.name,
+                           "detail": message},
+                )  # fmt: skip
+        elif written:
+            door.write_done(st, finish, (queue_s, ttft_s, total_s))
+            self._count_finished(st, finish, queue_s, ttft_s, total_s, now)
+        if st.ctx is not None and not hooks_running:
+            self._hooks_done(st)
+        door.stream_ended(st)
+
+    def _count_finished(
+        self, st: Stream, finish: FinishReason, queue_s: float, ttft_s: float, total_s: float,
+        now: float,
+    ) -> None:  # fmt: skip
+        metrics = self.metrics
+        metrics.request_finished(
+            finish.label, st.prompt_tokens, st.n_ids, queue_s,
+            ttft_s if st.t_first else None, total_s,
+        )  # fmt: skip
+        if st.n_ids > 1:
+            metrics.inter_token(now - st.t_first, st.n_ids - 1)
+        if self._log_requests:
+            REQUEST_LOG.info(
+                "request finished",
+                extra={
+                    "request_id": f"{st.door.label}:{st.key}",
+                    "finish": finish.label,
+                    "prompt_tokens": st.prompt_tokens,
+                    "completion_tokens": st.n_ids,
+                    "cache": st.cache_bits,
+                    "ttft_ms": round(ttft_s * 1000, 3),
+                    "total_ms": round(total_s * 1000, 3),
+                },
+            )
+
+    def _hooks_done(self, st: Stream) -> None:
+        """Tell the hooks how the request ended: once, after its hooks finished."""
+        ctx, st.ctx = st.ctx, None
+        if ctx is None:
+            return
+        ids = text = None
+        if st.rec_ids is not None and st.finish in COMPLETE_REASONS:
+            ids = np.asarray(st.rec_ids, dtype=np.int32)
+            text = "".join(st.rec_text) if st.rec_text is not None else self._decode(st.rec_ids)
+        self.chain.on_done(
+            ctx,
+            Completion(
+                int(st.finish), charged_prompt_tokens(st), st.n_ids, ids, text,
+                from_cache=st.from_cache,
+            ),
+        )  # fmt: skip
