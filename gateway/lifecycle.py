@@ -354,7 +354,7 @@ class RequestPath:
             code, message, retry_ms = error
             if written:
                 door.write_error(st, code, message, retry_ms)
-                self.metrics.request_error(code.name)
+                self.metrics.request_error(code.name, st.api)
             if self._log_requests or code == ErrorCode.INTERNAL:
                 REQUEST_LOG.warning(
                     "request refused",
@@ -375,7 +375,7 @@ class RequestPath:
         metrics = self.metrics
         metrics.request_finished(
             finish.label, st.prompt_tokens, st.n_ids, queue_s,
-            ttft_s if st.t_first else None, total_s,
+            ttft_s if st.t_first else None, total_s, st.api,
         )  # fmt: skip
         if st.n_ids > 1:
             metrics.inter_token(now - st.t_first, st.n_ids - 1)

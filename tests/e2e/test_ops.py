@@ -44,12 +44,13 @@ def test_scrape_after_requests_moves_counters_by_the_right_amounts():
             return value(after, name, **labels) - value(before, name, **labels)
 
         assert res[4]["done"]["completion_tokens"] == cancelled_tokens
-        assert delta("zerolayer_generation_tokens_total") == completed
+        assert delta("zerolayer_generation_tokens_total", api="frames") == completed
         # prompt 3 + 2 ids, and "abcd" with BOS = 5 tokens
-        assert delta("zerolayer_prompt_tokens_total") == 3 + 2 + 5
-        assert delta("zerolayer_request_success_total", finished_reason="max_tokens") == 2
-        assert delta("zerolayer_request_success_total", finished_reason="cancelled") == 1
-        assert delta("zerolayer_request_errors_total", code="INVALID_REQUEST") == 1
+        assert delta("zerolayer_prompt_tokens_total", api="frames") == 3 + 2 + 5
+        success = "zerolayer_request_success_total"
+        assert delta(success, finished_reason="max_tokens", api="frames") == 2
+        assert delta(success, finished_reason="cancelled", api="frames") == 1
+        assert delta("zerolayer_request_errors_total", code="INVALID_REQUEST", api="frames") == 1
         assert delta("zerolayer_time_to_first_token_seconds_count") == 3
         assert delta("zerolayer_e2e_request_latency_seconds_count") == 3
         assert delta("zerolayer_request_queue_time_seconds_count") == 3
