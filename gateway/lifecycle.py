@@ -239,6 +239,7 @@ class RequestPath:
             detokenizer=prep.detokenizer,
             prefix=prep.prefix,
             prefix_len=prep.prefix_len,
+            ignore_eos=prep.ignore_eos,
         )
 
     def _context(self, st: Stream, principal: Principal, req: p.Request) -> RequestContext:

@@ -82,6 +82,7 @@ class Sequence:
         "held",
         "cancelled",
         "t_admit",
+        "ignore_eos",
         "_max_stop",
     )
 
@@ -96,6 +97,7 @@ class Sequence:
         detokenizer: Detokenizer | None = None,
         prefix: object | None = None,
         prefix_len: int = 0,
+        ignore_eos: bool = False,
     ) -> None:
         self.owner = owner
         self.prompt = prompt  # int32 [n]: the ids after the (optional) precompiled prefix
@@ -114,6 +116,7 @@ class Sequence:
         self.held = ""  # text withheld because it may start a stop sequence
         self.cancelled = False
         self.t_admit = 0.0
+        self.ignore_eos = ignore_eos  # generate past EOS (vLLM's extension, HTTP only)
         self._max_stop = max((len(s) for s in stop_sequences), default=0)
 
 
@@ -665,7 +668,7 @@ class Engine:
             finished.append(seq)
 
     def _next_output(self, seq: Sequence, token: int) -> Output:
-        if token in self._eos:
+        if token in self._eos and not seq.ignore_eos:
             return self._end(seq, NO_TOKEN, FinishReason.EOS)
         if token in seq.stop_ids:
             return self._end(seq, NO_TOKEN, FinishReason.STOP)
