@@ -1,7 +1,8 @@
 """Start-up and shutdown of one daemon process: backend, hooks, engine thread, server, operations.
 
 Order: logging → backend (loads the model, on the engine thread) → registered prompts → hook
-chain → engine loop → bind the port → metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT
+chain → engine loop → bind the port (and the HTTP API port when ``http.enabled``) →
+metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT
 drain (GOAWAY, finish streams in flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the
 keys file. With ``server.workers = N`` the parent starts N worker processes sharing the port
 through SO_REUSEPORT and forwards signals.
@@ -25,6 +26,8 @@ from gateway.engine.engine import Engine
 from gateway.engine.factory import build_backend
 from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
+from gateway.http.door import HttpApi
+from gateway.http.server import HttpServer
 from gateway.inputs import InputProcessor
 from gateway.lifecycle import RequestPath
 from gateway.ops.health import start_http_server
@@ -84,6 +87,16 @@ async def _serve(settings: Settings) -> None:
     cfg = settings.server
     sock = make_listen_socket(cfg.host, cfg.port, cfg.backlog, cfg.reuse_port)
     await server.start(sock)
+    api_server = None  # the HTTP front end (docs/http.md): another door onto the same path
+    if settings.http.enabled:
+        hcfg = settings.http
+        api_server = HttpServer(
+            hcfg, HttpApi(path, backend.info).connection, cfg.write_buffer_limit_bytes, metrics
+        )
+        api_server.socket_options = cfg
+        await api_server.start(
+            make_listen_socket(hcfg.host, hcfg.port, cfg.backlog, cfg.reuse_port)
+        )
     http = None
     if settings.metrics.enabled:
         http = start_http_server(
@@ -110,6 +123,7 @@ async def _serve(settings: Settings) -> None:
     # write() with its newline, so lines of workers sharing the stream never interleave.
     line = (
         f"zerolayer: listening frame={cfg.host}:{server.port} "
+        f"http={settings.http.host + ':' + str(api_server.port) if api_server else 'off'} "
         f"metrics={http.host + ':' + str(http.port) if http else 'off'} "
         f"model={info.name} backend={settings.engine.backend} hooks={','.join(chain.names)}\n"
     )
@@ -119,7 +133,10 @@ async def _serve(settings: Settings) -> None:
     await stop.wait()
     log.info("signal received, draining")
     notifier.stopping("draining")
-    await server.drain()
+    if api_server is None:
+        await server.drain()
+    else:  # in this order: the frame drain marks the request path as draining first
+        await asyncio.gather(server.drain(), api_server.drain(cfg.drain_timeout_s))
     outbox.close()  # the engine thread must not wait for a loop that no longer delivers
     await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop
     await chain.aclose()

@@ -1,14 +1,14 @@
-"""The HTTP door: turns HTTP requests into streams of the shared request path, and the path's
-callbacks into SSE events or one JSON body.
+"""The HTTP door: each HTTP connection is a door of the shared request path (gateway.lifecycle).
 
 For each request: route it (routes.py), check its key (``RequestPath.authenticate``), parse its
-body into a Request and a Reply (openai.py / anthropic.py), then ``RequestPath.open`` it as one
-stream with text deltas. The path validates, tokenizes, runs the hooks and submits to the engine;
-its refusals and the engine's outputs come back through this door's ``write_token`` /
-``write_done`` / ``write_error`` and, once per delivery batch, ``flush`` (one write per
-connection). A streamed response's status line is sent with its first event, so a refusal that
-comes before any token is still a plain HTTP error with its status; one after it is the API's
-in-stream error event. A client that goes away cancels its stream (``RequestPath.cancel``).
+body into a Request and a Reply (openai.py / anthropic.py), then open it as one Stream with text
+deltas. The path validates, tokenizes, runs the hooks and submits to the engine; its refusals
+and the engine's outputs come back through this door's ``write_token`` / ``write_done`` /
+``write_error``, and the output processor ``flush``es each connection once per delivery. A
+streamed response's status line goes out with its first event, so a refusal that comes before
+any token is a plain HTTP error with its own status (what the SDKs turn into their exception
+types); one after it is the API's in-stream error event. A client that goes away cancels its
+stream (``RequestPath.cancel``): its slot is freed at the next engine step.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
+from gateway.codes import ErrorCode, FinishReason
+from gateway.engine.backend import ModelInfo
+from gateway.hooks import HookError, Principal
 from gateway.http import anthropic, openai
 from gateway.http.errors import HttpError, stream_error_event
 from gateway.http.reply import Ending, Reply
@@ -30,184 +35,223 @@ from gateway.http.routes import (
     api_key,
     route,
 )
-from gateway.http.server import HttpConnection, Incoming
+from gateway.http.server import HttpConnection, HttpServer, Incoming
+from gateway.inputs import RequestRefused
+from gateway.lifecycle import RequestPath, Stream
 from gateway.ops.logging import REQUEST_LOG
-from gateway.protocol import ErrorCode
+from gateway.protocol import CACHE_PROMPT
 
 log = logging.getLogger("zerolayer.http")
 
 _perf = time.perf_counter
 
 
-class Exchange:
-    """One API request on its way through the path: where to write, and what was written."""
+class HttpApi:
+    """What every HTTP connection shares: the request path, the model, prebuilt bodies."""
 
-    __slots__ = ("conn", "request", "reply", "stream", "started", "parts", "ended", "status")
-
-    def __init__(self, conn: HttpConnection, request: Incoming, reply: Reply) -> None:
-        self.conn = conn
-        self.request = request
-        self.reply = reply
-        self.stream: object = None  # the path's stream
-        self.started = False  # the streamed response's head and first events are written
-        self.parts: list[str] = []  # the text so far (non-streaming)
-        self.ended = False
-        self.status = 200
-
-
-class HttpDoor:
-    """The App of the HTTP listener, and a door of the request path."""
-
-    api_names = ("openai", "anthropic")
-
-    def __init__(self, path, model: str, max_context: int, created: int | None = None) -> None:
+    def __init__(self, path: RequestPath, info: ModelInfo) -> None:
         self.path = path
-        self.model = model
-        self.max_context = max_context
-        self.created = created if created is not None else int(time.time())
-        self._models = openai.models_body(model, self.created)
-        self._model = openai.model_body(model, self.created)
-        self._dirty: list[HttpConnection] = []
+        self.model = info.name
+        self.max_context = info.max_context
+        created = int(time.time())
+        self.models_body = openai.models_body(self.model, created)
+        self.model_body = openai.model_body(self.model, created)
         self.log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
 
-    # ------------------------------------------------------------------ App: requests in
+    def connection(self, server: HttpServer) -> ApiConnection:
+        return ApiConnection(server, self)
 
-    def handle(self, conn: HttpConnection, request: Incoming) -> None:
+
+class Exchange:
+    """The door's per-stream data (``Stream.state``)."""
+
+    __slots__ = ("request", "reply", "stream", "started", "parts")
+
+    def __init__(self, request: Incoming, reply: Reply) -> None:
+        self.request = request
+        self.reply = reply
+        self.stream = reply.stream
+        self.started = False  # the streamed response's head and first events are written
+        self.parts: list[str] = []  # the text so far (non-streaming)
+
+
+class _NoColumn:
+    """Column steps carry ids without text; an HTTP stream always wants text, so the engine
+    never puts one in a column: nothing is ever written here."""
+
+    def write(self, tokens: np.ndarray) -> None:
+        pass
+
+
+class ApiConnection(HttpConnection):
+    """One HTTP connection: the OpenAI / Anthropic endpoints, and a Door of the request path."""
+
+    def __init__(self, server: HttpServer, api: HttpApi) -> None:
+        super().__init__(server)
+        self.api = api
+        self.path = api.path
+        self.label = f"http{self.conn_id}"
+        self.st: Stream | None = None  # the stream of the active request, while it runs
+        self._keys = 0
+
+    @property
+    def open(self) -> bool:  # Door: False once the peer is gone
+        return self.transport is not None
+
+    # ------------------------------------------------------------------ requests in
+
+    def handle(self, request: Incoming) -> None:
+        api = self.api
         endpoint = route(request)
         if endpoint == MODELS:
-            conn.respond(200, self._models)
+            self.respond(200, api.models_body)
             return
         if endpoint == MODEL:
             name = request.path[len(MODEL_PREFIX) :].rstrip(b"/").decode("utf-8", "replace")
-            if name != self.model:
-                raise HttpError(404, f"the model {name!r} does not exist", code="model_not_found")
-            conn.respond(200, self._model)
+            if name != api.model:
+                raise HttpError(
+                    404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+                )
+            self.respond(200, api.model_body)
             return
+        if self.path.draining:
+            self.close_after = True
+            raise HttpError.from_code(ErrorCode.SHUTTING_DOWN, "server is draining")
         principal = self._authenticate(request)
         body = bytes(request.body)
         if endpoint == COUNT_TOKENS:
-            req = anthropic.parse_count_tokens(body, self.model)
-            n = self.path.count_prompt_tokens(req)
-            conn.respond(200, anthropic.count_tokens_body(n))
+            self._count_tokens(body)
             return
         if endpoint == CHAT:
-            reply: Reply = openai.parse_chat(body, self.model, self.max_context)
+            reply: Reply = openai.parse_chat(body, api.model, api.max_context)
         elif endpoint == COMPLETION:
-            reply = openai.parse_completion(body, self.model, self.max_context)
+            reply = openai.parse_completion(body, api.model, api.max_context)
         else:
             assert endpoint == MESSAGES
-            reply = anthropic.parse_messages(body, self.model)
-        ex = Exchange(conn, request, reply)
-        request.state = ex
-        ex.stream = self.path.open(self, ex, principal, reply.req, reply.api)
+            reply = anthropic.parse_messages(body, api.model)
+        self._keys += 1
+        st = Stream(self, self._keys, reply.api, want_text=True)
+        st.state = Exchange(request, reply)
+        self.st = st
+        self.path.open(st, principal, reply.req)
 
-    def _authenticate(self, request: Incoming):
+    def _authenticate(self, request: Incoming) -> Principal:
         try:
             return self.path.authenticate(api_key(request))
-        except HttpError:
-            raise
-        except Exception as exc:  # HookError: the same refusal as on the frame port
-            code = getattr(exc, "code", None)
-            if code is None:
-                raise
-            raise HttpError.from_code(code, exc.message, exc.retry_after_ms) from None
+        except HookError as exc:
+            raise HttpError.from_code(exc.code, exc.message, exc.retry_after_ms) from None
 
-    def disconnected(self, conn: HttpConnection, request: Incoming) -> None:
-        ex = request.state
-        if isinstance(ex, Exchange) and not ex.ended:
-            ex.ended = True
-            self.path.cancel(ex.stream)
+    def _count_tokens(self, body: bytes) -> None:
+        req = anthropic.parse_count_tokens(body, self.api.model)
+        try:
+            n = self.path.inputs.count_prompt_tokens(req)
+        except RequestRefused as exc:
+            raise HttpError.from_code(exc.code, exc.message, exc.retry_after_ms) from None
+        self.respond(200, anthropic.count_tokens_body(n))
 
-    def slow(self, conn: HttpConnection, request: Incoming) -> None:
-        ex = request.state
-        if isinstance(ex, Exchange) and not ex.ended:
-            self._end_with_error(
-                ex, ErrorCode.SLOW_CONSUMER, "client is not reading its output", 0
-            )
-            self.path.cancel(ex.stream)
+    def disconnected(self, request: Incoming) -> None:
+        st = self.st
+        if st is not None and st.state is not None and st.state.request is request:  # type: ignore[attr-defined]
+            self.path.cancel(st)  # nothing is written: the door is closed
 
-    # ------------------------------------------------------------------ door: outputs
+    def slow_stream(self, request: Incoming) -> None:
+        st = self.st
+        if st is not None:
+            self.path.fail(st, ErrorCode.SLOW_CONSUMER, "client is not reading its output")
 
-    def write_token(self, ex: Exchange, token: int, text: str) -> None:
-        if ex.ended or not text:
-            return
-        reply = ex.reply
-        if not reply.stream:
+    def abort_active(self) -> None:
+        st = self.st
+        if st is not None:
+            self.path.fail(st, ErrorCode.SHUTTING_DOWN, "drain deadline passed")
+            self.flush()
+
+    # ------------------------------------------------------------------ Door: outputs
+
+    def write_token(self, st: Stream, token: int, text: str) -> int:
+        if not text:
+            return 0
+        ex: Exchange = st.state  # type: ignore[assignment]
+        if not ex.stream:
             ex.parts.append(text)
-            return
-        conn = ex.conn
+            return 1
         if not ex.started:
-            self._start(ex)
-        reply.token(conn.out, text)
-        if not conn.dirty:
-            conn.dirty = True
-            self._dirty.append(conn)
+            self._start(st, ex)
+        ex.reply.token(self.out, text)
+        return 1
 
-    def _start(self, ex: Exchange) -> None:
+    def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
+        return self.write_token(st, -1, text)
+
+    def _start(self, st: Stream, ex: Exchange) -> None:
         ex.started = True
-        ex.conn.start_stream()
-        ex.reply.start(ex.conn.out, self.path.prompt_tokens(ex.stream))
+        self.start_stream()
+        ex.reply.start(self.out, st.prompt_tokens)
 
-    def write_done(self, ex: Exchange, ending: Ending) -> None:
-        if ex.ended:
-            return
-        ex.ended = True
-        conn, reply = ex.conn, ex.reply
-        if reply.stream:
+    def write_done(
+        self, st: Stream, finish: FinishReason, timings: tuple[float, float, float]
+    ) -> None:
+        ex: Exchange = st.state  # type: ignore[assignment]
+        ending = Ending(int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & CACHE_PROMPT))
+        if ex.stream:
             if not ex.started:
-                self._start(ex)
-            reply.end(conn.out, ending)
-            conn.end_stream()
+                self._start(st, ex)
+            ex.reply.end(self.out, ending)
+            self.end_stream(advance=False)
         else:
-            conn.respond(200, reply.body("".join(ex.parts), ending))
-        self._dirtied(conn)
-        if self.log_requests:
-            self._log(ex, ending=ending)
+            self.respond(200, ex.reply.body("".join(ex.parts), ending), advance=False)
+        if self.api.log_requests:
+            self._log(st, 200, ending=ending, timings=timings)
 
-    def write_error(self, ex: Exchange, code: int, message: str, retry_after_ms: int) -> None:
-        if ex.ended:
-            return
-        self._end_with_error(ex, code, message, retry_after_ms)
-
-    def _end_with_error(self, ex: Exchange, code: int, message: str, retry_after_ms: int) -> None:
-        ex.ended = True
-        conn = ex.conn
+    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
+        ex: Exchange = st.state  # type: ignore[assignment]
         err = HttpError.from_code(code, message, retry_after_ms)
         if ex.started:
-            conn.out += stream_error_event(ex.reply.api, err)
-            conn.end_stream()
+            self.out += stream_error_event(ex.reply.api, err)
+            self.end_stream(advance=False)
         else:
-            conn.respond_error(err)
-        ex.status = err.status
-        self._dirtied(conn)
-        if self.log_requests or code == ErrorCode.INTERNAL:
-            self._log(ex, error=err)
+            self.respond_error(err, advance=False, counted=True)
+        if self.api.log_requests:
+            self._log(st, err.status, detail=message)
 
-    def _dirtied(self, conn: HttpConnection) -> None:
-        if not conn.dirty:
-            conn.dirty = True
-            self._dirty.append(conn)
+    def column_writer(self, streams: list[Stream]) -> _NoColumn:
+        return _NoColumn()
 
-    def flush(self) -> None:
-        dirty, self._dirty = self._dirty, []
-        for conn in dirty:
-            conn.dirty = False
-            conn.flush()
+    def stream_ended(self, st: Stream) -> None:
+        if self.st is st:
+            self.st = None
+            self.advance()  # the next pipelined request, if any
+            if not self.closing:
+                self.flush()  # the ending's bytes (the output processor may not flush us)
 
-    def _log(self, ex: Exchange, ending: Ending | None = None, error: HttpError | None = None):
+    # ------------------------------------------------------------------ access log
+
+    def _log(
+        self,
+        st: Stream,
+        status: int,
+        ending: Ending | None = None,
+        timings: tuple[float, float, float] | None = None,
+        detail: str = "",
+    ) -> None:
+        ex: Exchange = st.state  # type: ignore[assignment]
         request = ex.request
-        fields = {
-            "api": ex.reply.api,
+        fields: dict[str, object] = {
+            "request_id": f"{self.label}:{st.key}",
+            "api": st.api,
             "method": request.method.decode("latin-1"),
             "path": request.path.decode("utf-8", "replace"),
-            "status": ex.status,
-            "stream": ex.reply.stream,
-            "total_ms": round((_perf() - request.t_recv) * 1000, 3),
+            "status": status,
+            "stream": ex.stream,
         }
-        if ending is not None:
-            fields["prompt_tokens"] = ending.prompt_tokens
-            fields["completion_tokens"] = ending.completion_tokens
+        if ending is not None and timings is not None:
+            fields.update(
+                finish=FinishReason(ending.finish).label,
+                prompt_tokens=ending.prompt_tokens,
+                completion_tokens=ending.completion_tokens,
+                ttft_ms=round(timings[1] * 1000, 3),
+                total_ms=round(timings[2] * 1000, 3),
+            )
             REQUEST_LOG.info("http request", extra=fields)
-        elif error is not None:
-            fields["detail"] = error.message
-            REQUEST_LOG.warning("http request refused", extra=fields)
+        else:
+            fields["detail"] = detail
+            REQUEST_LOG.info("http request refused", extra=fields)

@@ -10,8 +10,8 @@ size, content type, timeouts) are raised as ``HttpError`` with their status dire
 
 from __future__ import annotations
 
+from gateway.codes import ErrorCode, error_code
 from gateway.http.reply import dumps
-from gateway.protocol import ErrorCode
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
@@ -68,13 +68,29 @@ REASONS: dict[int, bytes] = {
 }
 
 
+# HTTP-only errors → the protocol code they count as in the request error metrics.
+_STATUS_CODE: dict[int, ErrorCode] = {
+    400: ErrorCode.INVALID_REQUEST,
+    401: ErrorCode.UNAUTHENTICATED,
+    404: ErrorCode.INVALID_REQUEST,
+    405: ErrorCode.INVALID_REQUEST,
+    408: ErrorCode.IDLE_TIMEOUT,
+    413: ErrorCode.FRAME_TOO_LARGE,
+    415: ErrorCode.INVALID_REQUEST,
+    429: ErrorCode.RATE_LIMITED,
+    431: ErrorCode.FRAME_TOO_LARGE,
+    500: ErrorCode.INTERNAL,
+    503: ErrorCode.OVERLOADED,
+}
+
+
 class HttpError(Exception):
     """A refusal of one HTTP request, before its response started.
 
     ``param`` names the offending request field (OpenAI's ``param``); ``code`` is OpenAI's
     machine-readable ``code`` (defaults to the ErrorCode's lower-case name when one is given).
     ``close`` asks for the connection to be closed after the answer (the request could not be
-    read to its end).
+    read to its end). ``error`` is the protocol code it counts as in metrics.
     """
 
     def __init__(
@@ -87,8 +103,10 @@ class HttpError(Exception):
         retry_after_ms: int = 0,
         close: bool = False,
         allow: str = "",
+        error: ErrorCode | None = None,
     ) -> None:
         super().__init__(message)
+        self.error = error if error is not None else _STATUS_CODE.get(status, ErrorCode.INTERNAL)
         self.status = status
         self.message = message
         self.param = param
@@ -108,6 +126,7 @@ class HttpError(Exception):
             param=param,
             code=_code_name(code),
             retry_after_ms=retry_after_ms,
+            error=error_code(code),
         )
 
 
@@ -117,10 +136,7 @@ def invalid(message: str, param: str | None = None) -> HttpError:
 
 
 def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name.lower()
-    except ValueError:
-        return "internal"
+    return error_code(code).name.lower()
 
 
 def status_for(api: str, status: int) -> int:

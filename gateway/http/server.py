@@ -1,5 +1,6 @@
 """The HTTP/1.1 listener: one asyncio.Protocol per connection on the daemon's uvloop loop,
-requests parsed by httptools (llhttp), answered through an ``App`` (the door, gateway/http/door.py).
+requests parsed by httptools (llhttp), answered by the connection's ``handle`` (the door,
+gateway/http/door.py, subclasses HttpConnection).
 
 Owns what is HTTP and nothing else: keep-alive, pipelined requests answered one at a time in
 order, bounded bodies (``http.max_body_bytes`` → 413 and close, checked against Content-Length
@@ -17,13 +18,15 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from email.utils import formatdate
-from typing import Protocol
 
 import httptools
 
+from gateway.codes import ErrorCode
 from gateway.config import HttpConfig
 from gateway.http.errors import OPENAI, REASONS, HttpError, error_body, status_for
+from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options
 
 log = logging.getLogger("zerolayer.http")
@@ -61,25 +64,20 @@ class Incoming:
         self.state: object = None  # the door's per-request object
 
 
-class App(Protocol):
-    """What the listener calls; the door implements it."""
-
-    def handle(self, conn: HttpConnection, request: Incoming) -> None:
-        """Answer ``request``: now (``conn.respond``) or later (``conn.start_stream`` ...)."""
-
-    def disconnected(self, conn: HttpConnection, request: Incoming) -> None:
-        """The client went away while ``request`` was being answered."""
-
-    def slow(self, conn: HttpConnection, request: Incoming) -> None:
-        """The client stopped reading ``request``'s stream: end it (the connection closes)."""
-
-
 class HttpServer:
-    """The listener and its connections; lives on the event loop."""
+    """The listener and its connections; lives on the event loop. ``make_connection(server)``
+    builds the protocol of each accepted connection (an HttpConnection subclass)."""
 
-    def __init__(self, cfg: HttpConfig, app: App, write_buffer_limit: int) -> None:
+    def __init__(
+        self,
+        cfg: HttpConfig,
+        make_connection: Callable[[HttpServer], HttpConnection],
+        write_buffer_limit: int,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.cfg = cfg
-        self.app = app
+        self.make_connection = make_connection
+        self.metrics = metrics
         self.write_buffer_limit = write_buffer_limit
         self.connections: set[HttpConnection] = set()
         self.draining = False
@@ -88,15 +86,19 @@ class HttpServer:
         self._sweeper: asyncio.Task | None = None
         self._idle = asyncio.Event()
         self.socket_options: object = None  # ServerConfig for apply_socket_options, if any
+        self._ids = 0
 
     async def start(self, sock=None) -> None:
         loop = asyncio.get_running_loop()
         if sock is None:
             self._server = await loop.create_server(
-                lambda: HttpConnection(self), self.cfg.host, self.cfg.port, reuse_address=True
+                lambda: self.make_connection(self),
+                self.cfg.host,
+                self.cfg.port,
+                reuse_address=True,
             )
         else:
-            self._server = await loop.create_server(lambda: HttpConnection(self), sock=sock)
+            self._server = await loop.create_server(lambda: self.make_connection(self), sock=sock)
         self._sweeper = loop.create_task(self._sweep())
 
     @property
@@ -114,13 +116,19 @@ class HttpServer:
                 if conn.deadline and now > conn.deadline:
                     conn.timed_out()
 
+    def next_id(self) -> int:
+        self._ids += 1
+        return self._ids
+
     async def drain(self, timeout: float) -> None:
-        """Stop accepting; close idle connections now and the others once their response ends
-        (the request path ends the responses themselves, by its own drain deadline)."""
+        """Stop accepting; close idle connections now, the others once their response ends
+        (each closes after it: ``connection: close``); at ``timeout`` the responses still
+        running are ended (``abort_active``) and every connection closes."""
         self.draining = True
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
+            conn.close_after = True
             if conn.active is None:
                 conn.close()
         if self.connections:
@@ -128,8 +136,10 @@ class HttpServer:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
             except asyncio.TimeoutError:
-                log.warning("http drain deadline passed; closing %d", len(self.connections))
+                log.warning("http drain deadline passed; ending %d", len(self.connections))
         for conn in list(self.connections):
+            if conn.active is not None:
+                conn.abort_active()
             conn.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -141,12 +151,17 @@ class HttpServer:
 
 
 class HttpConnection(asyncio.Protocol):
-    """One client connection: parses requests, answers them in order, one write per flush."""
+    """One client connection: parses requests, answers them in order, one write per flush.
+
+    Subclasses answer by overriding ``handle`` (and ``disconnected``, ``slow_stream``,
+    ``abort_active`` for a response that is still running)."""
+
+    api_label = "openai"  # the api label of errors counted before a request is routed
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.cfg = server.cfg
-        self.app = server.app
+        self.conn_id = server.next_id()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Incoming] = deque()  # complete requests waiting for their turn
@@ -188,7 +203,14 @@ class HttpConnection(asyncio.Protocol):
             log.exception("internal error parsing a request")
             self._fail(HttpError(500, "internal server error", close=True))
         except httptools.HttpParserError as exc:
-            self._fail(HttpError(400, f"malformed HTTP request: {exc}", close=True))
+            self._fail(
+                HttpError(
+                    400,
+                    f"malformed HTTP request: {exc}",
+                    close=True,
+                    error=ErrorCode.MALFORMED_FRAME,
+                )
+            )
         self.flush()
 
     def eof_received(self) -> bool:
@@ -204,15 +226,31 @@ class HttpConnection(asyncio.Protocol):
         active, self.active = self.active, None
         self.queue.clear()
         if active is not None:
-            self.app.disconnected(self, active)
+            self.disconnected(active)
         self.server.gone(self)
+
+    # ------------------------------------------------------------------ what subclasses answer
+
+    def handle(self, request: Incoming) -> None:
+        """Answer ``request``: now (``respond``) or later (``start_stream`` ... ``end_stream``,
+        or ``respond`` with ``advance=False`` and ``advance()`` once done)."""
+        raise HttpError(404, "no such endpoint")
+
+    def disconnected(self, request: Incoming) -> None:
+        """The client went away while ``request`` was being answered."""
+
+    def slow_stream(self, request: Incoming) -> None:
+        """The client stopped reading ``request``'s stream (the connection closes after it)."""
+
+    def abort_active(self) -> None:
+        """The drain deadline passed while the active request was being answered."""
 
     def pause_writing(self) -> None:
         # The kernel stopped taking our bytes and the transport holds more than the limit.
         self.slow = True
         if self.active is not None and self.streaming:
             self.close_after = True
-            self.app.slow(self, self.active)
+            self.slow_stream(self.active)
 
     def resume_writing(self) -> None:
         self.slow = False
@@ -300,7 +338,7 @@ class HttpConnection(asyncio.Protocol):
                 self.respond_error(request.state)
                 continue
             try:
-                self.app.handle(self, request)
+                self.handle(request)
             except HttpError as err:
                 self.respond_error(err)
             except Exception:
@@ -322,7 +360,12 @@ class HttpConnection(asyncio.Protocol):
 
     def _head(self, status: int, content_type: bytes, length: int, extra: bytes) -> None:
         request = self.active
-        keep = request is not None and request.keep_alive and not self.close_after
+        keep = (
+            request is not None
+            and request.keep_alive
+            and not self.close_after
+            and not self.server.draining
+        )
         if not keep:
             self.close_after = True
         out = self.out
@@ -347,15 +390,21 @@ class HttpConnection(asyncio.Protocol):
         body: bytes,
         content_type: bytes = b"application/json",
         extra: bytes = b"",
+        advance: bool = True,
     ) -> None:
-        """A whole response to the active request, which ends with it."""
+        """A whole response to the active request. With ``advance`` the next request is
+        answered at once; else the caller calls ``advance()`` when it is done with this one."""
         self._head(status, content_type, len(body), extra)
         self.out += body
-        self._done()
+        if advance:
+            self.advance()
 
-    def respond_error(self, err: HttpError) -> None:
-        """``err`` in the active request's API shape, as a whole response."""
+    def respond_error(self, err: HttpError, advance: bool = True, counted: bool = False) -> None:
+        """``err`` in the active request's API shape, as a whole response; counted in the
+        request error metrics unless the caller (the request path) already did."""
         api = self.active.api if self.active is not None else OPENAI
+        if not counted and self.server.metrics is not None:
+            self.server.metrics.request_error(err.error, api)
         if err.close:
             self.close_after = True
         extra = b""
@@ -364,7 +413,9 @@ class HttpConnection(asyncio.Protocol):
             extra += b"retry-after-ms: %d\r\n" % err.retry_after_ms
         if err.allow:
             extra += b"allow: %s\r\n" % err.allow.encode()
-        self.respond(status_for(api, err.status), error_body(api, err), extra=extra)
+        self.respond(
+            status_for(api, err.status), error_body(api, err), extra=extra, advance=advance
+        )
 
     def start_stream(self, content_type: bytes = b"text/event-stream") -> None:
         """Open a streamed response: write events into ``out``; ``end_stream`` ends it."""
@@ -377,16 +428,18 @@ class HttpConnection(asyncio.Protocol):
             self.chunk_at = len(self.out)
             self.out += _CHUNK_HOLE
 
-    def end_stream(self) -> None:
+    def end_stream(self, advance: bool = True) -> None:
         """The last bytes of the streamed response are in ``out``: close it."""
         if self.chunked:
             self._close_chunk()
             self.out += b"0\r\n\r\n"
         self.streaming = False
         self.chunked = False
-        self._done()
+        if advance:
+            self.advance()
 
-    def _done(self) -> None:
+    def advance(self) -> None:
+        """The active request is answered: go on with the next one."""
         self.active = None
         if not self.closing or self.close_after:
             self._next()
@@ -405,16 +458,19 @@ class HttpConnection(asyncio.Protocol):
 
     def flush(self) -> None:
         """Write what is buffered: one ``transport.write``."""
-        if self.streaming and self.chunked:
+        self.dirty = False
+        chunked = self.streaming and self.chunked
+        if chunked:
             self._close_chunk()
-        if self.out and self.transport is not None:
-            data, self.out = self.out, bytearray()  # the transport may keep what it cannot send
-            self.transport.write(data)
-            if self.streaming and self.chunked:
-                self.chunk_at = 0
-                self.out += _CHUNK_HOLE
-        elif self.transport is None:
-            self.out.clear()
+        if self.out:
+            if self.transport is not None:
+                data, self.out = self.out, bytearray()  # the transport may keep what it can't send
+                self.transport.write(data)
+            else:
+                self.out.clear()
+        if chunked:  # the next bytes of the stream open a new chunk
+            self.chunk_at = 0
+            self.out += _CHUNK_HOLE
 
     def timed_out(self) -> None:
         self.deadline = 0.0

@@ -17,22 +17,28 @@ from gateway.http.server import HttpConnection, HttpServer, Incoming
 from tests.support.rawhttp import RawHttp
 
 
-class EchoApp:
-    """/echo answers the body; /stream sends N events over N loop turns; /boom raises."""
+class Seen:
+    """What the test connections report."""
 
     def __init__(self) -> None:
         self.disconnected_paths: list[bytes] = []
-        self.slow_paths: list[bytes] = []
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def handle(self, conn: HttpConnection, request: Incoming) -> None:
+
+class EchoConnection(HttpConnection):
+    """/echo answers the body; /stream sends N events over N loop turns; /boom raises."""
+
+    seen: Seen
+
+    def handle(self, request: Incoming) -> None:
+        conn = self
         if request.path == b"/echo":
             conn.respond(200, bytes(request.body), b"application/octet-stream")
         elif request.path == b"/stream":
             n = int(request.body or b"3")
             conn.start_stream()
-            assert self.loop is not None
-            self.loop.call_soon(self._event, conn, request, 0, n)
+            assert self.seen.loop is not None
+            self.seen.loop.call_soon(self._event, request, 0, n)
         elif request.path == b"/boom":
             raise RuntimeError("app bug")
         elif request.path == b"/refuse":
@@ -40,28 +46,26 @@ class EchoApp:
         else:
             raise HttpError(404, "nope")
 
-    def _event(self, conn: HttpConnection, request: Incoming, i: int, n: int) -> None:
+    def _event(self, request: Incoming, i: int, n: int) -> None:
+        conn = self
         if conn.active is not request:  # the client went away
             return
+        conn.flush()  # a flush with nothing new must not break the chunk framing
         conn.out += b"data: %d\n\n" % i
         if i + 1 == n:
             conn.end_stream()
         conn.flush()
         if i + 1 < n:
-            assert self.loop is not None
-            self.loop.call_later(0.001, self._event, conn, request, i + 1, n)
+            assert self.seen.loop is not None
+            self.seen.loop.call_later(0.001, self._event, request, i + 1, n)
 
-    def disconnected(self, conn: HttpConnection, request: Incoming) -> None:
-        self.disconnected_paths.append(request.path)
-
-    def slow(self, conn: HttpConnection, request: Incoming) -> None:
-        self.slow_paths.append(request.path)
-        conn.end_stream()
+    def disconnected(self, request: Incoming) -> None:
+        self.seen.disconnected_paths.append(request.path)
 
 
 @pytest.fixture
 def server():
-    app = EchoApp()
+    app = Seen()
     cfg = HttpConfig(
         enabled=True, port=0, max_body_bytes=4096, header_timeout_s=0.5, body_timeout_s=0.5
     )
@@ -71,7 +75,8 @@ def server():
     def run() -> None:
         async def main() -> None:
             app.loop = asyncio.get_running_loop()
-            srv = HttpServer(cfg, app, write_buffer_limit=65536)
+            EchoConnection.seen = app
+            srv = HttpServer(cfg, EchoConnection, write_buffer_limit=65536)
             await srv.start()
             holder["server"], holder["stop"] = srv, asyncio.Event()
             holder["loop"] = app.loop
