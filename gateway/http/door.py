@@ -33,6 +33,7 @@ from gateway.http.routes import (
     MODEL_PREFIX,
     MODELS,
     api_key,
+    api_of,
     route,
 )
 from gateway.http.server import HttpConnection, HttpServer, Incoming
@@ -100,7 +101,18 @@ class ApiConnection(HttpConnection):
 
     # ------------------------------------------------------------------ requests in
 
+    def api_of(self, path: bytes) -> str:
+        return api_of(path)
+
     def handle(self, request: Incoming) -> None:
+        try:
+            self._handle(request)
+        except HttpError as err:  # refused before the request path: answered by the shell
+            if self.api.log_requests:
+                self._log(request, request.api, err.status, detail=err.message)
+            raise
+
+    def _handle(self, request: Incoming) -> None:
         api = self.api
         endpoint = route(request)
         if endpoint == MODELS:
@@ -200,7 +212,7 @@ class ApiConnection(HttpConnection):
         else:
             self.respond(200, ex.reply.body("".join(ex.parts), ending), advance=False)
         if self.api.log_requests:
-            self._log(st, 200, ending=ending, timings=timings)
+            self._log(ex.request, st.api, 200, st, ending, timings)
 
     def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
         ex: Exchange = st.state  # type: ignore[assignment]
@@ -211,7 +223,7 @@ class ApiConnection(HttpConnection):
         else:
             self.respond_error(err, advance=False, counted=True)
         if self.api.log_requests:
-            self._log(st, err.status, detail=message)
+            self._log(ex.request, st.api, err.status, st, detail=message)
 
     def column_writer(self, streams: list[Stream]) -> _NoColumn:
         return _NoColumn()
@@ -227,22 +239,24 @@ class ApiConnection(HttpConnection):
 
     def _log(
         self,
-        st: Stream,
+        request: Incoming,
+        api: str,
         status: int,
+        st: Stream | None = None,
         ending: Ending | None = None,
         timings: tuple[float, float, float] | None = None,
         detail: str = "",
     ) -> None:
-        ex: Exchange = st.state  # type: ignore[assignment]
-        request = ex.request
+        """The access log line of one request (governed by ``logging.requests``)."""
         fields: dict[str, object] = {
-            "request_id": f"{self.label}:{st.key}",
-            "api": st.api,
+            "request_id": f"{self.label}:{st.key if st is not None else 0}",
+            "api": api,
             "method": request.method.decode("latin-1"),
             "path": request.path.decode("utf-8", "replace"),
             "status": status,
-            "stream": ex.stream,
         }
+        if st is not None:
+            fields["stream"] = st.state.stream  # type: ignore[attr-defined]
         if ending is not None and timings is not None:
             fields.update(
                 finish=FinishReason(ending.finish).label,

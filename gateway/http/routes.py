@@ -31,11 +31,15 @@ ROUTES: dict[bytes, tuple[bytes, str, str]] = {
 MODEL_PREFIX = b"/v1/models/"
 
 
+def api_of(path: bytes) -> str:
+    """Paths under /v1/messages are Anthropic's, the rest OpenAI's (for error shapes)."""
+    return ANTHROPIC if path.startswith(b"/v1/messages") else OPENAI
+
+
 def route(request: Incoming) -> str:
     """The endpoint of ``request``; sets ``request.api``. Raises HttpError 404/405/415."""
     path = request.path.rstrip(b"/") or b"/"
-    if path.startswith(b"/v1/messages"):
-        request.api = ANTHROPIC
+    request.api = api_of(path)
     found = ROUTES.get(path)
     if found is None:
         if path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):

@@ -236,6 +236,10 @@ class HttpConnection(asyncio.Protocol):
         or ``respond`` with ``advance=False`` and ``advance()`` once done)."""
         raise HttpError(404, "no such endpoint")
 
+    def api_of(self, path: bytes) -> str:
+        """The API whose error shape a request to ``path`` gets."""
+        return OPENAI
+
     def disconnected(self, request: Incoming) -> None:
         """The client went away while ``request`` was being answered."""
 
@@ -278,6 +282,7 @@ class HttpConnection(asyncio.Protocol):
         cur.method = self.parser.get_method()
         cur.path = cur.path.split(b"?", 1)[0]
         cur.keep_alive = self.parser.should_keep_alive()
+        cur.api = self.api_of(cur.path)  # the shape of any error, even before routing
         if self.head_bytes > MAX_HEAD_BYTES:
             self._refuse_unread(HttpError(431, "request headers too large", close=True))
             return
