@@ -29,7 +29,9 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 bench: $(STAMP)
+	$(BIN)/pip install -e '.[bench]'  # FastAPI + uvicorn: the baseline of benchmarks/http_serving.py
 	$(BIN)/python benchmarks/serving.py
+	$(BIN)/python benchmarks/http_serving.py --write
 	$(BIN)/python benchmarks/engine.py --dtype float32
 	$(BIN)/python benchmarks/engine.py --dtype bfloat16 --runs 3
 	$(BIN)/python benchmarks/hooks.py

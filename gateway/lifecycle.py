@@ -250,7 +250,7 @@ class RequestPath:
             model=self.model,
             prompt_ids=st.full_ids,
             prompt_id=req.prompt_id,
-            max_tokens=req.max_tokens,
+            max_tokens=seq.max_tokens,  # as prepared (an HTTP request may leave it to the path)
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,

@@ -179,17 +179,19 @@ class ApiConnection(HttpConnection):
 
     # ------------------------------------------------------------------ Door: outputs
 
+    # write_token and write_cached return the TOKEN frames written (for the frame metrics): none.
+
     def write_token(self, st: Stream, token: int, text: str) -> int:
-        if not text:
+        if not text:  # a token whose bytes end mid-character: its text comes with the next
             return 0
         ex: Exchange = st.state  # type: ignore[assignment]
         if not ex.stream:
             ex.parts.append(text)
-            return 1
+            return 0
         if not ex.started:
             self._start(st, ex)
         ex.reply.token(self.out, text)
-        return 1
+        return 0
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         return self.write_token(st, -1, text)

@@ -489,10 +489,10 @@ class HttpConnection(asyncio.Protocol):
 
     def _fail(self, err: HttpError) -> None:
         if self.active is None and not self.queue:
-            self.cur = None
+            request, self.cur = self.cur, None
             self.closing = True
             self.close_after = True
-            self.active = Incoming(time.perf_counter())
+            self.active = request if request is not None else Incoming(time.perf_counter())
             self.respond_error(err)
         else:  # answer the requests before it first
             self._refuse_unread(err)
