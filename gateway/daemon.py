@@ -137,6 +137,7 @@ async def _serve(settings: Settings) -> None:
         await server.drain()
     else:  # in this order: the frame drain marks the request path as draining first
         await asyncio.gather(server.drain(), api_server.drain(cfg.drain_timeout_s))
+    await path.aclose()
     outbox.close()  # the engine thread must not wait for a loop that no longer delivers
     await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop
     await chain.aclose()

@@ -205,6 +205,14 @@ class RequestPath:
         """End ``st`` with an ERROR."""
         self._end(st, FinishReason.ERROR, (code, message, retry_after_ms))
 
+    async def aclose(self) -> None:
+        """Shutdown, after the doors drained: stop hook tasks still running (their streams have
+        ended by now)."""
+        tasks = list(self.hook_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     # ---- the output processor calls this ----------------------------------------------------
 
     def finished(self, st: Stream, finish: int, t_admit: float) -> None:

@@ -12,6 +12,7 @@ from gateway.engine.engine import (
     FINISH,
     NO_TOKEN,
     NOT_FINISHED,
+    OWNER,
     TEXT,
     Engine,
     EngineOverloaded,
@@ -85,7 +86,7 @@ def seq(owner, prompt=b"hi", max_tokens=10, text=True, stops=(), stop_ids=(), **
 def run(engine: Engine, sink: list[Output], limit: int = 1000) -> dict:
     for _ in range(limit):
         sink.extend(engine.step())
-        if not (engine._inbox or engine._waiting or engine._running):
+        if engine.idle:
             break
     streams: dict = {}
     for owner, token, text, finish, _ in sink:
@@ -322,7 +323,7 @@ def columnar_steps(engine: Engine, sink: list[Output], limit: int = 1000) -> int
             sink.extend(
                 (o, t, "", NOT_FINISHED, 0.0) for o, t in zip(column.owners, tokens, strict=True)
             )
-        if not (engine._inbox or engine._waiting or engine._running):
+        if engine.idle:
             break
     return n
 
@@ -494,3 +495,85 @@ def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
         want = [reference(digest, chunk) for chunk in chunks]
         assert backend.prefill(chunks).tolist() == want
         assert backend._digest.tolist() == digest.tolist()
+
+
+# ---------------------------------------------------------------------- failures stay local
+
+
+def test_a_sequence_that_cannot_be_admitted_ends_alone():
+    """A value the per-slot arrays cannot hold (the input processor refuses it first; this is
+    the engine's own guard) ends that sequence with an error; the others run on."""
+    engine, sink = make_engine(Scripted([5, 6, 7]))
+    engine.submit(seq("bad", max_tokens=3, top_k=2**31))
+    engine.submit(seq("good", max_tokens=3))
+    got = run(engine, sink)
+    finishes = {o[OWNER]: o[FINISH] for o in sink if o[FINISH] != NOT_FINISHED}
+    assert finishes == {"bad": FinishReason.ERROR, "good": FinishReason.MAX_TOKENS}
+    assert got["good"]["ids"] == [5, 6, 7] and engine.slots_used == 0
+
+
+def test_a_backend_failure_of_one_row_ends_only_that_sequence():
+    class PoisonedSlot(Scripted):
+        """Fails every call whose batch includes slot 1 (as a bad row would)."""
+
+        def decode(self, batch):
+            if 1 in batch.slots.tolist():
+                raise RuntimeError("bad row")
+            return super().decode(batch)
+
+        def prefill(self, chunks):
+            if any(c.slot == 1 for c in chunks) and len(chunks) > 1:
+                raise RuntimeError("batched prefill with the bad row")
+            return super().prefill(chunks)
+
+    engine, sink = make_engine(PoisonedSlot([5, 6, 7, 8]))
+    for name in ("a", "b", "c"):  # slots 0, 1, 2
+        engine.submit(seq(name, max_tokens=6))
+    got = run(engine, sink)
+    finishes = {o[OWNER]: o[FINISH] for o in sink if o[FINISH] != NOT_FINISHED}
+    assert finishes == {
+        "a": FinishReason.MAX_TOKENS,
+        "b": FinishReason.ERROR,
+        "c": FinishReason.MAX_TOKENS,
+    }
+    assert len(got["a"]["ids"]) == len(got["c"]["ids"]) == 6 and engine.slots_used == 0
+
+
+def test_decode_rows_are_versioned_not_identified_by_object():
+    """Every change of the decode rows gives a new version (the batch cache, the columnar path
+    and the output processor's plan key on it), and the rows cannot be appended to in place."""
+    engine, sink = make_engine(SyntheticBackend(4, 300, 256))
+    engine.submit(plain("a", b"aa", 20))
+    engine.step_columns()
+    v1 = engine._rows_version
+    assert isinstance(engine._decoding, tuple)  # no .append: changes go through _set_decoding
+    engine.submit(plain("b", b"bb", 20))
+    engine.step_columns()
+    assert engine._rows_version != v1
+    columns = []
+    for _ in range(5):
+        outputs, column = engine.step_columns()
+        if column is not None:
+            columns.append(column.version)
+    assert len(columns) == 5 and len(set(columns)) == 1  # a steady row set keeps its version
+
+
+def test_stop_closes_the_backend_on_the_engine_thread():
+    import threading
+
+    from gateway.engine.compute import ComputeThread
+
+    closed_on: list[int] = []
+
+    class Closing(Scripted):
+        def close(self) -> None:
+            closed_on.append(threading.get_ident())
+
+    compute = ComputeThread("test-close")
+    engine = Engine(
+        Closing([1]), TOK, lambda o, c: None, max_queue=4, max_step_tokens=64, prefill_chunk=8
+    )
+    engine.start(compute)
+    engine_thread = compute.thread.ident
+    engine.stop()
+    assert closed_on == [engine_thread]

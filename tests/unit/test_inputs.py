@@ -1,0 +1,79 @@
+"""Request validation and tokenization (gateway.inputs) without a server or a connection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway import protocol as p
+from gateway.codes import ErrorCode
+from gateway.engine.backend import ModelInfo
+from gateway.engine.synthetic import SyntheticBackend
+from gateway.inputs import InputProcessor, RequestRefused
+from gateway.prompts import PromptRegistry
+from gateway.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+INFO = ModelInfo("m", 259, 257, 64)
+
+
+def prepare(registry: PromptRegistry | None = None, **kw):  # noqa: ANN201
+    kw.setdefault("max_tokens", 4)
+    if "prompt_ids" not in kw and "messages" not in kw:
+        kw.setdefault("prompt_text", "hi")
+    return InputProcessor(TOK, INFO, registry).prepare(p.Request(**kw))
+
+
+def refused(**kw) -> RequestRefused:
+    with pytest.raises(RequestRefused) as err:
+        prepare(**kw)
+    return err.value
+
+
+def test_text_prompt_is_tokenized_and_sampling_carried() -> None:
+    prep = prepare(prompt_text="abc", temperature=0.5, top_k=3, seed=9, want_text=True)
+    assert prep.full_ids.tolist() == TOK.encode_prompt("abc").tolist()
+    assert prep.prompt.dtype == np.int32 and prep.prefix is None and prep.cache_bits == 0
+    assert (prep.sampling.temperature, prep.sampling.top_k, prep.sampling.seed) == (0.5, 3, 9)
+    assert prep.sampling.seeded and prep.deterministic and prep.detokenizer is not None
+    assert not prepare(temperature=0.7).deterministic
+
+
+@pytest.mark.parametrize(
+    ("kw", "code", "needle"),
+    [
+        ({"prompt_ids": np.array([1, 400], np.int32)}, ErrorCode.INVALID_REQUEST, "vocabulary"),
+        ({"stop_ids": np.array([-1], np.int32)}, ErrorCode.INVALID_REQUEST, "stop token"),
+        ({"max_tokens": 63}, ErrorCode.PROMPT_TOO_LONG, "max_context 64"),
+        ({"top_k": 2**31}, ErrorCode.INVALID_REQUEST, "top_k"),
+        ({"temperature": float("inf")}, ErrorCode.INVALID_REQUEST, "temperature"),
+        ({"temperature": 1e39}, ErrorCode.INVALID_REQUEST, "temperature"),
+        ({"top_p": 0.0}, ErrorCode.INVALID_REQUEST, "top_p"),
+        ({"seed": 2**64}, ErrorCode.INVALID_REQUEST, "seed"),
+        ({"max_tokens": 0}, ErrorCode.INVALID_REQUEST, "max_tokens"),
+        ({"prompt_id": 5}, ErrorCode.UNKNOWN_PROMPT, "no precompiled prompt 5"),
+    ],
+)
+def test_refusals_name_the_field(kw: dict, code: ErrorCode, needle: str) -> None:
+    err = refused(**kw)
+    assert err.code == code and needle in err.message
+
+
+def test_registered_prompt_is_split_off_only_when_the_ids_extend_it() -> None:
+    reg = PromptRegistry.build([{"id": 1, "name": "s", "text": "Be brief."}], TOK)
+    reg.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=64))
+    prefix_len = reg.by_id(1).prefix_len
+    by_id = prepare(reg, prompt_id=1, prompt_text="hi")
+    by_text = prepare(reg, system="Be brief.", prompt_text="hi")
+    for prep in (by_id, by_text):
+        assert prep.prefix is not None and prep.prefix_len == prefix_len
+        assert prep.cache_bits == p.CACHE_PROMPT
+        assert len(prep.prompt) + prefix_len == len(prep.full_ids)
+    err = refused_with(reg, prompt_id=1, system="Something else.")
+    assert err.code == ErrorCode.INVALID_REQUEST and "differs" in err.message
+
+
+def refused_with(reg: PromptRegistry, **kw) -> RequestRefused:
+    with pytest.raises(RequestRefused) as err:
+        prepare(reg, **kw)
+    return err.value

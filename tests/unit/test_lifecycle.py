@@ -1,0 +1,223 @@
+"""The request path (gateway.lifecycle) with a recording door, a real engine (synthetic backend,
+stepped by the test), a real hook chain and the in-process rate limiter: every request ends
+exactly once, and the rate-limit reservation follows one policy however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gateway import protocol as p
+from gateway.codes import ErrorCode, FinishReason
+from gateway.config import AuthConfig
+from gateway.engine.engine import Engine
+from gateway.engine.synthetic import SyntheticBackend
+from gateway.hooks import CachedResponse, Chain, HookError, Principal
+from gateway.hooks.ratelimit import RateLimiter
+from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
+from gateway.inputs import InputProcessor
+from gateway.lifecycle import Phase, RequestPath, Stream, charged_prompt_tokens
+from gateway.ops.metrics import Metrics
+from gateway.tokenizer import ByteTokenizer
+from tests.support import gate_hooks
+
+
+class Door:
+    """Records what the path writes; one entry per ending."""
+
+    def __init__(self) -> None:
+        self.open = True
+        self.dirty = False
+        self.label = "t"
+        self.tokens: dict[int, list[int]] = {}
+        self.endings: list[tuple[int, str, object]] = []  # (key, "done"/"error", detail)
+        self.ended: list[int] = []
+
+    def write_token(self, st: Stream, token: int, text: str) -> int:
+        self.tokens.setdefault(st.key, []).append(token)
+        return 1
+
+    def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
+        self.tokens.setdefault(st.key, []).extend(ids)
+        return 1
+
+    def write_done(self, st: Stream, finish: FinishReason, timings: tuple) -> None:
+        self.endings.append((st.key, "done", finish))
+
+    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_ms: int) -> None:
+        self.endings.append((st.key, "error", code))
+
+    def column_writer(self, streams: list[Stream]):  # noqa: ANN201
+        door = self
+
+        class Writer:
+            def write(self, tokens: np.ndarray) -> None:
+                for st, t in zip(streams, tokens.tolist(), strict=True):
+                    door.tokens.setdefault(st.key, []).append(t)
+
+        return Writer()
+
+    def stream_ended(self, st: Stream) -> None:
+        self.ended.append(st.key)
+
+    def flush(self) -> None:
+        self.dirty = False
+
+
+def make_path(
+    tpm: int | None = 10_000, async_gate: bool = True, modules: list[str] | None = None
+) -> RequestPath:
+    if modules is None:
+        modules = ["tests.support.gate_hooks"] if async_gate else []
+    settings = SimpleNamespace(
+        hooks=HooksConfig(modules=modules),
+        auth=AuthConfig(),
+        ratelimit=RateLimitConfig(default_tpm=tpm),
+        cache=CacheConfig(enabled=False),
+    )
+    gate_hooks.reset()
+    chain = Chain.build(settings)
+    backend = SyntheticBackend(num_slots=2, vocab_size=300, max_context=256)
+    engine = Engine(
+        backend, ByteTokenizer(), lambda o, c: None, max_queue=8, max_step_tokens=64,
+        prefill_chunk=16,
+    )  # fmt: skip
+    return RequestPath(engine, InputProcessor(ByteTokenizer(), backend.info), chain, Metrics())
+
+
+def limiter(path: RequestPath) -> RateLimiter:
+    owners = {getattr(fn, "__self__", None) for fn, _ in path.chain._on_request_flagged}
+    return next(o for o in owners if isinstance(o, RateLimiter))
+
+
+def request(**kw) -> p.Request:
+    return p.Request(max_tokens=kw.pop("max_tokens", 5), prompt_text="hello", **kw)
+
+
+def run_engine(path: RequestPath, steps: int = 50) -> None:
+    for _ in range(steps):
+        outputs, column = path.engine.step_columns()
+        path.outputs.deliver([(outputs, column)])
+        if path.engine.idle:
+            return
+
+
+def open_stream(path: RequestPath, door: Door, key: int, req: p.Request | None = None) -> Stream:
+    st = Stream(door, key, "frames")
+    path.open(st, Principal("anonymous"), req or request())
+    return st
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_request_ends_once_and_pays_prompt_and_completion() -> None:
+    path, door = make_path(async_gate=False), Door()
+    st = open_stream(path, door, 1)
+    run_engine(path)
+    assert door.endings == [(1, "done", FinishReason.MAX_TOKENS)]
+    assert st.phase is Phase.ENDED and len(door.tokens[1]) == 5
+    assert charged_prompt_tokens(st) == st.prompt_tokens > 0
+    path.cancel(st)  # a second end is dropped
+    path.fail(st, ErrorCode.INTERNAL, "late")
+    assert len(door.endings) == 1 and door.ended == [1]
+
+
+def test_cancel_while_async_hooks_run_charges_nothing_and_on_done_comes_after_them() -> None:
+    async def main() -> None:
+        path, door = make_path(), Door()
+        gate_hooks.GATE = asyncio.Event()
+        st = open_stream(path, door, 1)
+        await settle()
+        assert st.phase is Phase.HOOKS and gate_hooks.STARTED == 1
+        path.cancel(st)  # CANCEL arrives while the hooks run: DONE now ...
+        assert door.endings == [(1, "done", FinishReason.CANCELLED)] and door.ended == [1]
+        assert gate_hooks.DONE == []  # ... on_done only after the hooks
+        gate_hooks.GATE.set()
+        await settle()
+        assert [c.finish_reason for c in gate_hooks.DONE] == [FinishReason.CANCELLED]
+        assert gate_hooks.DONE[0].prompt_tokens == 0  # nothing ran: nothing charged
+        assert "anonymous" not in limiter(path).store._tpm  # the whole reservation is back
+        assert path.engine.idle  # never submitted
+
+    asyncio.run(main())
+
+
+def test_cancel_in_the_queue_charges_no_prompt_but_a_started_prefill_does() -> None:
+    path, door = make_path(async_gate=False), Door()
+    gate_hooks.reset()
+    queued = open_stream(path, door, 1)
+    path.cancel(queued)  # before the engine took it
+    run_engine(path)
+    assert charged_prompt_tokens(queued) == 0
+    started = open_stream(path, door, 2, request(max_tokens=50))
+    path.engine.step_columns()  # prefilled and first token sampled
+    path.cancel(started)
+    run_engine(path)
+    assert charged_prompt_tokens(started) == started.prompt_tokens
+    assert door.endings == [
+        (1, "done", FinishReason.CANCELLED),
+        (2, "done", FinishReason.CANCELLED),
+    ]
+    assert path.engine.slots_used == 0
+
+
+def test_a_failure_after_the_hooks_ends_the_stream_with_internal_and_returns_the_budget() -> None:
+    async def main() -> None:
+        path, door = make_path(), Door()
+        # A "cached answer" whose replay fails (no token_ids array): a bug after the chain.
+        gate_hooks.ANSWER = CachedResponse(None, "x", 0, 3)  # type: ignore[arg-type]
+        st = open_stream(path, door, 7)
+        await settle()
+        assert door.endings == [(7, "error", ErrorCode.INTERNAL)] and st.phase is Phase.ENDED
+        assert len(gate_hooks.DONE) == 1 and gate_hooks.DONE[0].finish_reason == -1
+        assert "anonymous" not in limiter(path).store._tpm
+
+    asyncio.run(main())
+
+
+def test_a_hook_error_with_an_unknown_code_is_internal_for_that_stream_only() -> None:
+    assert HookError(99, "boom").code == ErrorCode.INTERNAL
+    assert "unknown error code 99" in HookError(99, "boom").message
+    # Synchronous chain: the refusal happens inside open().
+    path, door = make_path(modules=["tests.support.refuse_hooks"]), Door()
+    st = open_stream(path, door, 2)
+    assert door.endings == [(2, "error", ErrorCode.INTERNAL)] and st.phase is Phase.ENDED
+
+    async def main() -> None:  # asynchronous chain: the refusal comes from the hook task
+        path, door = make_path(), Door()
+        gate_hooks.ANSWER = HookError(99, "custom refusal")
+        st = open_stream(path, door, 2)
+        await settle()
+        assert door.endings == [(2, "error", ErrorCode.INTERNAL)] and st.phase is Phase.ENDED
+        gate_hooks.ANSWER = None  # the next request on the same path is served
+        ok = open_stream(path, door, 3)
+        await settle()
+        run_engine(path)
+        assert door.endings[-1] == (3, "done", FinishReason.MAX_TOKENS) and ok.ended
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("top_k", 2**31, "top_k"),
+        ("top_k", 2**32 - 1, "top_k"),
+        ("temperature", 1e39, "temperature"),
+        ("seed", 2**64, "seed"),
+    ],
+)
+def test_values_the_engine_cannot_hold_are_refused_naming_the_field(field, value, needle) -> None:
+    path, door = make_path(async_gate=False), Door()
+    bad = open_stream(path, door, 1, request(**{field: value}))
+    good = open_stream(path, door, 2)
+    run_engine(path)
+    assert door.endings[0] == (1, "error", ErrorCode.INVALID_REQUEST)
+    assert bad.phase is Phase.ENDED and good.phase is Phase.ENDED
+    assert door.endings[1] == (2, "done", FinishReason.MAX_TOKENS)

@@ -1,0 +1,54 @@
+"""The engine → event loop hand-off: one wake-up per batch, a hard bound, release on close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from gateway.engine.outbox import Outbox
+
+
+def test_bound_is_hard_and_steps_arrive_in_order_in_few_batches() -> None:
+    async def main() -> None:
+        outbox = Outbox(max_pending=4)
+        batches: list[list] = []
+        outbox.attach(asyncio.get_running_loop(), batches.append)
+        high = 0
+
+        def engine() -> None:
+            nonlocal high
+            for i in range(200):
+                outbox.put([i], None)  # type: ignore[list-item]
+                high = max(high, outbox.pending)
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        while thread.is_alive() or outbox.pending:
+            await asyncio.sleep(0.001)
+        thread.join()
+        steps = [outputs[0] for batch in batches for outputs, _ in batch]
+        assert steps == list(range(200))
+        assert high <= 4  # never more than max_pending waiting, however slow the loop
+        assert len(batches) < 200
+
+    asyncio.run(main())
+
+
+def test_close_releases_a_blocked_engine_thread_and_drops_later_steps() -> None:
+    loop = asyncio.new_event_loop()  # never run: nothing is taken from the outbox
+    try:
+        outbox = Outbox(max_pending=2)
+        outbox.attach(loop, lambda steps: None)
+        outbox.put([], None)
+        outbox.put([], None)
+        blocked = threading.Thread(target=outbox.put, args=([], None))
+        blocked.start()
+        blocked.join(0.2)
+        assert blocked.is_alive()  # the third step waits for the loop
+        outbox.close()
+        blocked.join(5)
+        assert not blocked.is_alive()
+        outbox.put([], None)  # after close: dropped, never blocks
+        assert outbox.pending == 0
+    finally:
+        loop.close()
