@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -31,17 +29,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks.serving import cpu_seconds, run_floor_server, summarize  # noqa: E402
 
-CLK = os.sysconf("SC_CLK_TCK")
 MODEL = "synthetic"  # the synthetic backend's model name; the baselines answer with it too
 TOKEN_MARK = b'"delta":{"content":'  # one per content chunk in every server's output
 END_MARK = b"data: [DONE]\n\n\r\n0\r\n\r\n"
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 # ------------------------------------------------------------------ the SSE bytes all servers send
@@ -145,17 +137,6 @@ class FloorProtocol(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(FloorProtocol.tick)
         else:
             FloorProtocol.ticking = False
-
-
-def run_floor_server() -> None:
-    import uvloop
-
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(FloorProtocol, "127.0.0.1", 0)
-        print(server.sockets[0].getsockname()[1], flush=True)
-        await asyncio.Event().wait()
-
-    uvloop.run(main())
 
 
 # ------------------------------------------------------------------- (b) FastAPI + uvicorn
@@ -273,31 +254,25 @@ async def http_stream(reader, writer, request: bytes) -> int:
 
 
 async def frame_stream(reader, writer, request: bytes) -> int:
+    """Send one REQUEST and read its stream with the protocol's own decoder."""
     from gateway import protocol as p
 
     writer.write(request)
-    buf = b""
+    decoder = p.FrameDecoder("client", 1 << 20)
     tokens = 0
     while True:
         data = await reader.read(1 << 20)
         if not data:
             raise SystemExit("server closed the connection")
-        buf += data
-        pos = 0
-        while len(buf) - pos >= 12:
-            length, ftype, _, _, _ = p.HEADER.unpack_from(buf, pos)
-            if len(buf) - pos < 12 + length:
-                break
+        decoder.feed(data)
+        while (frame := decoder.next_frame()) is not None:
+            ftype, _, _, payload = frame
             if ftype == p.FrameType.TOKEN:
-                tokens += struct.unpack_from("<H", buf, pos + 12)[0]
+                tokens += p.TOKEN_HEAD.unpack_from(payload)[0]
             elif ftype == p.FrameType.DONE:
                 return tokens
             elif ftype == p.FrameType.ERROR:
-                raise SystemExit(
-                    f"server answered ERROR {p.parse_error(buf[pos + 12 : pos + 12 + length])}"
-                )
-            pos += 12 + length
-        buf = buf[pos:]
+                raise SystemExit(f"server answered ERROR {p.parse_error(payload)}")
 
 
 def run_client(mode: str, port: int, streams: int, tokens: int, rounds: int) -> None:
@@ -364,16 +339,7 @@ def load(mode: str, port: int, pid: int, args) -> dict:
 
 def measure(mode: str, port: int, pid: int, args) -> dict:
     load(mode, port, pid, args)  # warm-up
-    runs = [load(mode, port, pid, args) for _ in range(args.runs)]
-    cpu = statistics.median(r["cpu_s"] for r in runs)
-    wall = statistics.median(r["wall_s"] for r in runs)
-    tokens = runs[0]["tokens"]
-    return {
-        "runs": runs,
-        "cpu_us_per_token": cpu / tokens * 1e6,
-        "tokens_per_s": tokens / wall,
-        "wall_s": wall,
-    }
+    return summarize([load(mode, port, pid, args) for _ in range(args.runs)])
 
 
 def baseline(flag: str, mode: str, args) -> dict:
@@ -398,7 +364,7 @@ def main() -> None:
     ap.add_argument("--fastapi-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.floor_server:
-        return run_floor_server()
+        return run_floor_server(FloorProtocol)
     if args.fastapi_server:
         return run_fastapi_server()
     if args.client:

@@ -99,11 +99,12 @@ class FloorProtocol(asyncio.Protocol):
             self.scheduled = False
 
 
-def run_floor_server() -> None:
+def run_floor_server(protocol: type[asyncio.Protocol] = FloorProtocol) -> None:
+    """Serve ``protocol`` on a free loopback port (printed first) until killed."""
     import uvloop
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(FloorProtocol, "127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(protocol, "127.0.0.1", 0)
         print(server.sockets[0].getsockname()[1], flush=True)
         await asyncio.Event().wait()
 

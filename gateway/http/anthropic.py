@@ -19,10 +19,10 @@ from gateway.http.fields import (
     get_bool,
     get_float,
     get_int,
+    get_messages,
     get_stops,
     get_text_parts,
     load_object,
-    present,
     refuse_unless,
 )
 from gateway.http.reply import FINISH_STOP, Ending, Reply, dumps, encode_basestring, new_id
@@ -64,22 +64,10 @@ def _conversation(obj: dict, served: str, req: Request) -> str:
     model = check_model(obj, served)
     if "system" in obj:
         req.system = get_text_parts(obj["system"], "system") or None
-    messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(f"{where} must be an object", where)
-        m = present(m)
-        role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise invalid(f"{where}.role must be user or assistant, got {role!r}", f"{where}.role")
-        check_keys(m, ("role", "content"), where)
-        if "content" not in m:
-            raise invalid(f"{where}.content is required", f"{where}.content")
-        out.append({"role": role, "content": get_text_parts(m["content"], f"{where}.content")})
+    out = [
+        {"role": role, "content": text}
+        for role, text, _ in get_messages(obj, ("user", "assistant"))
+    ]
     if out[-1]["role"] != "user":
         where = f"messages[{len(out) - 1}]"
         raise invalid(

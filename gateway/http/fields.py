@@ -96,15 +96,40 @@ def get_text_parts(value: object, name: str, type_key: str = "type") -> str:
     texts = []
     for i, part in enumerate(value):
         where = f"{name}[{i}]"
-        if not isinstance(part, dict):
-            raise invalid(f"{where} must be an object", where)
-        part = present(part)
+        part = get_object(part, where)
         kind = part.get(type_key)
         if kind != "text":
             raise invalid(f"{where}: content of type {kind!r} is not supported (text only)", where)
         check_keys(part, (type_key, "text", "cache_control"), where)
         texts.append(get_text(part.get("text"), f"{where}.text"))
     return "\n".join(texts)
+
+
+def get_object(value: object, name: str) -> dict:
+    """A JSON object (its null fields dropped)."""
+    if not isinstance(value, dict):
+        raise invalid(f"{name} must be an object", name)
+    return present(value)
+
+
+def get_messages(obj: dict, roles: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """``messages``: a non-empty list of ``{"role", "content"}`` with a role in ``roles`` and
+    the content a string or text parts; (role, text, where) for each, ``where`` naming it."""
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        m = get_object(m, where)
+        role = m.get("role")
+        if role not in roles:
+            raise invalid(f"{where}.role must be {', '.join(roles)}; got {role!r}", f"{where}.role")
+        check_keys(m, ("role", "content"), where)
+        if "content" not in m:
+            raise invalid(f"{where}.content is required", f"{where}.content")
+        out.append((role, get_text_parts(m["content"], f"{where}.content"), where))
+    return out
 
 
 def get_stops(obj: dict, key: str, max_count: int = 64) -> tuple[str, ...]:

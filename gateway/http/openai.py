@@ -24,9 +24,9 @@ from gateway.http.fields import (
     get_bool,
     get_float,
     get_int,
+    get_messages,
     get_stops,
     get_text,
-    get_text_parts,
     load_object,
     present,
     refuse_unless,
@@ -134,26 +134,9 @@ def _max_tokens(obj: dict, req: Request, max_context: int, default: int | None) 
 
 def _messages(obj: dict) -> tuple[list[dict[str, str]], str | None]:
     """Chat messages for the template, and the system text (system/developer messages first)."""
-    messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", "messages")
     out: list[dict[str, str]] = []
     system: list[str] = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(f"{where} must be an object", where)
-        m = present(m)
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise invalid(
-                f"{where}.role must be system, developer, user or assistant, got {role!r}",
-                f"{where}.role",
-            )
-        check_keys(m, ("role", "content"), where)
-        if "content" not in m:
-            raise invalid(f"{where}.content is required", f"{where}.content")
-        text = get_text_parts(m["content"], f"{where}.content")
+    for role, text, where in get_messages(obj, ("system", "developer", "user", "assistant")):
         if role in ("system", "developer"):
             if out:
                 raise invalid(f"{where}: system messages must come before the conversation", where)
@@ -241,6 +224,31 @@ class _OpenAIReply(Reply):
             f'"created":{self.created},"model":{encode_basestring(model)},"choices":'
         ).encode()
 
+    def token(self, out: bytearray, text: str) -> None:
+        out += self._pre
+        out += encode_basestring(text).encode()
+        out += self._post
+
+    def _choice(self, text: str) -> dict:
+        raise NotImplementedError
+
+    def body(self, text: str, ending: Ending) -> bytes:
+        choice = {
+            "index": 0,
+            **self._choice(text),
+            "logprobs": None,
+            "finish_reason": _FINISH[ending.finish],
+        }
+        obj = {
+            "id": self.id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": _usage(ending),
+        }
+        return dumps(obj)
+
     def _tail(self, out: bytearray, ending: Ending) -> None:
         if self.include_usage:
             out += self._head
@@ -267,11 +275,6 @@ class ChatReply(_OpenAIReply):
         out += b'[{"index":0,"delta":{"role":"assistant","content":""},'
         out += b'"logprobs":null,"finish_reason":null}]}\n\n'
 
-    def token(self, out: bytearray, text: str) -> None:
-        out += self._pre
-        out += encode_basestring(text).encode()
-        out += self._post
-
     def end(self, out: bytearray, ending: Ending) -> None:
         out += self._head
         out += b'[{"index":0,"delta":{},"logprobs":null,"finish_reason":"'
@@ -279,23 +282,8 @@ class ChatReply(_OpenAIReply):
         out += b'"}]}\n\n'
         self._tail(out, ending)
 
-    def body(self, text: str, ending: Ending) -> bytes:
-        obj = {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": _FINISH[ending.finish],
-                }
-            ],
-            "usage": _usage(ending),
-        }
-        return dumps(obj)
+    def _choice(self, text: str) -> dict:
+        return {"message": {"role": "assistant", "content": text}}
 
 
 class CompletionReply(_OpenAIReply):
@@ -312,11 +300,6 @@ class CompletionReply(_OpenAIReply):
         self._pre = self._head + b'[{"index":0,"text":'
         self._post = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
-    def token(self, out: bytearray, text: str) -> None:
-        out += self._pre
-        out += encode_basestring(text).encode()
-        out += self._post
-
     def end(self, out: bytearray, ending: Ending) -> None:
         out += self._pre
         out += b'"","logprobs":null,"finish_reason":"'
@@ -324,23 +307,8 @@ class CompletionReply(_OpenAIReply):
         out += b'"}]}\n\n'
         self._tail(out, ending)
 
-    def body(self, text: str, ending: Ending) -> bytes:
-        obj = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": _FINISH[ending.finish],
-                }
-            ],
-            "usage": _usage(ending),
-        }
-        return dumps(obj)
+    def _choice(self, text: str) -> dict:
+        return {"text": text}
 
 
 def models_body(served: str, created: int) -> bytes:

@@ -67,7 +67,10 @@ def test_openai_chat_streamed_and_not(daemon):
     )
     assert all(ch.choices for ch in chunks)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
-    # Temperature defaults to 1.0 (sampled): unseeded requests differ from the greedy answer.
+    # No max_tokens: the rest of the context (max_context 512; the synthetic model never ends).
+    rest = c.chat.completions.create(model=MODEL, messages=USER)
+    assert rest.usage.prompt_tokens + rest.usage.completion_tokens == 512
+    assert rest.choices[0].finish_reason == "length"
     greedy = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=24, temperature=0)
     again = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=24, temperature=0)
     assert greedy.choices[0].message.content == again.choices[0].message.content

@@ -10,6 +10,23 @@ from dataclasses import dataclass, field
 import h11
 
 
+def sse_events(data: bytes) -> list[tuple[str | None, str]]:
+    """Server-sent events as (event name or None, data), in order."""
+    out = []
+    for block in data.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        name, payload = None, ""
+        for line in block.split("\n"):
+            key, _, value = line.partition(": ")
+            if key == "event":
+                name = value
+            elif key == "data":
+                payload = value
+        out.append((name, payload))
+    return out
+
+
 @dataclass
 class Response:
     status: int
@@ -21,20 +38,7 @@ class Response:
         return json.loads(self.body)
 
     def events(self) -> list[tuple[str | None, str]]:
-        """SSE events as (event name, data)."""
-        out = []
-        for block in self.body.decode().split("\n\n"):
-            if not block.strip():
-                continue
-            name, data = None, ""
-            for line in block.split("\n"):
-                key, _, value = line.partition(": ")
-                if key == "event":
-                    name = value
-                elif key == "data":
-                    data = value
-            out.append((name, data))
-        return out
+        return sse_events(self.body)
 
 
 class RawHttp:

@@ -15,6 +15,7 @@ from gateway.http import openai as oa
 from gateway.http.errors import ANTHROPIC, OPENAI, STATUS, HttpError, error_body, status_for
 from gateway.http.reply import Ending
 from gateway.protocol import ErrorCode, FinishReason
+from tests.support.rawhttp import sse_events
 
 MODEL = "tiny"
 USER = [{"role": "user", "content": "hi"}]
@@ -35,24 +36,6 @@ def refused(fn, *args) -> HttpError:
     with pytest.raises(HttpError) as info:
         fn(*args)
     return info.value
-
-
-def sse(data: bytes) -> list[tuple[str | None, str]]:
-    """(event name, data) per SSE event."""
-    events = []
-    for block in data.decode().split("\n\n"):
-        if not block:
-            continue
-        name, payload = None, None
-        for line in block.split("\n"):
-            key, _, value = line.partition(": ")
-            if key == "event":
-                name = value
-            elif key == "data":
-                payload = value
-        assert payload is not None, block
-        events.append((name, payload))
-    return events
 
 
 # ----------------------------------------------------------------------------------- OpenAI
@@ -197,7 +180,7 @@ def test_chat_stream_matches_the_sdk_types():
     for text in ("he", 'l"l\\o\n', "é🙂", "\x00"):
         r.token(out, text)
     r.end(out, Ending(FinishReason.MAX_TOKENS, 5, 4))
-    events = sse(bytes(out))
+    events = sse_events(bytes(out))
     assert events[-1] == (None, "[DONE]")
     chunks = [oc.ChatCompletionChunk.model_validate_json(d) for _, d in events[:-1]]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -210,7 +193,7 @@ def test_chat_stream_matches_the_sdk_types():
     r = chat(stream=True)
     out = bytearray()
     r.end(out, Ending(FinishReason.EOS, 5, 0))
-    events = sse(bytes(out))
+    events = sse_events(bytes(out))
     assert len(events) == 2 and json.loads(events[0][1])["choices"][0]["finish_reason"] == "stop"
 
 
@@ -225,7 +208,7 @@ def test_chat_and_completion_bodies_match_the_sdk_types():
     comp.start(out, 1)
     comp.token(out, "ab")
     comp.end(out, Ending(FinishReason.MAX_TOKENS, 1, 2))
-    events = sse(bytes(out))
+    events = sse_events(bytes(out))
     assert events[-1][1] == "[DONE]"
     # The SDK reads stream chunks without validation (finish_reason is null until the end).
     chunks = [json.loads(d) for _, d in events[:-1]]
@@ -304,7 +287,7 @@ def test_messages_stream_matches_the_sdk_types():
     r.token(out, "a\n")
     r.token(out, '"b"')
     r.end(out, Ending(FinishReason.STOP, 11, 2))
-    events = sse(bytes(out))
+    events = sse_events(bytes(out))
     names = [name for name, _ in events]
     assert names == [
         "message_start",
