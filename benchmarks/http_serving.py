@@ -420,8 +420,11 @@ def main() -> None:
         f"streaming chat requests x {args.tokens} tokens, one request at a time per keep-alive "
         f"connection ({args.streams} connections), client in its own process, median of "
         f"{args.runs} runs after a warm-up. Server CPU = user + system time of the server "
-        "process during the load (zerolayer: engine thread included; synthetic backend, no "
-        "model, step time 0; float32 is irrelevant here: no model math).\n\n"
+        "process during the load. zerolayer: default configuration, synthetic backend (no model, "
+        "so no dtype; the event loop and the engine thread, both counted), unpaced (step time "
+        "0); requests use the API's default temperature 1.0, so the response cache records "
+        "nothing. Every server streams the same chunk for each token: one content delta of "
+        "one character.\n\n"
         + table(["server", "CPU µs / token", "vs floor (c)", "vs FastAPI (b)", "tokens / s"], rows)
         + f"\n\nAims: ≤ 1/3 of (b) — measured {results['http_vs_fastapi']:.2f}; ≤ 1.5x (c) — "
         f"measured {results['http_vs_floor']:.2f}x. The floor writes one chunk per token per "
