@@ -4,6 +4,7 @@ SO_REUSEPORT workers. Each test runs a real daemon process (synthetic backend)."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -119,13 +120,14 @@ def _free_port() -> int:
 
 
 def test_reuse_port_workers_share_one_port():
-    port, mport = _free_port(), _free_port()
+    port, mport, hport = _free_port(), _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
     env.update(
         ZEROLAYER_ENGINE__BACKEND="synthetic",
         ZEROLAYER_SERVER__PORT=str(port),
         ZEROLAYER_SERVER__WORKERS="2",
         ZEROLAYER_METRICS__PORT=str(mport),
+        ZEROLAYER_HTTP__PORT=str(hport),  # the HTTP port is shared the same way
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve"],
@@ -147,7 +149,7 @@ def test_reuse_port_workers_share_one_port():
                 assert proc.poll() is None, "daemon exited:\n" + "".join(log)
                 continue
             log.append(line)
-            m = re.search(r"listening frame=[\d.]+:(\d+) metrics=[\d.]+:(\d+)", line)
+            m = re.search(r"listening frame=[\d.]+:(\d+) http=\S+ metrics=[\d.]+:(\d+)", line)
             if m:
                 seen.append((int(m.group(1)), int(m.group(2))))
         assert sorted(seen) == [(port, mport), (port, mport + 1)], "".join(log)
@@ -161,6 +163,8 @@ def test_reuse_port_workers_share_one_port():
         ]
         assert sum(per_worker) == 24
         assert all(n > 0 for n in per_worker), per_worker  # the kernel spread them
+        models = urllib.request.urlopen(f"http://127.0.0.1:{hport}/v1/models", timeout=10)
+        assert json.loads(models.read())["data"][0]["id"] == "synthetic"
         for c in conns:
             c.close()
         proc.send_signal(15)
@@ -183,6 +187,7 @@ def test_a_worker_that_fails_to_start_stops_the_others():
         ZEROLAYER_SERVER__PORT=str(port),
         ZEROLAYER_SERVER__WORKERS="2",
         ZEROLAYER_METRICS__PORT=str(taken - 1),
+        ZEROLAYER_HTTP__PORT="0",
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve"],
