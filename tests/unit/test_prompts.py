@@ -484,11 +484,12 @@ def test_registered_prompt_output_is_identical_to_inline_on_a_transformers_check
 def test_prompts_are_listed_on_the_metrics_port() -> None:
     from gateway.ops.health import start_http_server
     from gateway.ops.metrics import Metrics
+    from gateway.ops.readiness import Health
 
     reg = build([{"id": 9, "name": "b", "text": "B."}, {"id": 4, "name": "a", "text": SYSTEM}])
     reg.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=512))
-    handle = start_http_server("127.0.0.1", 0, Metrics(), lambda: True, lambda: True, reg.describe)
-    plain = start_http_server("127.0.0.1", 0, Metrics(), lambda: True, lambda: True)
+    handle = start_http_server("127.0.0.1", 0, Metrics(), Health(), reg.describe)
+    plain = start_http_server("127.0.0.1", 0, Metrics(), Health())
     try:
         url = f"http://127.0.0.1:{handle.port}/prompts"
         with urllib.request.urlopen(url, timeout=10) as resp:

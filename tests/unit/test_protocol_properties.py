@@ -204,7 +204,7 @@ def tokens(draw: st.DrawFn) -> Case:
 def dones(draw: st.DrawFn) -> Case:
     stream = draw(STREAM)
     done = p.Done(
-        draw(st.sampled_from(DONE_REASONS)),  # FinishReason.ERROR (-1) is never on the wire
+        draw(st.sampled_from(DONE_REASONS)),
         draw(st.integers(0, 3)),
         *(draw(st.integers(0, U32)) for _ in range(5)),
     )
