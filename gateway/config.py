@@ -76,9 +76,9 @@ class ServerConfig(_Section):
 
 
 class HttpConfig(_Section):
-    """The OpenAI / Anthropic HTTP front end (docs/http.md); off unless enabled."""
+    """The OpenAI / Anthropic HTTP front end (docs/http.md)."""
 
-    enabled: bool = False
+    enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1_048_576, ge=1024)

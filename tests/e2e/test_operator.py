@@ -170,7 +170,7 @@ def test_the_wrong_door_is_answered_in_its_own_protocol():
         assert resp.status == 400
         assert resp.read().decode() == (
             "This is the ZeroLayer frame protocol port (binary frames, see docs/protocol.md); "
-            f"no HTTP API is served here; metrics and health on port {metrics_port}.\n"
+            f"HTTP is served on port {d.http_port}; metrics and health on port {metrics_port}.\n"
         )
         conn.close()
         ctx = ssl.create_default_context()
