@@ -261,8 +261,13 @@ def test_overload_is_503_and_anthropic_529():
         holders = [rc.RawConnection(d.host, d.port) for _ in range(2)]
         for i, conn in enumerate(holders):
             conn.send(rc.request(1, b"hold %d" % i, 50000))
-        holders[0].read_frame()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # however slowly a loaded machine gets there
+            samples = scrape(d.metrics_url)
+            if value(samples, "zerolayer_num_requests_waiting") == 1:
+                break
+            time.sleep(0.1)
+        assert value(samples, "zerolayer_num_requests_running") == 1
         with pytest.raises(openai.InternalServerError) as info:
             oai(d).chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
         assert info.value.status_code == 503
