@@ -259,15 +259,14 @@ def test_overload_is_503_and_anthropic_529():
     with Daemon(env) as d:
         # One stream holds the only slot and one waits in the queue: the next is refused.
         holders = [rc.RawConnection(d.host, d.port) for _ in range(2)]
-        for i, conn in enumerate(holders):
-            conn.send(rc.request(1, b"hold %d" % i, 50000))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # however slowly a loaded machine gets there
-            samples = scrape(d.metrics_url)
-            if value(samples, "zerolayer_num_requests_waiting") == 1:
-                break
-            time.sleep(0.1)
-        assert value(samples, "zerolayer_num_requests_running") == 1
+        # One after the other: sent together, the second could find the first still queued.
+        for conn, gauge in zip(holders, ("running", "waiting"), strict=True):
+            conn.send(rc.request(1, b"hold " + gauge.encode(), 50000))
+            deadline = time.monotonic() + 30
+            name = f"zerolayer_num_requests_{gauge}"
+            while value(scrape(d.metrics_url), name) != 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert value(scrape(d.metrics_url), name) == 1
         with pytest.raises(openai.InternalServerError) as info:
             oai(d).chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
         assert info.value.status_code == 503
