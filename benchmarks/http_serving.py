@@ -8,10 +8,12 @@ Load: ROUNDS rounds of STREAMS concurrent streaming chat requests x TOKENS token
 per keep-alive connection (each connection sends its next request when its stream ends), client
 in its own process. zerolayer runs `zerolayer serve` with the synthetic backend (no model, step
 time 0) and its default configuration (metrics, rate-limit hook, response cache); requests use
-each API's default temperature (1.0), so the cache never records. Server CPU = utime + stime of
-the server process (/proc/PID/stat) across the load, engine thread included.
+each API's default temperature (1.0), so the cache never records. Server CPU = CPU time of
+the server process's threads (/proc/PID/task/*/schedstat) across the load, engine thread included.
 
     python benchmarks/http_serving.py [--streams 64] [--tokens 256] [--rounds 10] [--write]
+
+Prints the table; ``--write`` also updates benchmarks/results/http.json and docs/benchmarks.md.
 
 Needs the `bench` extra (FastAPI, uvicorn): `pip install -e '.[bench]'` (`make bench` does).
 """
@@ -22,14 +24,14 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
-from benchmarks.serving import cpu_seconds, run_floor_server, summarize  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 
 MODEL = "synthetic"  # the synthetic backend's model name; the baselines answer with it too
 TOKEN_MARK = b'"delta":{"content":'  # one per content chunk in every server's output
@@ -137,6 +139,17 @@ class FloorProtocol(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(FloorProtocol.tick)
         else:
             FloorProtocol.ticking = False
+
+
+def run_floor_server() -> None:
+    import uvloop
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(FloorProtocol, "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 
 
 # ------------------------------------------------------------------- (b) FastAPI + uvicorn
@@ -309,6 +322,8 @@ def run_client(mode: str, port: int, streams: int, tokens: int, rounds: int) -> 
 
 
 def load(mode: str, port: int, pid: int, args) -> dict:
+    from benchmarks.serving import cpu_seconds  # the scheduler's per-thread CPU account
+
     cpu0 = cpu_seconds(pid)
     out = subprocess.run(
         [
@@ -339,7 +354,16 @@ def load(mode: str, port: int, pid: int, args) -> dict:
 
 def measure(mode: str, port: int, pid: int, args) -> dict:
     load(mode, port, pid, args)  # warm-up
-    return summarize([load(mode, port, pid, args) for _ in range(args.runs)])
+    runs = [load(mode, port, pid, args) for _ in range(args.runs)]
+    cpu = statistics.median(r["cpu_s"] for r in runs)
+    wall = statistics.median(r["wall_s"] for r in runs)
+    tokens = runs[0]["tokens"]
+    return {
+        "runs": runs,
+        "cpu_us_per_token": cpu / tokens * 1e6,
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+    }
 
 
 def baseline(flag: str, mode: str, args) -> dict:
@@ -353,18 +377,17 @@ def baseline(flag: str, mode: str, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__.split("\n", 1)[0])
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=10, help="requests per connection per run")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--write", action="store_true", help="write the JSON and docs table")
     ap.add_argument("--client", nargs=2, metavar=("MODE", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fastapi-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.floor_server:
-        return run_floor_server(FloorProtocol)
+        return run_floor_server()
     if args.fastapi_server:
         return run_fastapi_server()
     if args.client:
@@ -393,7 +416,6 @@ def main() -> None:
         results["zerolayer_http"] = measure("http", d.http_port, d.proc.pid, args)
         results["zerolayer_frames"] = measure("frames", d.port, d.proc.pid, args)
         d.terminate()
-    results["load_average"] = os.getloadavg()[0]
     floor = results["floor"]["cpu_us_per_token"]
     fastapi = results["fastapi"]["cpu_us_per_token"]
     http = results["zerolayer_http"]["cpu_us_per_token"]
@@ -420,12 +442,12 @@ def main() -> None:
         f"`python benchmarks/http_serving.py` — {args.rounds} rounds of {args.streams} concurrent "
         f"streaming chat requests x {args.tokens} tokens, one request at a time per keep-alive "
         f"connection ({args.streams} connections), client in its own process, median of "
-        f"{args.runs} runs after a warm-up. Server CPU = user + system time of the server "
-        "process during the load. zerolayer: default configuration, synthetic backend (no model, "
-        "so no dtype; the event loop and the engine thread, both counted), unpaced (step time "
-        "0); requests use the API's default temperature 1.0, so the response cache records "
-        "nothing. Every server streams the same chunk for each token: one content delta of "
-        "one character.\n\n"
+        f"{args.runs} runs after a warm-up. Server CPU = CPU time of the server process's "
+        "threads during the load. zerolayer: default configuration, synthetic backend (no "
+        "model, so no dtype; the event loop and the engine thread, both counted), unpaced "
+        "(step time 0); requests use the API's default temperature 1.0, so the response "
+        "cache records nothing. Every server streams the same chunk for each token: one "
+        "content delta of one character.\n\n"
         + table(["server", "CPU µs / token", "vs floor (c)", "vs FastAPI (b)", "tokens / s"], rows)
         + f"\n\nAims: ≤ 1/3 of (b) — measured {results['http_vs_fastapi']:.2f}; ≤ 1.5x (c) — "
         f"measured {results['http_vs_floor']:.2f}x. The floor writes one chunk per token per "
@@ -435,13 +457,11 @@ def main() -> None:
         "the daemon's uvloop loop; uvicorn in (b) runs on the same parser and loop, so the gap "
         "to (b) is the framework and the per-chunk pydantic model, not the parser. A "
         "pure-Python parser (h11) was not measured. "
-        f"Shared 2-core VM, 1-minute load average {results['load_average']:.1f} at the end "
-        "(other jobs ran): compare the rows of one run.\n\n" + machine_line(results["machine"])
+        "Shared 2-core VM (other jobs ran): compare the rows of one run.\n\n"
+        + machine_line(results["machine"])
     )
     print(md)
-    if args.write:
-        write_json("http", results)
-        write_section("http", md)
+    publish(args, "http", results, md)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ class EngineConfig(_Section):
     prefill_chunk: int = Field(256, ge=1)
     max_context: int = Field(2048, ge=16)
     synthetic_step_ms: float = Field(0.0, ge=0)
+    synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default (one per core)
     # Precompiled system prompts (docs/prompts.md)
@@ -118,6 +119,22 @@ class ModelConfig(_Section):
 class AuthConfig(_Section):
     enabled: bool = False
     keys_file: str = "configs/keys.toml"
+
+
+class TLSConfig(_Section):
+    # TLS on the frame (and HTTP) listener when cert_file is set; the metrics port stays plain.
+    cert_file: str = ""  # PEM certificate chain; empty = plain TCP
+    key_file: str = ""  # PEM private key; empty = the key is in cert_file
+    client_ca_file: str = (
+        ""  # PEM CA bundle: when set, clients must present a certificate it signed
+    )
+    min_version: Literal["1.3", "1.2"] = "1.3"
+
+    @model_validator(mode="after")
+    def _needs_cert(self) -> TLSConfig:
+        if not self.cert_file and (self.key_file or self.client_ca_file):
+            raise ValueError("tls.key_file and tls.client_ca_file need tls.cert_file")
+        return self
 
 
 class MetricsConfig(_Section):
@@ -147,6 +164,7 @@ class Settings(BaseSettings):
     engine: EngineConfig = EngineConfig()
     model: ModelConfig = ModelConfig()
     auth: AuthConfig = AuthConfig()
+    tls: TLSConfig = TLSConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
     hooks: HooksConfig = HooksConfig()
@@ -253,9 +271,9 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
         raise ConfigError(_describe_env_error(exc)) from exc
 
 
-def changed_keys(running: Settings, new: Settings) -> list[str]:
-    """Dotted keys whose value differs, as "key: old -> new" (for a SIGHUP that re-reads the
-    file: nothing in it is applied without a restart, and each change is named)."""
+def changed_keys(running: Settings, new: Settings) -> dict[str, str]:
+    """Dotted keys whose value differs → "key: old -> new" (for a SIGHUP that re-reads the
+    file: each change is either applied live or named as needing a restart)."""
 
     def flat(value: Any, prefix: str) -> dict[str, Any]:
         if isinstance(value, dict):
@@ -266,8 +284,17 @@ def changed_keys(running: Settings, new: Settings) -> list[str]:
         return {prefix: value}
 
     old, cur = flat(running.model_dump(), ""), flat(new.model_dump(), "")
-    return [
-        f"{k}: {old.get(k)!r} -> {cur.get(k)!r}"
+    return {
+        k: f"{k}: {old.get(k)!r} -> {cur.get(k)!r}"
         for k in sorted(old.keys() | cur.keys())
         if old.get(k) != cur.get(k)
-    ]
+    }
+
+
+def with_values(settings: Settings, source: Settings, keys: set[str]) -> Settings:
+    """A copy of ``settings`` with the dotted ``keys`` (``section.key``) taken from ``source``."""
+    out = settings.model_copy(deep=True)
+    for key in keys:
+        section, name = key.split(".", 1)
+        setattr(getattr(out, section), name, getattr(getattr(source, section), name))
+    return out

@@ -5,10 +5,10 @@ metrics/health port) → health answers "503 starting: ..." → backend (loads t
 engine thread) → registered prompts → hook chain → engine loop → accept frames → ready, the
 "listening" line, READY=1 to systemd. Binding first means a port in use fails in a second, named
 (``StartupError``), not after minutes of loading. SIGTERM/SIGINT drain (GOAWAY, finish streams in
-flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file, and re-reads the config
-file only to warn about each changed setting (none applies without a restart). With
-``server.workers = N`` the parent starts N worker processes sharing the port through SO_REUSEPORT
-and forwards signals.
+flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file and the TLS certificate
+files, and re-reads the config file only to warn about each changed setting (none applies
+without a restart). With ``server.workers = N`` the parent starts N worker processes sharing the
+port through SO_REUSEPORT and forwards signals.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import TypeVar
 import uvloop
 
 from gateway import wrong_door
-from gateway.config import ConfigError, Settings, changed_keys, load_settings
+from gateway.config import ConfigError, Settings, changed_keys, load_settings, with_values
 from gateway.engine.compute import ComputeThread
 from gateway.engine.engine import Engine, Output, TokenColumn
 from gateway.engine.factory import build_backend
@@ -49,6 +49,7 @@ from gateway.ops.neuron_monitor import start_neuron_monitor
 from gateway.ops.notify import Notifier
 from gateway.ops.readiness import Health, StorePing
 from gateway.ops.sockets import make_listen_socket
+from gateway.ops.tls import ALPN_FRAME, ServerTLS, server_tls
 from gateway.prompts import PromptRegistry
 from gateway.server import Server
 
@@ -151,15 +152,33 @@ def _wrong_door(first: bytes, **ports: int | None) -> bytes | None:
     return reply
 
 
-def _on_sighup(chain: Chain, settings: Settings, config_path: str | None) -> None:
+def _on_sighup(
+    chain: Chain, tls: ServerTLS | None, running: list[Settings], config_path: str | None
+) -> None:
+    """Re-read the keys file, the certificates and the config file; apply what can change live
+    (the log level here; the hooks apply theirs, e.g. the rate-limit defaults) and name every
+    other change as needing a restart. ``running[0]`` is what is in effect."""
     chain.reload()
+    if tls is not None:
+        tls.reload()  # the same files, re-read: new connections get the new certificate
     try:
         current = load_settings(config_path)
     except ConfigError as exc:
         log.error("SIGHUP: the configuration no longer loads, keeping the running one: %s", exc)
         return
-    for change in changed_keys(settings, current):
-        log.warning("SIGHUP: %s changed but is read only at start-up; restart to apply it", change)
+    changes = changed_keys(running[0], current)
+    applied = chain.apply_settings(current) & changes.keys()
+    if "logging.level" in changes:
+        logging.getLogger().setLevel(current.logging.level.upper())
+        applied.add("logging.level")
+    for key, change in changes.items():
+        if key in applied:
+            log.warning("SIGHUP: %s applied", change)
+        else:
+            log.warning(
+                "SIGHUP: %s changed but is read only at start-up; restart to apply it", change
+            )
+    running[0] = with_values(running[0], current, applied)
 
 
 async def _serve(settings: Settings, config_path: str | None = None) -> None:
@@ -169,7 +188,9 @@ async def _serve(settings: Settings, config_path: str | None = None) -> None:
     health.starting("binding ports")
     listeners = bind_listeners(settings, metrics, health)
     try:
-        await _start_and_serve(settings, config_path, loop, metrics, health, listeners)
+        # Certificates load before the model, so a bad file fails the start at once (named).
+        tls = server_tls(settings.tls, [ALPN_FRAME])
+        await _start_and_serve(settings, config_path, loop, metrics, health, listeners, tls)
     finally:
         listeners.close()
 
@@ -181,6 +202,7 @@ async def _start_and_serve(
     metrics: Metrics,
     health: Health,
     listeners: Listeners,
+    tls: ServerTLS | None,
 ) -> None:
     health.starting("loading model")
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
@@ -206,16 +228,16 @@ async def _start_and_serve(
     outbox = Outbox()  # engine thread → event loop
     slots = backend.num_slots
 
-    def set_gauges() -> None:
-        # On the engine thread, at every backend call and after every step: exact occupancy.
-        metrics.set_queue(engine.running, engine.waiting, engine.slots_used, slots)
-
-    def on_step(phase: str, seconds: float, batch: int) -> None:
-        metrics.engine_step(phase, seconds, batch)
-        set_gauges()
+    occupancy = [(-1, -1, -1)]  # what the gauges show
 
     def deliver(outputs: list[Output], column: TokenColumn | None) -> None:
-        set_gauges()  # after the step: finished sequences are gone
+        # On the engine thread after every step (admissions and finished sequences are in):
+        # the occupancy gauges are exact, and set only when they change (a Gauge.set takes a
+        # lock; a steady decode step changes nothing).
+        now = (engine.running, engine.waiting, engine.slots_used)
+        if now != occupancy[0]:
+            occupancy[0] = now
+            metrics.set_queue(*now, slots)
         outbox.put(outputs, column)
 
     engine = Engine(
@@ -225,7 +247,7 @@ async def _start_and_serve(
         max_queue=settings.engine.max_queue,
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,
-        on_step=on_step,
+        on_step=metrics.engine_step,
     )
     inputs = InputProcessor(tokenizer, backend.info, prompts, metrics)
     path = RequestPath(engine, inputs, chain, metrics)
@@ -260,7 +282,7 @@ async def _start_and_serve(
 
     engine.start(compute)
     cfg = settings.server
-    await server.start(listeners.frame)
+    await server.start(listeners.frame, ssl=tls.context if tls else None)
     if api_server is not None:
         await api_server.start(listeners.api)
     if http is not None:
@@ -275,7 +297,7 @@ async def _start_and_serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, settings, config_path)
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, tls, [settings], config_path)
     health.serving()
     info = backend.info
     # One machine-readable line, whatever the log level: tests and scripts wait for it to learn
@@ -289,6 +311,7 @@ async def _start_and_serve(
         model=info.name,
         backend=settings.engine.backend,
         hooks=",".join(chain.names),
+        tls="on" if tls else "off",
     )
     # Everything built so far lives as long as the process: keep the cyclic garbage collector
     # from scanning it again and again while tokens stream.

@@ -96,8 +96,8 @@ def _check_signature(fn: Callable[..., Any], stage: str, label: str) -> bool:
     except ValueError:
         pass  # builtins without a signature: trust them
     is_async = inspect.iscoroutinefunction(fn)
-    if is_async and stage == "on_hello":
-        raise HookConfigError(f"hook {label}: on_hello hooks must be synchronous")
+    if is_async and stage in ("on_hello", "on_certificate"):
+        raise HookConfigError(f"hook {label}: {stage} hooks must be synchronous")
     return is_async
 
 
@@ -111,12 +111,14 @@ class Chain:
         self.names: tuple[str, ...] = ()  # hook labels in chain order, for logs and docs
         self._anonymous = Principal("anonymous")
         self._on_hello: tuple[Callable[[bytes], Principal | None], ...] = ()
+        self._on_certificate: tuple[Callable[[tuple[str, ...]], Principal | None], ...] = ()
         self._on_request: tuple[Callable[[Any], Any], ...] = ()
         self._on_request_flagged: tuple[tuple[Callable[[Any], Any], bool], ...] = ()
         self._on_refused: tuple[Callable[[Any, HookError], None], ...] = ()
         self._on_done: tuple[Callable[[Any, Any], None], ...] = ()
         self._on_done_flagged: tuple[tuple[Callable[[Any, Any], Any], bool], ...] = ()
         self._reloaders: tuple[Callable[[], None], ...] = ()
+        self._appliers: tuple[Callable[[Any], Any], ...] = ()
         self._closers: tuple[Callable[[], Any], ...] = ()
         self._labels: dict[Any, str] = {}
         self._pending: set[asyncio.Task[None]] = set()
@@ -139,6 +141,7 @@ class Chain:
 
         stages: dict[str, list[tuple[Callable[..., Any], bool, str]]] = {s: [] for s in STAGES}
         reloaders: list[Callable[[], None]] = []
+        appliers: list[Callable[[Any], Any]] = []
         closers: list[Callable[[], Any]] = []
         names: list[str] = []
         for spec in (*BUILTIN_MODULES, *extra):
@@ -149,7 +152,7 @@ class Chain:
                     "function or @hook on a class)"
                 )
             for reg in regs:
-                chain._add(reg, settings, stages, reloaders, closers, names)
+                chain._add(reg, settings, stages, reloaders, appliers, closers, names)
 
         def plain(stage: str) -> tuple[Callable[..., Any], ...]:
             return tuple(
@@ -158,6 +161,7 @@ class Chain:
             )
 
         chain._on_hello = tuple(fn for fn, _, _ in stages["on_hello"])
+        chain._on_certificate = tuple(fn for fn, _, _ in stages["on_certificate"])
         chain._on_request_flagged = tuple((fn, a) for fn, a, _ in stages["on_request"])
         chain.is_async = any(a for _, a in chain._on_request_flagged)
         chain._on_request = () if chain.is_async else tuple(f for f, _ in chain._on_request_flagged)
@@ -165,6 +169,7 @@ class Chain:
         chain._on_done = plain("on_done")
         chain._on_done_flagged = tuple((fn, a) for fn, a, _ in stages["on_done"])
         chain._reloaders = tuple(reloaders)
+        chain._appliers = tuple(appliers)
         chain._closers = tuple(closers)
         # (the spawners registered their own labels above)
         chain._labels.update({fn: label for entries in stages.values() for fn, _, label in entries})
@@ -178,6 +183,7 @@ class Chain:
         settings: Any,
         stages: dict[str, list[tuple[Callable[..., Any], bool, str]]],
         reloaders: list[Callable[[], None]],
+        appliers: list[Callable[[Any], Any]],
         closers: list[Callable[[], Any]],
         names: list[str],
     ) -> None:
@@ -206,6 +212,9 @@ class Chain:
         reload = getattr(instance, "reload", None)
         if reload is not None:
             reloaders.append(reload)
+        apply = getattr(instance, "apply_settings", None)
+        if apply is not None:
+            appliers.append(apply)
         closer = getattr(instance, "aclose", None) or getattr(instance, "close", None)
         if closer is not None:
             closers.append(closer)
@@ -258,6 +267,18 @@ class Chain:
         if self.auth_required:
             raise HookError(UNAUTHENTICATED, "invalid API key" if key else "missing API key")
         return self._anonymous
+
+    def on_certificate(self, names: tuple[str, ...]) -> Principal | None:
+        """The principal a verified client certificate (its CN and SANs) stands for, or None."""
+        for fn in self._on_certificate:
+            try:
+                principal = fn(names)
+            except Exception:
+                log.exception("hook %s failed", self._labels.get(fn, fn))
+                return None
+            if principal is not None:
+                return principal
+        return None
 
     # ---- per request ---------------------------------------------------------------------------
 
@@ -342,6 +363,17 @@ class Chain:
                 fn()
             except Exception:
                 log.exception("hook reload failed")
+
+    def apply_settings(self, settings: Any) -> set[str]:
+        """SIGHUP with a re-read config: each hook applies what it can change live and returns
+        those dotted keys (``ratelimit.default_rpm``, ...). Never raises."""
+        applied: set[str] = set()
+        for fn in self._appliers:
+            try:
+                applied.update(fn(settings) or ())
+            except Exception:
+                log.exception("hook apply_settings failed")
+        return applied
 
     async def drain(self) -> None:
         """Wait for on_done/on_refused tasks still running."""

@@ -156,6 +156,13 @@ class RateLimiter:
         else:
             self.close = store.close
 
+    def apply_settings(self, settings: Any) -> tuple[str, ...]:
+        """SIGHUP: the default limits change live (the store does not: a restart)."""
+        cfg = settings.ratelimit
+        self._default_rpm = cfg.default_rpm
+        self._default_tpm = cfg.default_tpm
+        return ("ratelimit.default_rpm", "ratelimit.default_tpm")
+
     def _admission(self, ctx: Any) -> tuple[str, int, int, int] | None:
         p = ctx.principal
         rpm = p.rpm if p.rpm is not None else self._default_rpm

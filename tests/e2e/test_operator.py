@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.client import SyncClient
+from gateway.client import RateLimitedError, SyncClient
 from tests.support.daemon import ROOT, Daemon, free_port
 from tests.support.metrics import probe, scrape, value
 from tests.support.redis_server import RedisServer
@@ -199,26 +199,35 @@ def test_generate_on_the_metrics_port_ends_with_a_named_deadline():
     )
 
 
-def test_json_lines_mode_writes_only_json_and_sighup_names_what_it_did_not_apply(tmp_path):
+def test_json_lines_mode_writes_only_json_and_sighup_applies_or_names_each_change(tmp_path):
     config = tmp_path / "zl.toml"
     config.write_text((ROOT / "configs" / "default.toml").read_text())
     env = {"LOGGING__JSON_LINES": "true", "LOGGING__LEVEL": "info", "LOGGING__REQUESTS": "true"}
     with Daemon(env, config=str(config)) as d:
         with SyncClient(d.endpoint) as client:
             client.generate("logged", max_tokens=3)
-        config.write_text(config.read_text() + "\n[ratelimit]\ndefault_rpm = 120\n")
+            client.generate("again", max_tokens=3)  # no limit yet
+        # A live setting (the default request rate) and one read only at start-up.
+        config.write_text(
+            config.read_text() + "\n[ratelimit]\ndefault_rpm = 1\n[cache]\nmax_bytes = 1024\n"
+        )
         d.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
-        while "SIGHUP" not in d.log and time.monotonic() < deadline:
+        while d.log.count("SIGHUP") < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        with SyncClient(d.endpoint) as client:  # the new limit holds at once: 1 request/min
+            client.generate("first", max_tokens=3)
+            with pytest.raises(RateLimitedError):
+                client.generate("second", max_tokens=3)
         assert d.terminate() == 0
         time.sleep(0.2)  # the drain thread reads the last lines
     records = [json.loads(line) for line in d.log.splitlines()]  # every line is JSON
     assert any(r["msg"] == "listening" and r["frame"].endswith(f":{d.port}") for r in records)
     warnings = [r["msg"] for r in records if r["level"] == "warning" and "SIGHUP" in r["msg"]]
     assert warnings == [
-        "SIGHUP: ratelimit.default_rpm: None -> 120 changed but is read only at start-up; "
-        "restart to apply it"
+        "SIGHUP: cache.max_bytes: 67108864 -> 1024 changed but is read only at start-up; "
+        "restart to apply it",
+        "SIGHUP: ratelimit.default_rpm: None -> 1 applied",
     ]
     assert any(r["msg"] == "stopped" for r in records)
 
