@@ -75,6 +75,17 @@ class ServerConfig(_Section):
     workers: int = Field(1, ge=1)
 
 
+class HttpConfig(_Section):
+    """The OpenAI / Anthropic HTTP front end (docs/http.md)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1_048_576, ge=1024)
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+
+
 class EngineConfig(_Section):
     backend: Literal["cpu", "synthetic", "neuron"] = "cpu"
     max_batch_size: int = Field(32, ge=1)
@@ -156,6 +167,7 @@ class Settings(BaseSettings):
     )
 
     server: ServerConfig = ServerConfig()
+    http: HttpConfig = HttpConfig()
     engine: EngineConfig = EngineConfig()
     model: ModelConfig = ModelConfig()
     auth: AuthConfig = AuthConfig()

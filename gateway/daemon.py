@@ -1,7 +1,7 @@
 """Start-up and shutdown of one daemon process: listeners, backend, hooks, engine thread, server.
 
-Order: logging → bind every listener (frame port, metrics/health port; a door with a port of its
-own binds here too) → health answers "503 starting: ..." → backend (loads the model, on the
+Order: logging → bind every listener (frame port, the HTTP API port when ``http.enabled``,
+metrics/health port) → health answers "503 starting: ..." → backend (loads the model, on the
 engine thread) → registered prompts → hook chain → engine loop → accept frames → ready, the
 "listening" line, READY=1 to systemd. Binding first means a port in use fails in a second, named
 (``StartupError``), not after minutes of loading. SIGTERM/SIGINT drain (GOAWAY, finish streams in
@@ -38,6 +38,8 @@ from gateway.engine.engine import Engine, Output, TokenColumn
 from gateway.engine.factory import build_backend
 from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
+from gateway.http.door import HttpApi
+from gateway.http.server import HttpServer
 from gateway.inputs import InputProcessor
 from gateway.lifecycle import RequestPath
 from gateway.ops.health import HttpServerHandle, start_http_server
@@ -78,10 +80,13 @@ class Listeners:
     """Every socket the daemon listens on, bound before the model loads."""
 
     frame: socket.socket
+    api: socket.socket | None  # the HTTP front end (docs/http.md)
     http: HttpServerHandle | None  # metrics and health
 
     def close(self) -> None:
         self.frame.close()
+        if self.api is not None:
+            self.api.close()
         if self.http is not None:
             self.http.close()
 
@@ -95,7 +100,17 @@ def bind_listeners(settings: Settings, metrics: Metrics, health: Health) -> List
         cfg.port,
         lambda: make_listen_socket(cfg.host, cfg.port, cfg.backlog, cfg.reuse_port),
     )
+    api = None
     try:
+        if settings.http.enabled:
+            hcfg = settings.http
+            api = bind(
+                "HTTP API",
+                "http.port",
+                hcfg.host,
+                hcfg.port,
+                lambda: make_listen_socket(hcfg.host, hcfg.port, cfg.backlog, cfg.reuse_port),
+            )
         http = None
         if mcfg.enabled:
             http = bind(
@@ -107,8 +122,10 @@ def bind_listeners(settings: Settings, metrics: Metrics, health: Health) -> List
             )
     except BaseException:
         frame.close()
+        if api is not None:
+            api.close()
         raise
-    return Listeners(frame, http)
+    return Listeners(frame, api, http)
 
 
 def required_stores(settings: Settings) -> list[StorePing]:
@@ -236,11 +253,20 @@ async def _start_and_serve(
     path = RequestPath(engine, inputs, chain, metrics)
     outbox.attach(loop, path.outputs.deliver)
     server = Server(settings.server, path, backend.info, metrics)
+    api_server = None  # the HTTP front end: another door onto the same request path
+    if listeners.api is not None:
+        api_server = HttpServer(
+            settings.http,
+            HttpApi(path, backend.info).connection,
+            settings.server.write_buffer_limit_bytes,
+            metrics,
+        )
+        api_server.socket_options = settings.server
     http = listeners.http
     server.wrong_door = functools.partial(
         _wrong_door,
         max_frame_bytes=settings.server.max_frame_bytes,
-        http_port=None,  # the HTTP door's port, once it exists
+        http_port=listeners.api.getsockname()[1] if listeners.api is not None else None,
         metrics_port=http.port if http else None,
     )
 
@@ -257,6 +283,8 @@ async def _start_and_serve(
     engine.start(compute)
     cfg = settings.server
     await server.start(listeners.frame, ssl=tls.context if tls else None)
+    if api_server is not None:
+        await api_server.start(listeners.api)
     if http is not None:
         http.prompts = prompts.describe
     monitor = start_neuron_monitor(
@@ -278,6 +306,7 @@ async def _start_and_serve(
         "zerolayer",
         "listening",
         frame=f"{cfg.host}:{server.port}",
+        http=f"{settings.http.host}:{api_server.port}" if api_server else "off",
         metrics=f"{http.host}:{http.port}" if http else "off",
         model=info.name,
         backend=settings.engine.backend,
@@ -293,7 +322,10 @@ async def _start_and_serve(
     await stop.wait()
     log.info("signal received, draining")
     notifier.stopping("draining")
-    await server.drain()
+    if api_server is None:
+        await server.drain()
+    else:  # in this order: the frame drain marks the request path as draining first
+        await asyncio.gather(server.drain(), api_server.drain(cfg.drain_timeout_s))
     await path.aclose()
     outbox.close()  # the engine thread must not wait for a loop that no longer delivers
     await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop

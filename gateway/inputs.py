@@ -54,6 +54,7 @@ class Prepared:
     stop_sequences: tuple[str, ...]
     detokenizer: Detokenizer | None
     deterministic: bool  # greedy or seeded: the same request gives the same answer
+    ignore_eos: bool = False  # generate past the end-of-sequence token (HTTP extension)
 
 
 class InputProcessor:
@@ -79,31 +80,19 @@ class InputProcessor:
         self._check_sampling(req)
         vocab = self.info.vocab_size
         compiled, system = self._registered(req)
-        # The full prompt ids, exactly as without the registry; the prefix is split off below.
-        if req.prompt_ids is not None:
-            ids = req.prompt_ids
-            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                raise _invalid(f"prompt token id outside the vocabulary [0, {vocab})")
-            if compiled is not None:
-                ids = np.concatenate((compiled.ids, ids))
-        else:
-            tok = self.tokenizer
-            if req.messages is not None:
-                text = tok.render_chat(req.messages, system)
-            elif system:
-                text = tok.render_system(system) + (req.prompt_text or "")
-            else:
-                text = req.prompt_text or ""
-            ids = tok.encode_prompt(text)
+        ids = self._prompt_ids(req, compiled, system)
         if not len(ids):
             raise _invalid("the prompt is empty after tokenization")
         if len(req.stop_ids) and (int(req.stop_ids.min()) < 0 or int(req.stop_ids.max()) >= vocab):
             raise _invalid(f"stop token id outside the vocabulary [0, {vocab})")
         max_context = self.info.max_context
-        if len(ids) + req.max_tokens > max_context:
+        max_tokens = req.max_tokens
+        if req.fit_max_tokens:  # an upper bound: what fits beside the prompt
+            max_tokens = min(max_tokens, max_context - len(ids))
+        if max_tokens < 1 or len(ids) + max_tokens > max_context:
             raise RequestRefused(
                 ErrorCode.PROMPT_TOO_LONG,
-                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                f"prompt ({len(ids)} tokens) + max_tokens ({max(max_tokens, 1)}) exceeds "
                 f"max_context {max_context}",
             )
         prompt, prefix, prefix_len, cache_bits = ids, None, 0, 0
@@ -128,12 +117,38 @@ class InputProcessor:
                 seed=req.seed or 0,
                 seeded=req.seed is not None,
             ),
-            max_tokens=req.max_tokens,
+            max_tokens=max_tokens,
             stop_ids=frozenset(req.stop_ids.tolist()),
             stop_sequences=req.stop_sequences,
             detokenizer=Detokenizer(self.tokenizer) if wants_detok else None,
             deterministic=req.temperature == 0 or req.seed is not None,
+            ignore_eos=req.ignore_eos,
         )
+
+    def count_prompt_tokens(self, req: p.Request) -> int:
+        """The prompt's length in tokens, as ``prepare`` would make it (chat template and
+        registered prompt included), without the context or sampling checks."""
+        compiled, system = self._registered(req)
+        return len(self._prompt_ids(req, compiled, system))
+
+    def _prompt_ids(self, req: p.Request, compiled, system: str | None) -> np.ndarray:  # noqa: ANN001
+        """The full prompt ids, exactly as without the registry (the prefix is split later)."""
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+            vocab = self.info.vocab_size
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise _invalid(f"prompt token id outside the vocabulary [0, {vocab})")
+            if compiled is not None:
+                ids = np.concatenate((compiled.ids, ids))
+            return ids
+        tok = self.tokenizer
+        if req.messages is not None:
+            text = tok.render_chat(req.messages, system)
+        elif system:
+            text = tok.render_system(system) + (req.prompt_text or "")
+        else:
+            text = req.prompt_text or ""
+        return tok.encode_prompt(text)
 
     @staticmethod
     def _check_sampling(req: p.Request) -> None:

@@ -249,6 +249,7 @@ class RequestPath:
             detokenizer=prep.detokenizer,
             prefix=prep.prefix,
             prefix_len=prep.prefix_len,
+            ignore_eos=prep.ignore_eos,
         )
 
     def _context(self, st: Stream, principal: Principal, req: p.Request) -> RequestContext:
@@ -259,7 +260,7 @@ class RequestPath:
             model=self.model,
             prompt_ids=st.full_ids,
             prompt_id=req.prompt_id,
-            max_tokens=req.max_tokens,
+            max_tokens=seq.max_tokens,  # as prepared (an HTTP request may leave it to the path)
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
@@ -364,7 +365,7 @@ class RequestPath:
             code, message, retry_ms = error
             if written:
                 door.write_error(st, code, message, retry_ms)
-                self.metrics.request_error(code.name)
+                self.metrics.request_error(code.name, st.api)
             if self._log_requests or code == ErrorCode.INTERNAL:
                 REQUEST_LOG.warning(
                     "request refused",
@@ -385,7 +386,7 @@ class RequestPath:
         metrics = self.metrics
         metrics.request_finished(
             finish.label, st.prompt_tokens, st.n_ids, queue_s,
-            ttft_s if st.t_first else None, total_s,
+            ttft_s if st.t_first else None, total_s, st.api,
         )  # fmt: skip
         if st.n_ids > 1:
             metrics.inter_token(now - st.t_first, st.n_ids - 1)

@@ -251,6 +251,11 @@ class Request:
     stop_sequences: tuple[str, ...] = ()
     want_text: bool = False
     is_json: bool = False
+    # Set by the HTTP door only (never by a frame): generate past EOS (vLLM's extension), and
+    # max_tokens is an upper bound to lower to what fits in the context beside the prompt (an
+    # API request that did not give max_tokens).
+    ignore_eos: bool = False
+    fit_max_tokens: bool = False
 
 
 def _invalid(stream: int, message: str) -> ProtocolError:

@@ -82,6 +82,7 @@ class Sequence:
         "held",
         "cancelled",
         "t_admit",
+        "ignore_eos",
         "fair_key",
         "_max_stop",
     )
@@ -97,6 +98,7 @@ class Sequence:
         detokenizer: Detokenizer | None = None,
         prefix: object | None = None,
         prefix_len: int = 0,
+        ignore_eos: bool = False,
         fair_key: object = None,
     ) -> None:
         self.owner = owner
@@ -116,6 +118,7 @@ class Sequence:
         self.held = ""  # text withheld because it may start a stop sequence
         self.cancelled = False
         self.t_admit = 0.0
+        self.ignore_eos = ignore_eos  # generate past EOS (vLLM's extension, HTTP only)
         self.fair_key = fair_key  # sequences sharing a key share one turn at admission
         self._max_stop = max((len(s) for s in stop_sequences), default=0)
 
@@ -692,7 +695,7 @@ class Engine:
             finished.append(seq)
 
     def _next_output(self, seq: Sequence, token: int) -> Output:
-        if token in self._eos:
+        if token in self._eos and not seq.ignore_eos:
             return self._end(seq, NO_TOKEN, FinishReason.EOS)
         if token in seq.stop_ids:
             return self._end(seq, NO_TOKEN, FinishReason.STOP)

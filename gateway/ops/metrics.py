@@ -29,6 +29,8 @@ FRAME_TYPES: tuple[str, ...] = tuple(t.name for t in FrameType)
 FINISH_REASONS: tuple[str, ...] = tuple(r.label for r in DONE_REASONS)
 ERROR_CODES: tuple[str, ...] = tuple(c.name for c in ErrorCode)
 DIRECTIONS: tuple[str, ...] = ("in", "out")
+# The doors a request can come through (gateway.lifecycle.Stream.api).
+APIS: tuple[str, ...] = ("frames", "openai", "anthropic")
 PHASES: tuple[str, ...] = ("prefill", "decode")
 
 # LLM-sized buckets: a first token can take from a millisecond (cache hit) to minutes (long
@@ -92,22 +94,22 @@ class Metrics:
         self.waiting = Gauge(
             p + "num_requests_waiting", "Requests queued for a KV slot.", registry=r
         )
-        self.prompt_tokens = Counter(
-            p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens of finished requests, by API.", ["api"], registry=r
         )
-        self.generation_tokens = Counter(
-            p + "generation_tokens", "Output tokens sent to clients.", registry=r
+        generation_tokens = Counter(
+            p + "generation_tokens", "Output tokens sent to clients, by API.", ["api"], registry=r
         )
         success = Counter(
             p + "request_success",
-            "Requests that ended in DONE, by finish reason.",
-            ["finished_reason"],
+            "Requests that ended in DONE, by finish reason and API.",
+            ["finished_reason", "api"],
             registry=r,
         )
         errors = Counter(
             p + "request_errors",
-            "ERROR frames sent, by protocol error code name.",
-            ["code"],
+            "Requests (or connections) that ended in an error, by error code name and API.",
+            ["code", "api"],
             registry=r,
         )
         busy = Counter(
@@ -154,20 +156,27 @@ class Metrics:
         )
 
         # Pre-resolved children: the hot path never calls .labels().
-        self._success = {reason: success.labels(reason) for reason in FINISH_REASONS}
+        self._success = {
+            (reason, api): success.labels(reason, api) for reason in FINISH_REASONS for api in APIS
+        }
         self._success_family = success
-        self._errors = {code: errors.labels(code) for code in ERROR_CODES}
+        self._errors = {
+            (code, api): errors.labels(code, api) for code in ERROR_CODES for api in APIS
+        }
         self._errors_family = errors
+        self._prompt_tokens = {api: prompt_tokens.labels(api) for api in APIS}
+        self._generation_tokens = {api: generation_tokens.labels(api) for api in APIS}
         self._busy = {phase: busy.labels(phase) for phase in PHASES}
         self._frames = {(d, t): frames.labels(d, t) for d in DIRECTIONS for t in FRAME_TYPES}
         self._bytes = {d: nbytes.labels(d) for d in DIRECTIONS}
         # Aliases so a caller can pass the protocol enums (IntEnum hashes as its int) or their
         # upper-case names without converting: FinishReason.EOS, "EOS", "eos" are one child.
-        for reason in DONE_REASONS:
-            child = self._success[reason.label]
-            self._success[int(reason)] = self._success[reason.name] = child
-        for code in ErrorCode:
-            self._errors[int(code)] = self._errors[code.name]
+        for api in APIS:
+            for reason in DONE_REASONS:
+                child = self._success[(reason.label, api)]
+                self._success[(int(reason), api)] = self._success[(reason.name, api)] = child
+            for code in ErrorCode:
+                self._errors[(int(code), api)] = self._errors[(code.name, api)]
         for ftype in FrameType:
             for d in DIRECTIONS:
                 self._frames[(d, int(ftype))] = self._frames[(d, ftype.name)]
@@ -188,32 +197,33 @@ class Metrics:
         queue_s: float,
         ttft_s: float | None,
         e2e_s: float,
+        api: str = "frames",
     ) -> None:
         """A stream ended in DONE. ``ttft_s`` is None when no token was sent.
 
         ``finished_reason``: "eos"/"max_tokens"/"stop"/"cancelled", upper case, or the protocol's
-        FinishReason value.
+        FinishReason value; ``api``: the door (APIS).
         """
-        child = self._success.get(finished_reason)
+        child = self._success.get((finished_reason, api))
         if child is None:
-            child = self._success_family.labels(finished_reason)
-            self._success[finished_reason] = child
+            child = self._success_family.labels(finished_reason, api)
+            self._success[(finished_reason, api)] = child
         child.inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
+        self._prompt_tokens[api].inc(prompt_tokens)
+        self._generation_tokens[api].inc(completion_tokens)
         self.queue_time.observe(queue_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
 
-    def request_error(self, code_name: str | int) -> None:
-        """An ERROR frame was sent; ``code_name`` is the protocol name ("OVERLOADED") or the
-        ErrorCode value."""
-        child = self._errors.get(code_name)
+    def request_error(self, code_name: str | int, api: str = "frames") -> None:
+        """An ERROR was sent (a frame, or an HTTP error response or event); ``code_name`` is the
+        protocol name ("OVERLOADED") or the ErrorCode value, ``api`` the door (APIS)."""
+        child = self._errors.get((code_name, api))
         if child is None:
             # Only reachable for a code added to the protocol after this table: still bounded.
-            child = self._errors_family.labels(code_name)
-            self._errors[code_name] = child
+            child = self._errors_family.labels(code_name, api)
+            self._errors[(code_name, api)] = child
         child.inc()
 
     def inter_token(self, seconds: float, n: int = 1) -> None:

@@ -152,6 +152,7 @@ def test_daemon_refuses_to_start_with_a_broken_hook_module(tmp_path):
         ZEROLAYER_ENGINE__BACKEND="synthetic",
         ZEROLAYER_SERVER__PORT="0",
         ZEROLAYER_METRICS__PORT="0",
+        ZEROLAYER_HTTP__PORT="0",
         ZEROLAYER_HOOKS__MODULES=f'["{bad}"]',
     )
     proc = subprocess.run(

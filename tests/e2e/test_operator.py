@@ -30,6 +30,7 @@ SERVE = [sys.executable, "-m", "gateway.cli", "serve"]
 
 def _serve_fails(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
+    clean["ZEROLAYER_HTTP__PORT"] = "0"  # the default config serves HTTP on 8080: not here
     return subprocess.run(
         SERVE, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120
     )
@@ -40,6 +41,7 @@ def _serve_fails(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     [
         ("ZEROLAYER_SERVER__PORT", "frame protocol port {} (server.port)"),
         ("ZEROLAYER_METRICS__PORT", "metrics and health HTTP port {} (metrics.port)"),
+        ("ZEROLAYER_HTTP__PORT", "HTTP API port {} (http.port)"),
     ],
 )
 def test_a_taken_port_is_named_and_found_before_the_model_loads(taken_as, listener):
@@ -168,7 +170,7 @@ def test_the_wrong_door_is_answered_in_its_own_protocol():
         assert resp.status == 400
         assert resp.read().decode() == (
             "This is the ZeroLayer frame protocol port (binary frames, see docs/protocol.md); "
-            f"no HTTP API is served here; metrics and health on port {metrics_port}.\n"
+            f"HTTP is served on port {d.http_port}; metrics and health on port {metrics_port}.\n"
         )
         conn.close()
         ctx = ssl.create_default_context()

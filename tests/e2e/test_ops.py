@@ -4,6 +4,7 @@ SO_REUSEPORT workers. Each test runs a real daemon process (synthetic backend)."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -44,12 +45,13 @@ def test_scrape_after_requests_moves_counters_by_the_right_amounts():
             return value(after, name, **labels) - value(before, name, **labels)
 
         assert res[4]["done"]["completion_tokens"] == cancelled_tokens
-        assert delta("zerolayer_generation_tokens_total") == completed
+        assert delta("zerolayer_generation_tokens_total", api="frames") == completed
         # prompt 3 + 2 ids, and "abcd" with BOS = 5 tokens
-        assert delta("zerolayer_prompt_tokens_total") == 3 + 2 + 5
-        assert delta("zerolayer_request_success_total", finished_reason="max_tokens") == 2
-        assert delta("zerolayer_request_success_total", finished_reason="cancelled") == 1
-        assert delta("zerolayer_request_errors_total", code="INVALID_REQUEST") == 1
+        assert delta("zerolayer_prompt_tokens_total", api="frames") == 3 + 2 + 5
+        success = "zerolayer_request_success_total"
+        assert delta(success, finished_reason="max_tokens", api="frames") == 2
+        assert delta(success, finished_reason="cancelled", api="frames") == 1
+        assert delta("zerolayer_request_errors_total", code="INVALID_REQUEST", api="frames") == 1
         assert delta("zerolayer_time_to_first_token_seconds_count") == 3
         assert delta("zerolayer_e2e_request_latency_seconds_count") == 3
         assert delta("zerolayer_request_queue_time_seconds_count") == 3
@@ -112,13 +114,14 @@ def test_systemd_notify_ready_watchdog_stopping():
 
 
 def test_reuse_port_workers_share_one_port():
-    port, mport = free_port(), free_port()
+    port, mport, hport = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
     env.update(
         ZEROLAYER_ENGINE__BACKEND="synthetic",
         ZEROLAYER_SERVER__PORT=str(port),
         ZEROLAYER_SERVER__WORKERS="2",
         ZEROLAYER_METRICS__PORT=str(mport),
+        ZEROLAYER_HTTP__PORT=str(hport),  # the HTTP port is shared the same way
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve"],
@@ -140,7 +143,7 @@ def test_reuse_port_workers_share_one_port():
                 assert proc.poll() is None, "daemon exited:\n" + "".join(log)
                 continue
             log.append(line)
-            m = re.search(r"listening frame=[\d.]+:(\d+) metrics=[\d.]+:(\d+)", line)
+            m = re.search(r"listening frame=[\d.]+:(\d+) http=\S+ metrics=[\d.]+:(\d+)", line)
             if m:
                 seen.append((int(m.group(1)), int(m.group(2))))
         assert sorted(seen) == [(port, mport), (port, mport + 1)], "".join(log)
@@ -154,6 +157,8 @@ def test_reuse_port_workers_share_one_port():
         ]
         assert sum(per_worker) == 24
         assert all(n > 0 for n in per_worker), per_worker  # the kernel spread them
+        models = urllib.request.urlopen(f"http://127.0.0.1:{hport}/v1/models", timeout=10)
+        assert json.loads(models.read())["data"][0]["id"] == "synthetic"
         for c in conns:
             c.close()
         proc.send_signal(15)
@@ -176,6 +181,7 @@ def test_a_worker_that_fails_to_start_stops_the_others():
         ZEROLAYER_SERVER__PORT=str(port),
         ZEROLAYER_SERVER__WORKERS="2",
         ZEROLAYER_METRICS__PORT=str(taken - 1),
+        ZEROLAYER_HTTP__PORT="0",
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve"],

@@ -338,7 +338,7 @@ def test_slow_consumer_ends_streams_but_keeps_connection():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             text = urllib.request.urlopen(d.metrics_url + "/metrics", timeout=10).read()
-            if b'zerolayer_request_errors_total{code="SLOW_CONSUMER"} 32.0' in text:
+            if b'zerolayer_request_errors_total{api="frames",code="SLOW_CONSUMER"} 32.0' in text:
                 break
             time.sleep(0.5)
         res = rc.collect(conn, set(range(1, 33)))

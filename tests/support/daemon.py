@@ -48,7 +48,7 @@ def free_port() -> int:
 
 
 def listening_fields(line: str) -> dict[str, str] | None:
-    """The fields of the daemon's "listening" line (frame, metrics, model, backend, hooks) in
+    """The fields of the daemon's "listening" line (frame, http, metrics, model, backend, hooks) in
     either log format: plain ``... zerolayer: listening frame=H:P ...`` or a JSON object."""
     if line.startswith("{"):
         try:
@@ -77,6 +77,7 @@ class Daemon:
             {
                 "ZEROLAYER_SERVER__PORT": "0",
                 "ZEROLAYER_METRICS__PORT": "0",
+                "ZEROLAYER_HTTP__PORT": "0",
                 "ZEROLAYER_ENGINE__BACKEND": "synthetic",
                 "ZEROLAYER_LOGGING__LEVEL": "warning",
             }
@@ -108,6 +109,9 @@ class Daemon:
                 metrics = fields.get("metrics", "off")
                 self.metrics_url = None if metrics == "off" else f"http://{metrics}"
                 self.endpoint = f"tcp://{self.host}:{self.port}"
+                api = fields.get("http", "off")  # the HTTP front end (docs/http.md)
+                self.http_url = None if api == "off" else f"http://{api}"
+                self.http_port = None if api == "off" else int(api.rpartition(":")[2])
                 self.extra = fields
                 # Keep draining stderr so a chatty daemon never blocks on a full pipe.
                 threading.Thread(target=self._drain, daemon=True).start()

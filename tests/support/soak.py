@@ -364,21 +364,25 @@ class Soak:
 
 
 def metric_totals(samples: dict) -> dict[str, float]:
-    """The counters the ledger is compared with, flattened to names."""
+    """The counters the ledger is compared with, flattened to names (summed over the other
+    labels, such as ``api``)."""
     out: dict[str, float] = {}
     for (name, labels), v in samples.items():
         lab = dict(labels)
         if name == "zerolayer_request_success_total":
-            out[f"done/{lab.get('finished_reason')}"] = v
+            key = f"done/{lab.get('finished_reason')}"
         elif name == "zerolayer_request_errors_total":
-            out[f"error/{lab.get('code')}"] = v
+            key = f"error/{lab.get('code')}"
         elif name in (
             "zerolayer_prompt_tokens_total",
             "zerolayer_generation_tokens_total",
             "zerolayer_rate_limited_total",
             "zerolayer_response_cache_hits_total",
         ):
-            out[name] = v
+            key = name
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + v
     return out
 
 

@@ -110,6 +110,22 @@ def test_eos_ends_stream_without_sending_it():
     assert backend.freed == [0]
 
 
+def test_ignore_eos_generates_past_it():
+    # vLLM's ignore_eos (an HTTP extension): EOS is an ordinary token, sent and counted, with
+    # text deltas or without (a plain row leaves the fast path to check it).
+    for text in (True, False):
+        backend = Scripted([ord("a"), 257, ord("c")])
+        engine, sink = make_engine(backend)
+        s = seq("s", max_tokens=5, text=text)
+        s.ignore_eos = True
+        engine.submit(s)
+        res = run(engine, sink)["s"]
+        assert res["ids"] == [97, 257, 99, 97, 257]
+        assert res["finish"] == FinishReason.MAX_TOKENS and res["ends"] == 1
+        if text:
+            assert res["text"] == "aca"  # EOS has no text in the byte tokenizer
+
+
 def test_max_tokens_and_stop_ids():
     engine, sink = make_engine(Scripted([ord(c) for c in "abcdefgh"]))
     engine.submit(seq("max", max_tokens=3))

@@ -77,3 +77,23 @@ def refused_with(reg: PromptRegistry, **kw) -> RequestRefused:
     with pytest.raises(RequestRefused) as err:
         prepare(reg, **kw)
     return err.value
+
+
+def test_fit_max_tokens_lowers_to_what_fits_beside_the_prompt() -> None:
+    # An HTTP request that gave no max_tokens: the door asks for the whole context, the input
+    # processor keeps what fits after the prompt (BOS + "hi" = 3 tokens of 64).
+    prep = prepare(max_tokens=64, fit_max_tokens=True)
+    assert prep.max_tokens == 61
+    assert prepare(max_tokens=10, fit_max_tokens=True).max_tokens == 10
+    err = refused(prompt_text="x" * 70, max_tokens=64, fit_max_tokens=True)
+    assert err.code == ErrorCode.PROMPT_TOO_LONG
+    assert refused(max_tokens=62).code == ErrorCode.PROMPT_TOO_LONG  # not without the flag
+
+
+def test_ignore_eos_is_carried_and_prompt_tokens_counted() -> None:
+    assert prepare(ignore_eos=True).ignore_eos and not prepare().ignore_eos
+    proc = InputProcessor(TOK, INFO)
+    chat = p.Request(max_tokens=1, messages=[{"role": "user", "content": "hey"}], system="S")
+    assert proc.count_prompt_tokens(chat) == len(proc.prepare(chat).full_ids)
+    long = p.Request(max_tokens=1, prompt_text="y" * 100)  # counted, though it would not fit
+    assert proc.count_prompt_tokens(long) == 101

@@ -69,8 +69,9 @@ def test_metrics_text_reflects_counters(served: tuple[HttpServerHandle, Metrics,
         for fam in text_string_to_metric_families(body)
         for s in fam.samples
     }
-    assert samples[("zerolayer_generation_tokens_total", ())] == 7
-    assert samples[("zerolayer_request_success_total", (("finished_reason", "stop"),))] == 1
+    assert samples[("zerolayer_generation_tokens_total", (("api", "frames"),))] == 7
+    key = ("zerolayer_request_success_total", (("api", "frames"), ("finished_reason", "stop")))
+    assert samples[key] == 1
     key = ("zerolayer_frames_total", (("direction", "out"), ("type", "TOKEN")))
     assert samples[key] == 7
     assert samples[("zerolayer_e2e_request_latency_seconds_count", ())] == 1

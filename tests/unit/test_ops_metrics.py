@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.ops.metrics import ERROR_CODES, FINISH_REASONS, FRAME_TYPES, Metrics
+from gateway.ops.metrics import APIS, ERROR_CODES, FINISH_REASONS, FRAME_TYPES, Metrics
 
 
 @pytest.fixture
@@ -30,20 +30,25 @@ def test_private_registry(m: Metrics) -> None:
 def test_request_finished(m: Metrics) -> None:
     m.request_finished("eos", 12, 30, queue_s=0.002, ttft_s=0.05, e2e_s=1.5)
     m.request_finished("max_tokens", 8, 16, queue_s=0.5, ttft_s=None, e2e_s=3.0)
-    assert v(m, "zerolayer_request_success_total", finished_reason="eos") == 1
-    assert v(m, "zerolayer_request_success_total", finished_reason="max_tokens") == 1
-    assert v(m, "zerolayer_request_success_total", finished_reason="stop") == 0
-    assert v(m, "zerolayer_prompt_tokens_total") == 20
-    assert v(m, "zerolayer_generation_tokens_total") == 46
-    assert v(m, "zerolayer_request_queue_time_seconds_count") == 2
+    m.request_finished("eos", 3, 4, queue_s=0.0, ttft_s=0.05, e2e_s=0.5, api="openai")
+    assert v(m, "zerolayer_request_success_total", finished_reason="eos", api="frames") == 1
+    assert v(m, "zerolayer_request_success_total", finished_reason="max_tokens", api="frames") == 1
+    assert v(m, "zerolayer_request_success_total", finished_reason="stop", api="frames") == 0
+    assert v(m, "zerolayer_request_success_total", finished_reason="eos", api="openai") == 1
+    assert v(m, "zerolayer_request_success_total", finished_reason="eos", api="anthropic") == 0
+    assert v(m, "zerolayer_prompt_tokens_total", api="frames") == 20
+    assert v(m, "zerolayer_generation_tokens_total", api="frames") == 46
+    assert v(m, "zerolayer_prompt_tokens_total", api="openai") == 3
+    assert v(m, "zerolayer_generation_tokens_total", api="openai") == 4
+    assert v(m, "zerolayer_request_queue_time_seconds_count") == 3
     assert v(m, "zerolayer_request_queue_time_seconds_sum") == pytest.approx(0.502)
     # No first token, no TTFT observation.
-    assert v(m, "zerolayer_time_to_first_token_seconds_count") == 1
-    assert v(m, "zerolayer_time_to_first_token_seconds_sum") == pytest.approx(0.05)
-    assert v(m, "zerolayer_time_to_first_token_seconds_bucket", le="0.06") == 1
+    assert v(m, "zerolayer_time_to_first_token_seconds_count") == 2
+    assert v(m, "zerolayer_time_to_first_token_seconds_sum") == pytest.approx(0.1)
+    assert v(m, "zerolayer_time_to_first_token_seconds_bucket", le="0.06") == 2
     assert v(m, "zerolayer_time_to_first_token_seconds_bucket", le="0.04") == 0
-    assert v(m, "zerolayer_e2e_request_latency_seconds_count") == 2
-    assert v(m, "zerolayer_e2e_request_latency_seconds_sum") == pytest.approx(4.5)
+    assert v(m, "zerolayer_e2e_request_latency_seconds_count") == 3
+    assert v(m, "zerolayer_e2e_request_latency_seconds_sum") == pytest.approx(5.0)
 
 
 def test_buckets_reach_minutes(m: Metrics) -> None:
@@ -55,13 +60,16 @@ def test_buckets_reach_minutes(m: Metrics) -> None:
 
 def test_errors_every_code(m: Metrics) -> None:
     for code in ERROR_CODES:
-        assert v(m, "zerolayer_request_errors_total", code=code) == 0
+        for api in APIS:
+            assert v(m, "zerolayer_request_errors_total", code=code, api=api) == 0
     m.request_error("OVERLOADED")
     m.request_error("OVERLOADED")
     m.request_error("INTERNAL")
-    assert v(m, "zerolayer_request_errors_total", code="OVERLOADED") == 2
-    assert v(m, "zerolayer_request_errors_total", code="INTERNAL") == 1
-    assert v(m, "zerolayer_request_errors_total", code="RATE_LIMITED") == 0
+    m.request_error("RATE_LIMITED", "anthropic")
+    assert v(m, "zerolayer_request_errors_total", code="OVERLOADED", api="frames") == 2
+    assert v(m, "zerolayer_request_errors_total", code="INTERNAL", api="frames") == 1
+    assert v(m, "zerolayer_request_errors_total", code="RATE_LIMITED", api="frames") == 0
+    assert v(m, "zerolayer_request_errors_total", code="RATE_LIMITED", api="anthropic") == 1
 
 
 def test_inter_token_batched(m: Metrics) -> None:
@@ -172,10 +180,10 @@ def test_enum_and_name_aliases(m: Metrics) -> None:
     m.request_finished(FinishReason.STOP, 1, 1, 0.0, 0.0, 0.0)
     m.request_finished("STOP", 1, 1, 0.0, 0.0, 0.0)
     m.request_finished("stop", 1, 1, 0.0, 0.0, 0.0)
-    assert v(m, "zerolayer_request_success_total", finished_reason="stop") == 3
+    assert v(m, "zerolayer_request_success_total", finished_reason="stop", api="frames") == 3
     m.request_error(ErrorCode.SLOW_CONSUMER)
     m.request_error("SLOW_CONSUMER")
-    assert v(m, "zerolayer_request_errors_total", code="SLOW_CONSUMER") == 2
+    assert v(m, "zerolayer_request_errors_total", code="SLOW_CONSUMER", api="frames") == 2
     m.frames("out", FrameType.GOAWAY, 2)
     m.frames("out", "GOAWAY")
     assert v(m, "zerolayer_frames_total", direction="out", type="GOAWAY") == 3

@@ -1,0 +1,273 @@
+"""The HTTP door: each HTTP connection is a door of the shared request path (gateway.lifecycle).
+
+For each request: route it (routes.py), check its key (``RequestPath.authenticate``), parse its
+body into a Request and a Reply (openai.py / anthropic.py), then open it as one Stream with text
+deltas. The path validates, tokenizes, runs the hooks and submits to the engine; its refusals
+and the engine's outputs come back through this door's ``write_token`` / ``write_done`` /
+``write_error``, and the output processor ``flush``es each connection once per delivery. A
+streamed response's status line goes out with its first event, so a refusal that comes before
+any token is a plain HTTP error with its own status (what the SDKs turn into their exception
+types); one after it is the API's in-stream error event. A client that goes away cancels its
+stream (``RequestPath.cancel``): its slot is freed at the next engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from gateway.codes import ErrorCode, FinishReason
+from gateway.engine.backend import ModelInfo
+from gateway.hooks import HookError, Principal
+from gateway.http import anthropic, openai
+from gateway.http.errors import HttpError, stream_error_event
+from gateway.http.reply import Ending, Reply
+from gateway.http.routes import (
+    CHAT,
+    COMPLETION,
+    COUNT_TOKENS,
+    MESSAGES,
+    MODEL,
+    MODEL_PREFIX,
+    MODELS,
+    api_key,
+    api_of,
+    route,
+)
+from gateway.http.server import HttpConnection, HttpServer, Incoming
+from gateway.inputs import RequestRefused
+from gateway.lifecycle import RequestPath, Stream
+from gateway.ops.logging import REQUEST_LOG
+from gateway.protocol import CACHE_PROMPT
+
+log = logging.getLogger("zerolayer.http")
+
+_perf = time.perf_counter
+
+
+class HttpApi:
+    """What every HTTP connection shares: the request path, the model, prebuilt bodies."""
+
+    def __init__(self, path: RequestPath, info: ModelInfo) -> None:
+        self.path = path
+        self.model = info.name
+        self.max_context = info.max_context
+        created = int(time.time())
+        self.models_body = openai.models_body(self.model, created)
+        self.model_body = openai.model_body(self.model, created)
+        self.log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
+
+    def connection(self, server: HttpServer) -> ApiConnection:
+        return ApiConnection(server, self)
+
+
+class Exchange:
+    """The door's per-stream data (``Stream.state``)."""
+
+    __slots__ = ("request", "reply", "stream", "started", "parts")
+
+    def __init__(self, request: Incoming, reply: Reply) -> None:
+        self.request = request
+        self.reply = reply
+        self.stream = reply.stream
+        self.started = False  # the streamed response's head and first events are written
+        self.parts: list[str] = []  # the text so far (non-streaming)
+
+
+class _NoColumn:
+    """Column steps carry ids without text; an HTTP stream always wants text, so the engine
+    never puts one in a column: nothing is ever written here."""
+
+    def write(self, tokens: np.ndarray) -> None:
+        pass
+
+
+class ApiConnection(HttpConnection):
+    """One HTTP connection: the OpenAI / Anthropic endpoints, and a Door of the request path."""
+
+    def __init__(self, server: HttpServer, api: HttpApi) -> None:
+        super().__init__(server)
+        self.api = api
+        self.path = api.path
+        self.label = f"http{self.conn_id}"
+        self.st: Stream | None = None  # the stream of the active request, while it runs
+        self._keys = 0
+
+    @property
+    def open(self) -> bool:  # Door: False once the peer is gone
+        return self.transport is not None
+
+    # ------------------------------------------------------------------ requests in
+
+    def api_of(self, path: bytes) -> str:
+        return api_of(path)
+
+    def handle(self, request: Incoming) -> None:
+        try:
+            self._handle(request)
+        except HttpError as err:  # refused before the request path: answered by the shell
+            if self.api.log_requests:
+                self._log(request, request.api, err.status, detail=err.message)
+            raise
+
+    def _handle(self, request: Incoming) -> None:
+        api = self.api
+        endpoint = route(request)
+        if endpoint == MODELS:
+            self.respond(200, api.models_body)
+            return
+        if endpoint == MODEL:
+            name = request.path[len(MODEL_PREFIX) :].rstrip(b"/").decode("utf-8", "replace")
+            if name != api.model:
+                raise HttpError(
+                    404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+                )
+            self.respond(200, api.model_body)
+            return
+        if self.path.draining:
+            self.close_after = True
+            raise HttpError.from_code(ErrorCode.SHUTTING_DOWN, "server is draining")
+        principal = self._authenticate(request)
+        body = bytes(request.body)
+        if endpoint == COUNT_TOKENS:
+            self._count_tokens(body)
+            return
+        if endpoint == CHAT:
+            reply: Reply = openai.parse_chat(body, api.model, api.max_context)
+        elif endpoint == COMPLETION:
+            reply = openai.parse_completion(body, api.model, api.max_context)
+        else:
+            assert endpoint == MESSAGES
+            reply = anthropic.parse_messages(body, api.model)
+        self._keys += 1
+        st = Stream(self, self._keys, reply.api, want_text=True)
+        st.state = Exchange(request, reply)
+        self.st = st
+        self.path.open(st, principal, reply.req)
+
+    def _authenticate(self, request: Incoming) -> Principal:
+        try:
+            return self.path.authenticate(api_key(request))
+        except HookError as exc:
+            raise HttpError.from_code(exc.code, exc.message, exc.retry_after_ms) from None
+
+    def _count_tokens(self, body: bytes) -> None:
+        req = anthropic.parse_count_tokens(body, self.api.model)
+        try:
+            n = self.path.inputs.count_prompt_tokens(req)
+        except RequestRefused as exc:
+            raise HttpError.from_code(exc.code, exc.message, exc.retry_after_ms) from None
+        self.respond(200, anthropic.count_tokens_body(n))
+
+    def disconnected(self, request: Incoming) -> None:
+        st = self.st
+        if st is not None and st.state is not None and st.state.request is request:  # type: ignore[attr-defined]
+            self.path.cancel(st)  # nothing is written: the door is closed
+
+    def slow_stream(self, request: Incoming) -> None:
+        st = self.st
+        if st is not None:
+            self.path.fail(st, ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+
+    def abort_active(self) -> None:
+        st = self.st
+        if st is not None:
+            self.path.fail(st, ErrorCode.SHUTTING_DOWN, "drain deadline passed")
+            self.flush()
+
+    # ------------------------------------------------------------------ Door: outputs
+
+    # write_token and write_cached return the TOKEN frames written (for the frame metrics): none.
+
+    def write_token(self, st: Stream, token: int, text: str) -> int:
+        if not text:  # a token whose bytes end mid-character: its text comes with the next
+            return 0
+        ex: Exchange = st.state  # type: ignore[assignment]
+        if not ex.stream:
+            ex.parts.append(text)
+            return 0
+        if not ex.started:
+            self._start(st, ex)
+        ex.reply.token(self.out, text)
+        return 0
+
+    def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
+        return self.write_token(st, -1, text)
+
+    def _start(self, st: Stream, ex: Exchange) -> None:
+        ex.started = True
+        self.start_stream()
+        ex.reply.start(self.out, st.prompt_tokens)
+
+    def write_done(
+        self, st: Stream, finish: FinishReason, timings: tuple[float, float, float]
+    ) -> None:
+        ex: Exchange = st.state  # type: ignore[assignment]
+        ending = Ending(int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & CACHE_PROMPT))
+        if ex.stream:
+            if not ex.started:
+                self._start(st, ex)
+            ex.reply.end(self.out, ending)
+            self.end_stream(advance=False)
+        else:
+            self.respond(200, ex.reply.body("".join(ex.parts), ending), advance=False)
+        if self.api.log_requests:
+            self._log(ex.request, st.api, 200, st, ending, timings)
+
+    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
+        ex: Exchange = st.state  # type: ignore[assignment]
+        err = HttpError.from_code(code, message, retry_after_ms)
+        if ex.started:
+            self.out += stream_error_event(ex.reply.api, err)
+            self.end_stream(advance=False)
+        else:
+            self.respond_error(err, advance=False, counted=True)
+        if self.api.log_requests:
+            self._log(ex.request, st.api, err.status, st, detail=message)
+
+    def column_writer(self, streams: list[Stream]) -> _NoColumn:
+        return _NoColumn()
+
+    def stream_ended(self, st: Stream) -> None:
+        if self.st is st:
+            self.st = None
+            self.advance()  # the next pipelined request, if any
+            if not self.closing:
+                self.flush()  # the ending's bytes (the output processor may not flush us)
+
+    # ------------------------------------------------------------------ access log
+
+    def _log(
+        self,
+        request: Incoming,
+        api: str,
+        status: int,
+        st: Stream | None = None,
+        ending: Ending | None = None,
+        timings: tuple[float, float, float] | None = None,
+        detail: str = "",
+    ) -> None:
+        """The access log line of one request (governed by ``logging.requests``)."""
+        fields: dict[str, object] = {
+            "request_id": f"{self.label}:{st.key if st is not None else 0}",
+            "api": api,
+            "method": request.method.decode("latin-1"),
+            "path": request.path.decode("utf-8", "replace"),
+            "status": status,
+        }
+        if st is not None:
+            fields["stream"] = st.state.stream  # type: ignore[attr-defined]
+        if ending is not None and timings is not None:
+            fields.update(
+                finish=FinishReason(ending.finish).label,
+                prompt_tokens=ending.prompt_tokens,
+                completion_tokens=ending.completion_tokens,
+                ttft_ms=round(timings[1] * 1000, 3),
+                total_ms=round(timings[2] * 1000, 3),
+            )
+            REQUEST_LOG.info("http request", extra=fields)
+        else:
+            fields["detail"] = detail
+            REQUEST_LOG.info("http request refused", extra=fields)
