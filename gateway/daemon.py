@@ -22,7 +22,7 @@ import uvloop
 from gateway.config import Settings
 from gateway.engine.compute import ComputeThread
 from gateway.engine.engine import Engine
-from gateway.engine.factory import build_backend
+from gateway.engine.factory import build_backend, build_prefix_store
 from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
 from gateway.inputs import InputProcessor
@@ -49,16 +49,18 @@ async def _serve(settings: Settings) -> None:
     compute = ComputeThread()
     backend, tokenizer = compute.call(build_backend, settings)
     # Validate, tokenize and prefill every registered prompt once, in slot 0, before the engine
-    # loop owns the backend. An invalid prompt stops start-up, named (PromptConfigError).
+    # loop owns the backend; its KV is pinned in the prefix store. An invalid prompt stops
+    # start-up, named (PromptConfigError).
     prompts = PromptRegistry.build(
         settings.prompts,
         tokenizer,
         max_prefix_tokens=settings.engine.max_prefix_tokens,
         budget_bytes=settings.engine.prefix_budget_bytes,
     )
+    store = build_prefix_store(settings, backend, metrics, registered=len(prompts))
     compute.call(
         lambda: prompts.compile(
-            backend, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
+            store, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
         )
     )
     chain = Chain.build(settings)
@@ -71,8 +73,9 @@ async def _serve(settings: Settings) -> None:
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,
         on_step=metrics.engine_step,
+        prefix_store=store,
     )
-    inputs = InputProcessor(tokenizer, backend.info, prompts, metrics)
+    inputs = InputProcessor(tokenizer, backend.info, prompts)
     path = RequestPath(engine, inputs, chain, metrics)
     outbox.attach(loop, path.outputs.deliver)
     server = Server(settings.server, path, backend.info, metrics)
