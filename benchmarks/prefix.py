@@ -55,6 +55,7 @@ TURNS = 8
 SYSTEM_TOKENS = 48
 ANSWER_TOKENS = 32
 MODES = ("reuse", "no reuse")
+CONV_HEADERS = ["turn", "prompt tokens", "TTFT ms, reuse", "TTFT ms, no reuse", "ratio", "reused"]
 
 
 class Ids:
@@ -246,11 +247,7 @@ def markdown(r: dict, m: dict, args: argparse.Namespace, model: str) -> str:
             f"{c['store'].get('hit_tokens', 0):,} of {c['store'].get('queried_tokens', 0):,} "
             "prompt tokens queried.",
             "",
-            table(
-                ["turn", "prompt tokens", "TTFT ms, reuse", "TTFT ms, no reuse", "ratio",
-                 "reused"],
-                conv_rows,
-            ),  # fmt: skip
+            table(CONV_HEADERS, conv_rows),
             "",
             machine_line(m),
         ]

@@ -18,6 +18,7 @@ from gateway.engine.prefix_store import BLOCK_TOKENS, PrefixStore
 from gateway.engine.synthetic import SyntheticBackend
 from gateway.engine.types import PrefillChunk, SamplingRow
 from gateway.tokenizer import ByteTokenizer, Tokenizer
+from tests.support.checkpoint import checkpoint_backend
 from tests.support.engine_run import run_engine
 
 B = BLOCK_TOKENS
@@ -273,14 +274,7 @@ def test_identical_outputs_with_and_without_reuse_on_a_transformers_checkpoint(
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("transformers")
-    from gateway.engine.cpu_backend import CpuBackend
-    from gateway.models import load_checkpoint
-    from tests.support.checkpoint import write_checkpoint
-
-    write_checkpoint(tmp_path)
-    loaded = load_checkpoint(tmp_path, max_context=256)
-    tok = loaded.tokenizer
-    backend = CpuBackend(loaded, num_slots=2, max_context=256)
+    backend, tok = checkpoint_backend(tmp_path)
     system = "you are a terse assistant w40 w41 w42 answer in one short sentence " * 2
     shared = tok.encode_prompt(tok.render_chat([{"role": "user", "content": "w50 w51"}], system))
     words = [np.asarray(shared, np.int32)] + [

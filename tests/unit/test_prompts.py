@@ -31,7 +31,7 @@ from gateway.prompts import (
     text_problems,
 )
 from gateway.tokenizer import ByteTokenizer, Tokenizer
-from tests.support.checkpoint import SPECIAL, write_checkpoint
+from tests.support.checkpoint import SPECIAL, checkpoint_backend
 from tests.support.engine_run import run_engine
 
 TOK = ByteTokenizer()
@@ -418,13 +418,7 @@ def test_registered_prompt_output_is_identical_to_inline_on_a_transformers_check
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("transformers")
-    from gateway.engine.cpu_backend import CpuBackend
-    from gateway.models import load_checkpoint
-
-    write_checkpoint(tmp_path)
-    loaded = load_checkpoint(tmp_path, max_context=256)
-    tok = loaded.tokenizer
-    backend = CpuBackend(loaded, num_slots=2, max_context=256)
+    backend, tok = checkpoint_backend(tmp_path)
     text = "you are a terse assistant w40 w41 w42 answer in one short sentence " * 4
     reg = PromptRegistry.build([{"id": 2, "name": "t", "text": text.strip()}], tok)
     store = PrefixStore(backend, 0)
