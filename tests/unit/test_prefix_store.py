@@ -159,10 +159,13 @@ def test_a_pinned_prompt_is_reused_to_its_last_token_and_never_evicted() -> None
     assert store.pinned_bytes == total and store.cached_bytes <= store.capacity_bytes
 
 
-def test_backend_without_kv_ranges_is_refused() -> None:
-    class NoKV(SyntheticBackend):
-        supports_prefix = False
+class NoKV(SyntheticBackend):
+    """A backend like neuron's: it cannot save or load KV."""
 
+    supports_prefix = False
+
+
+def test_backend_without_kv_ranges_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot save and load KV"):
         PrefixStore(NoKV(num_slots=1, vocab_size=259, max_context=64), 1024)
 
@@ -282,3 +285,21 @@ def test_identical_outputs_with_and_without_reuse_on_a_transformers_checkpoint(
         for t in ("w60 w61 w62", "w70 w71", "w80 w81 w82 w83", "w90 w91 w92", "w55 w56")
     ]
     check_identical(backend, tok, words)
+
+
+def test_the_daemon_builds_a_store_only_where_reuse_happens() -> None:
+    from gateway.config import Settings
+    from gateway.engine.factory import build_prefix_store
+
+    def settings(**engine) -> Settings:
+        return Settings(engine=EngineConfig(backend="synthetic", **engine))
+
+    backend = synthetic()
+    store = build_prefix_store(settings(prefix_cache_bytes=4096), backend, None, registered=0)
+    assert store is not None and store.capacity_bytes == 4096
+    assert build_prefix_store(settings(prefix_cache=False), backend, None, registered=0) is None
+    pins_only = build_prefix_store(settings(prefix_cache=False), backend, None, registered=2)
+    assert pins_only is not None and pins_only.capacity_bytes == 0
+
+    nokv = NoKV(num_slots=1, vocab_size=259, max_context=64)
+    assert build_prefix_store(settings(), nokv, None, registered=0) is None
