@@ -7,7 +7,7 @@ name works too when the module is importable)::
     modules = ["examples/audit_hook.py"]
 
     [hooks.options.audit]
-    path = "/var/log/zerolayer/audit.jsonl"
+    path = "/var/log/zerolayer/audit.jsonl"   # create the directory first (docs/hooks.md)
 
 A line records who asked, for what and how it ended; never the prompt or the answer. The file is
 line-buffered (each line reaches the OS as it is written) and reopened on SIGHUP, so logrotate can
@@ -20,7 +20,7 @@ import json
 import time
 from typing import Any
 
-from gateway.hooks import Completion, RequestContext, hook, hook_options
+from gateway.hooks import Completion, HookConfigError, RequestContext, hook, hook_options
 
 FINISH_NAMES = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled", -1: "error"}
 
@@ -29,7 +29,13 @@ FINISH_NAMES = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled", -1: "error
 class AuditLog:
     def __init__(self, settings: Any) -> None:
         self.path = hook_options(settings, "audit").get("path", "audit.jsonl")
-        self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        try:
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        except OSError as exc:
+            raise HookConfigError(
+                f"hooks.options.audit.path {self.path}: {exc.strerror} (create its directory, "
+                "writable by the daemon's user)"
+            ) from exc
 
     def on_done(self, ctx: RequestContext, result: Completion) -> None:
         record = {

@@ -1,131 +1,255 @@
-"""The ``zerolayer`` command: serve, generate, and the operator tools."""
+"""The ``zerolayer`` command: serve, generate, and the operator tools.
+
+Every error a user can cause (a setting, an argument, an unreachable endpoint) ends the command
+with one line naming it and a non-zero status; tracebacks only with ``--debug`` or
+``ZEROLAYER_DEBUG=1``. ``zerolayer --help`` ends with the commands summary that README.md shows.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
+import os
 import sys
 
-from gateway.client import DEFAULT_ENDPOINT, Client, ServerError
+from gateway.client import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
 from gateway.codes import FinishReason
-from gateway.config import ConfigError, load_settings
-from gateway.hooks.keys import add_keys_subparser
+from gateway.config import DEBUG_ENV, ConfigError, load_settings
+from gateway.hooks.keys import add_keys_subparser, positive_int
 from gateway.prompts import add_compile_check_subparser
+
+# One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
+COMMANDS = """\
+zerolayer serve [--config FILE]                   run the daemon (default configs/default.toml)
+zerolayer generate [OPTIONS] PROMPT               stream a completion (chat template unless --raw)
+    [--endpoint tcp://H:P] [--raw] [--system TEXT] [--prompt-id N] [--max-tokens N]
+    [--temperature T] [--seed N] [--api-key KEY] [--json] [-v] [--timeout S]
+zerolayer keys add NAME [--rpm N] [--tpm N] | keys list | keys revoke NAME
+zerolayer compile-check [FILE|-] [--config FILE]  validate system prompts for precompilation
+zerolayer config [--config FILE]                  print the effective configuration
+zerolayer --debug COMMAND ...                     tracebacks instead of one-line errors"""
+
+
+# Exceptions whose message is the whole story for an operator (no traceback needed), by the
+# module that defines them: a module not imported yet cannot have raised one, so checking costs
+# no import (gateway.models would pull in torch just to print one line).
+_USER_ERRORS = (
+    ("gateway.daemon", "StartupError"),
+    ("gateway.engine.neuron_backend", "NeuronBackendError"),
+    ("gateway.hooks.types", "HookConfigError"),
+    ("gateway.hooks.keys", "KeysFileError"),
+    ("gateway.models.loader", "ModelLoadError"),
+    ("gateway.models.hf_tokenizer", "TokenizerLoadError"),
+    ("gateway.prompts", "PromptConfigError"),
+)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    if isinstance(exc, (ServerError, ConnectionError, ValueError)):
+        return True  # a server's refusal, an unreachable endpoint, a malformed argument
+    return any(
+        isinstance(exc, getattr(sys.modules[module], name))
+        for module, name in _USER_ERRORS
+        if module in sys.modules
+    )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"zerolayer: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     from gateway.daemon import run
 
-    try:
-        return run(settings, args.config)
-    except Exception as exc:  # a start-up failure: one clear line, no traceback soup
-        from gateway.hooks import HookConfigError
-        from gateway.models import ModelLoadError
-        from gateway.prompts import PromptConfigError
+    return run(settings, args.config)
 
-        if isinstance(exc, (HookConfigError, ModelLoadError, PromptConfigError, OSError)):
-            print(f"zerolayer: cannot start: {exc}", file=sys.stderr)
-            return 1
-        raise
+
+def terminal_safe(text: str) -> str:
+    """Control characters (except newline and tab) as \\xNN escapes, so model output cannot
+    move the cursor, switch character sets or ring the bell."""
+    return "".join(
+        ch
+        if ch in "\n\t" or not (ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0)
+        else f"\\x{ord(ch):02x}"
+        for ch in text
+    )
+
+
+def generate_request(args: argparse.Namespace) -> dict:
+    """The JSON REQUEST ``generate`` sends: chat ``messages`` (the server applies the model's
+    chat template), or with ``--raw`` the ``prompt`` text as it is."""
+    request: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.raw:
+        request["prompt"] = args.prompt
+    else:
+        request["messages"] = [{"role": "user", "content": args.prompt}]
+    if args.system is not None:
+        request["system"] = args.system
+    if args.prompt_id is not None:
+        request["prompt_id"] = args.prompt_id
+    if args.seed is not None:
+        request["seed"] = args.seed
+    return request
+
+
+def _finish_name(reason: int) -> str:
+    try:
+        return FinishReason(reason).label
+    except ValueError:
+        return str(reason)
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    async with await Client.connect(args.endpoint, args.api_key) as client:
-        if args.json:
-            request = {
-                "max_tokens": args.max_tokens,
-                "messages": [{"role": "user", "content": args.prompt}],
-                "temperature": args.temperature,
-            }
-            if args.system:
-                request["system"] = args.system
-            if args.seed is not None:
-                request["seed"] = args.seed
-            stream = await client.generate_json(request)
-        else:
-            stream = await client.generate(
-                args.prompt,
-                args.max_tokens,
-                temperature=args.temperature,
-                seed=args.seed,
-                text=True,
-            )
+    # HELLO always (an empty key when auth is off): its WELCOME proves this is a frame port.
+    client = await Client.connect(args.endpoint, args.api_key or "", timeout=args.timeout)
+    async with client:
+        stream = await client.generate_json(generate_request(args))
+        escape = sys.stdout.isatty()
         async for event in stream:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            if not args.json:
+                sys.stdout.write(terminal_safe(event.text) if escape else event.text)
+                sys.stdout.flush()
         result = stream.result
         assert result is not None
+    done = {
+        "finish_reason": _finish_name(result.finish_reason),
+        "cache": result.cache,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "queue_ms": result.queue_us / 1000,
+        "ttft_ms": result.ttft_us / 1000,
+        "total_ms": result.total_us / 1000,
+    }
+    if args.json:
+        print(json.dumps({"text": result.text, **done}, ensure_ascii=False))
+    else:
         sys.stdout.write("\n")
-        if args.verbose:
-            print(
-                f"[finish={FinishReason(result.finish_reason).label} "
-                f"prompt_tokens={result.prompt_tokens} "
-                f"completion_tokens={result.completion_tokens} "
-                f"ttft={result.ttft_us / 1000:.1f}ms total={result.total_us / 1000:.1f}ms]",
-                file=sys.stderr,
-            )
+    if args.verbose:
+        print("[" + " ".join(f"{k}={v}" for k, v in done.items()) + "]", file=sys.stderr)
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_generate(args))
-    except ServerError as exc:
-        print(f"zerolayer: server error {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"zerolayer: cannot reach {args.endpoint}: {exc}", file=sys.stderr)
-        return 1
+    return asyncio.run(_generate(args))
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"zerolayer: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     print(json.dumps(settings.model_dump(), indent=2))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zerolayer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="zerolayer",
+        description="ZeroLayer: a self-hosted LLM serving daemon and its tools.",
+        epilog="commands:\n" + COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print tracebacks instead of one-line errors (also {DEBUG_ENV}=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon")
-    serve.add_argument("--config", default=None, help="TOML file (default configs/default.toml)")
+    serve.add_argument(
+        "--config", default=None, help="TOML file (default configs/default.toml of the source tree)"
+    )
     serve.set_defaults(func=_cmd_serve)
 
-    gen = sub.add_parser("generate", help="stream a completion from a running daemon")
-    gen.add_argument("prompt")
-    gen.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--json", action="store_true", help="send a JSON chat request")
-    gen.add_argument("--system", default=None, help="system prompt (with --json)")
-    gen.add_argument("--api-key", default=None, help="API key (sent in HELLO)")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print DONE fields")
+    gen = sub.add_parser(
+        "generate",
+        help="stream a completion from a running daemon",
+        description="Send PROMPT as a chat message (the server applies the model's chat "
+        "template) and stream the answer to stdout; control characters are escaped when "
+        "stdout is a terminal.",
+    )
+    gen.add_argument("prompt", metavar="PROMPT", help="the user message (with --raw: the text)")
+    gen.add_argument(
+        "--endpoint",
+        default=DEFAULT_ENDPOINT,
+        metavar="tcp://H:P",
+        help=f"the daemon's frame port as tcp://HOST:PORT (default {DEFAULT_ENDPOINT})",
+    )
+    gen.add_argument(
+        "--raw", action="store_true", help="send PROMPT as plain text, without the chat template"
+    )
+    gen.add_argument(
+        "--system", default=None, metavar="TEXT", help="system prompt (chat and --raw)"
+    )
+    gen.add_argument(
+        "--prompt-id",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="prepend registered system prompt N (listed at the metrics port's /prompts)",
+    )
+    gen.add_argument(
+        "--max-tokens", type=positive_int, default=64, metavar="N", help="tokens to generate (64)"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
+    )
+    gen.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed")
+    gen.add_argument(
+        "--api-key", default=None, metavar="KEY", help="API key, when the daemon has auth on"
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, finish_reason, usage, timings) instead of the text",
+    )
+    gen.add_argument("-v", "--verbose", action="store_true", help="print the DONE fields to stderr")
+    gen.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to connect and to get WELCOME ({DEFAULT_TIMEOUT_S:g})",
+    )
     gen.set_defaults(func=_cmd_generate)
 
     add_keys_subparser(sub)
     add_compile_check_subparser(sub)
 
     cfg = sub.add_parser("config", help="print the effective configuration and exit")
-    cfg.add_argument("--config", default=None)
+    cfg.add_argument("--config", default=None, help="TOML file (default as for serve)")
     cfg.set_defaults(func=_cmd_config)
     return parser
 
 
+def _report(message: str) -> None:
+    """One line on stderr; through the log handler once the daemon set one up (JSON mode)."""
+    from gateway.ops.logging import installed_handler
+
+    if installed_handler() is not None:
+        logging.getLogger("zerolayer").error("%s", message)
+    else:
+        print(f"zerolayer: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        if isinstance(exc, ConfigError):
+            _report(str(exc))
+            return 2
+        if _is_user_error(exc):
+            _report(("cannot start: " if args.command == "serve" else "") + str(exc))
+            return 1
+        _report(
+            f"unexpected error: {type(exc).__name__}: {exc} (run with --debug or {DEBUG_ENV}=1 "
+            "for the traceback)"
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@
             print(event.text, end="")
         print(stream.result.finish_reason)
 
-Errors arrive as typed exceptions (``ServerError`` subclasses carrying ``code`` and
-``retry_after_ms``). Built on the same sans-IO codec as the server.
+Errors arrive as typed exceptions: one ``ServerError`` subclass per protocol ErrorCode
+(``RateLimitedError``, ``OverloadedError``, ...) carrying ``code`` and ``retry_after_ms``;
+``EndpointError`` when the endpoint cannot be reached, says nothing within the deadline, or
+answers in another protocol (HTTP, TLS), named. Built on the same sans-IO codec as the server.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -22,9 +25,12 @@ from urllib.parse import urlparse
 import numpy as np
 
 from gateway import protocol as p
-from gateway.protocol import ErrorCode, FrameType
+from gateway.codes import ErrorCode
+from gateway.protocol import FrameType
+from gateway.wrong_door import sniff
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7070"
+DEFAULT_TIMEOUT_S = 10.0  # connect, and HELLO until WELCOME
 
 
 class ServerError(Exception):
@@ -48,13 +54,108 @@ class ConnectionClosed(Exception):
     """The connection ended before the stream did."""
 
 
-def _error_class(code: ErrorCode) -> type[ServerError]:
-    name = "".join(part.capitalize() for part in code.name.split("_")) + "Error"
-    return type(name, (ServerError,), {"code": code, "__module__": __name__})
+class EndpointError(ConnectionError):
+    """The endpoint is unreachable, silent past the deadline, or not a frame-protocol server;
+    the message names the endpoint and what answered."""
 
 
-ERRORS: dict[int, type[ServerError]] = {c.value: _error_class(c) for c in ErrorCode}
-globals().update({cls.__name__: cls for cls in ERRORS.values()})
+# One class per ErrorCode, written out so grep, IDEs and type checkers find each of them.
+class MalformedFrameError(ServerError):
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class FrameTooLargeError(ServerError):
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+class UnsupportedVersionError(ServerError):
+    code = ErrorCode.UNSUPPORTED_VERSION
+
+
+class UnauthenticatedError(ServerError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class RateLimitedError(ServerError):
+    code = ErrorCode.RATE_LIMITED
+
+
+class OverloadedError(ServerError):
+    code = ErrorCode.OVERLOADED
+
+
+class InvalidRequestError(ServerError):
+    code = ErrorCode.INVALID_REQUEST
+
+
+class PromptTooLongError(ServerError):
+    code = ErrorCode.PROMPT_TOO_LONG
+
+
+class UnknownPromptError(ServerError):
+    code = ErrorCode.UNKNOWN_PROMPT
+
+
+class StreamInUseError(ServerError):
+    code = ErrorCode.STREAM_IN_USE
+
+
+class TooManyStreamsError(ServerError):
+    code = ErrorCode.TOO_MANY_STREAMS
+
+
+class IdleTimeoutError(ServerError):
+    code = ErrorCode.IDLE_TIMEOUT
+
+
+class ShuttingDownError(ServerError):
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class SlowConsumerError(ServerError):
+    code = ErrorCode.SLOW_CONSUMER
+
+
+class InternalError(ServerError):
+    code = ErrorCode.INTERNAL
+
+
+ERRORS: dict[int, type[ServerError]] = {
+    cls.code.value: cls
+    for cls in (
+        MalformedFrameError,
+        FrameTooLargeError,
+        UnsupportedVersionError,
+        UnauthenticatedError,
+        RateLimitedError,
+        OverloadedError,
+        InvalidRequestError,
+        PromptTooLongError,
+        UnknownPromptError,
+        StreamInUseError,
+        TooManyStreamsError,
+        IdleTimeoutError,
+        ShuttingDownError,
+        SlowConsumerError,
+        InternalError,
+    )
+}
+
+
+def _foreign(endpoint: str, data: bytes) -> EndpointError | None:
+    """An EndpointError when a server's first bytes are HTTP or TLS rather than frames."""
+    kind = sniff(data)
+    if kind == "http":
+        status = data.split(b"\r\n", 1)[0].decode("latin-1")[:80]
+        return EndpointError(
+            f"{endpoint} answered in HTTP ({status!r}), not the ZeroLayer frame protocol: "
+            "is it an HTTP or metrics port? Give the frame port (default 7070)"
+        )
+    if kind == "tls":
+        return EndpointError(
+            f"{endpoint} answered with TLS, not the plain frame protocol: the port expects TLS"
+        )
+    return None
 
 
 def make_error(code: int, message: str, retry_after_ms: int = 0, stream: int = 0) -> ServerError:
@@ -129,7 +230,13 @@ class Stream:
 class Client:
     """One connection to a ZeroLayer daemon carrying many concurrent streams."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        endpoint: str = DEFAULT_ENDPOINT,
+    ) -> None:
+        self.endpoint = endpoint
         self._reader = reader
         self._writer = writer
         self._decoder = p.FrameDecoder("client", 2**32 - 1)
@@ -143,16 +250,38 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, endpoint: str = DEFAULT_ENDPOINT, api_key: str | bytes | None = None
+        cls,
+        endpoint: str = DEFAULT_ENDPOINT,
+        api_key: str | bytes | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> Client:
-        """Open a connection; with ``api_key`` send HELLO and wait for WELCOME."""
+        """Open a connection; with ``api_key`` (b"" when auth is off) send HELLO and wait for
+        WELCOME, which proves the endpoint speaks the frame protocol. ``timeout`` bounds the
+        connect and the wait for WELCOME each; EndpointError says what went wrong."""
         url = urlparse(endpoint if "://" in endpoint else f"tcp://{endpoint}")
-        if url.scheme != "tcp" or not url.hostname or not url.port:
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        if url.scheme != "tcp" or not url.hostname or not port:
             raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
-        reader, writer = await asyncio.open_connection(url.hostname, url.port)
-        client = cls(reader, writer)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(url.hostname, port), timeout
+            )
+        except asyncio.TimeoutError:
+            raise EndpointError(f"{endpoint}: no TCP connection within {timeout:g} s") from None
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise EndpointError(f"cannot connect to {endpoint}: {reason}") from exc
+        client = cls(reader, writer, endpoint)
         if api_key is not None:
-            await client.hello(api_key)
+            try:
+                await client.hello(api_key, timeout=timeout)
+            except BaseException:
+                await client.close()
+                raise
         return client
 
     async def __aenter__(self) -> Client:
@@ -161,9 +290,23 @@ class Client:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def hello(self, api_key: str | bytes = b"") -> p.Welcome:
+    async def hello(
+        self, api_key: str | bytes = b"", *, timeout: float | None = DEFAULT_TIMEOUT_S
+    ) -> p.Welcome:
+        """Send HELLO; return the WELCOME, or raise EndpointError when none comes in time."""
         await self._send(p.encode_hello(api_key))
-        return await self._welcome
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._welcome), timeout)
+        except asyncio.TimeoutError:
+            raise EndpointError(
+                f"{self.endpoint} accepted the connection but sent no WELCOME within "
+                f"{timeout:g} s: not a ZeroLayer frame port (an HTTP server, such as the "
+                "metrics port, waits silently for a request line), or a daemon still starting"
+            ) from None
+        except ConnectionClosed as exc:
+            raise EndpointError(
+                f"{self.endpoint} closed the connection before WELCOME: {exc}"
+            ) from exc
 
     async def ping(self, data: bytes = b"") -> bytes:
         await self._send(p.encode_ping(data))
@@ -235,11 +378,18 @@ class Client:
 
     async def _read_loop(self) -> None:
         err: BaseException = ConnectionClosed("connection closed by the server")
+        first = True
         try:
             while True:
                 data = await self._reader.read(65536)
                 if not data:
                     break
+                if first:
+                    first = False
+                    foreign = _foreign(self.endpoint, data)
+                    if foreign is not None:
+                        err = foreign
+                        break
                 self._decoder.feed(data)
                 while (frame := self._decoder.next_frame()) is not None:
                     conn_err = self._on_frame(*frame)
@@ -255,6 +405,8 @@ class Client:
             if not self._welcome.done():
                 self._welcome.set_exception(err)
                 self._welcome.exception()  # mark retrieved
+            if isinstance(err, EndpointError):
+                self._writer.close()
 
     def _on_frame(
         self, ftype: int, flags: int, sid: int, payload: memoryview
@@ -308,9 +460,17 @@ class Client:
 class SyncClient:
     """A blocking wrapper around Client with its own event loop (scripts, notebooks)."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
-        self._client = self._loop.run_until_complete(Client.connect(endpoint, api_key))
+        self._client = self._loop.run_until_complete(
+            Client.connect(endpoint, api_key, timeout=timeout)
+        )
 
     def generate(self, prompt: str | list[int], max_tokens: int, **kwargs: object) -> Result:
         async def run() -> Result:

@@ -1,18 +1,28 @@
 """Daemon configuration: one pydantic-settings model read from a TOML file plus ZEROLAYER_* env.
 
 Precedence, highest first: environment (``ZEROLAYER_SERVER__PORT=7071``), the TOML file, defaults.
-Every key is listed in docs/configuration.md; unknown keys are errors, so a typo never passes
-silently.
+Every key is listed in docs/configuration.md; unknown keys and sections are errors, in the file
+and in the environment, so a typo never passes silently. Without ``--config`` the file is
+configs/default.toml of the source tree the package runs from, else of the current directory
+(a container's WORKDIR); when neither exists that is an error, not a silent fall-back.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
 from gateway.prompts import PromptEntry, resolve_prompt_files
@@ -22,7 +32,16 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.toml"
+ENV_PREFIX = "ZEROLAYER_"
+DEBUG_ENV = "ZEROLAYER_DEBUG"  # not a setting: the CLI prints tracebacks when it is set
+NOT_SETTINGS = frozenset({DEBUG_ENV})  # ZEROLAYER_* variables that are not configuration
+
+# Searched in order when no --config is given: the source tree, then the working directory.
+DEFAULT_CONFIGS = (
+    Path(__file__).resolve().parent.parent / "configs" / "default.toml",
+    Path("configs") / "default.toml",
+)
+DEFAULT_CONFIG = DEFAULT_CONFIGS[0]
 
 
 class _Section(BaseModel):
@@ -36,9 +55,17 @@ class ServerConfig(_Section):
     max_frame_bytes: int = Field(1_048_576, ge=64, le=2**32 - 1)
     max_streams_per_connection: int = Field(256, ge=1)
     max_connections: int = Field(4096, ge=1)
+    # Per client source address / per principal (after HELLO); 0 = no limit of its own.
+    max_connections_per_ip: int = Field(1024, ge=0)
+    max_connections_per_principal: int = Field(1024, ge=0)
+    # With auth on: a connection that has not sent a valid HELLO by then is closed.
+    hello_timeout_s: float = Field(5.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     write_buffer_limit_bytes: int = Field(4 * 1_048_576, ge=4096)
-    read_buffer_bytes: int = Field(65536, ge=4096)
+    # The receive buffer an idle connection keeps; grown for a larger frame, given back after.
+    read_buffer_bytes: int = Field(4096, ge=1024)
+    # Daemon-wide bound on receive memory grown beyond read_buffer_bytes for frames in transit.
+    max_pending_frame_bytes: int = Field(256 * 1_048_576, ge=0)
     # Socket tuning; an option the kernel refuses is logged once and skipped.
     tcp_nodelay: bool = True
     tcp_quickack: bool = False
@@ -104,7 +131,7 @@ class Settings(BaseSettings):
     """The whole configuration tree."""
 
     model_config = SettingsConfigDict(
-        env_prefix="ZEROLAYER_", env_nested_delimiter="__", extra="forbid"
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
     )
 
     server: ServerConfig = ServerConfig()
@@ -146,26 +173,92 @@ def _describe(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(root)"
         lines.append(f"{key}: {e['msg']}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def default_config_path() -> Path:
+    """The file ``load_settings(None)`` reads; ConfigError when there is none."""
+    for candidate in DEFAULT_CONFIGS:
+        if candidate.is_file():
+            return candidate.resolve()
+    tried = " or ".join(str(c.resolve()) for c in DEFAULT_CONFIGS)
+    raise ConfigError(f"no --config given and no default config at {tried}; pass --config FILE")
+
+
+def _check_environment() -> None:
+    """Refuse ZEROLAYER_* variables that name no section or key (pydantic-settings would skip
+    them silently: ZEROLAYER_TSL__CERT_FILE would leave TLS off without a word)."""
+    known = set(Settings.model_fields)
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in NOT_SETTINGS:
+            continue
+        section = upper[len(ENV_PREFIX) :].split("__", 1)[0].lower()
+        if section not in known:
+            raise ConfigError(
+                f"environment variable {name}: no configuration section or key {section!r} "
+                f"(known: {', '.join(sorted(known))}; nested keys use __, "
+                f"e.g. ZEROLAYER_SERVER__PORT)"
+            )
+
+
+def _describe_env_error(exc: SettingsError) -> str:
+    # pydantic-settings names the field, not the variable, and not what was expected.
+    m = re.search(r'field "(\w+)"', str(exc))
+    field = m.group(1) if m else ""
+    names = [n for n in sorted(os.environ) if n.upper().startswith(f"{ENV_PREFIX}{field.upper()}")]
+    bad = []
+    for n in names:
+        try:
+            json.loads(os.environ[n])
+        except ValueError:
+            bad.append(n)
+    shown = ", ".join(f"{n}={os.environ[n]!r}" for n in (bad or names)) or field
+    return (
+        f"environment variable {shown}: not a valid value for {field!r}; lists and tables are "
+        "written as JSON, e.g. ZEROLAYER_HOOKS__MODULES='[\"my_hooks\"]'"
+    )
 
 
 def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
-    """Read ``path`` (default configs/default.toml) and the environment into Settings."""
+    """Read ``path`` (default: ``default_config_path()``) and the environment into Settings."""
     data: dict[str, Any] = {}
-    file = Path(path) if path else DEFAULT_CONFIG
-    if path or file.exists():
-        try:
-            with open(file, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file not found: {file}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
-        # Prompt files are named relative to the config file, wherever the daemon runs.
-        resolve_prompt_files(data, file.resolve().parent)
+    file = Path(path) if path else default_config_path()
+    try:
+        with open(file, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {file}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+    # Prompt files are named relative to the config file, wherever the daemon runs.
+    resolve_prompt_files(data, file.resolve().parent)
     for section, values in overrides.items():
         data.setdefault(section, {}).update(values)
+    _check_environment()
     try:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from exc
+    except SettingsError as exc:
+        raise ConfigError(_describe_env_error(exc)) from exc
+
+
+def changed_keys(running: Settings, new: Settings) -> list[str]:
+    """Dotted keys whose value differs, as "key: old -> new" (for a SIGHUP that re-reads the
+    file: nothing in it is applied without a restart, and each change is named)."""
+
+    def flat(value: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(value, dict):
+            out: dict[str, Any] = {}
+            for k, v in value.items():
+                out.update(flat(v, f"{prefix}.{k}" if prefix else k))
+            return out
+        return {prefix: value}
+
+    old, cur = flat(running.model_dump(), ""), flat(new.model_dump(), "")
+    return [
+        f"{k}: {old.get(k)!r} -> {cur.get(k)!r}"
+        for k in sorted(old.keys() | cur.keys())
+        if old.get(k) != cur.get(k)
+    ]

@@ -1,37 +1,51 @@
-"""Start-up and shutdown of one daemon process: backend, hooks, engine thread, server, operations.
+"""Start-up and shutdown of one daemon process: listeners, backend, hooks, engine thread, server.
 
-Order: logging → backend (loads the model, on the engine thread) → registered prompts → hook
-chain → engine loop → bind the port → metrics/health HTTP → READY=1 to systemd. SIGTERM/SIGINT
-drain (GOAWAY, finish streams in flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the
-keys file. With ``server.workers = N`` the parent starts N worker processes sharing the port
-through SO_REUSEPORT and forwards signals.
+Order: logging → bind every listener (frame port, metrics/health port; a door with a port of its
+own binds here too) → health answers "503 starting: ..." → backend (loads the model, on the
+engine thread) → registered prompts → hook chain → engine loop → accept frames → ready, the
+"listening" line, READY=1 to systemd. Binding first means a port in use fails in a second, named
+(``StartupError``), not after minutes of loading. SIGTERM/SIGINT drain (GOAWAY, finish streams in
+flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file, and re-reads the config
+file only to warn about each changed setting (none applies without a restart). With
+``server.workers = N`` the parent starts N worker processes sharing the port through SO_REUSEPORT
+and forwards signals.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import gc
 import logging
 import os
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import uvloop
 
-from gateway.config import Settings
+from gateway import wrong_door
+from gateway.config import ConfigError, Settings, changed_keys, load_settings
 from gateway.engine.compute import ComputeThread
-from gateway.engine.engine import Engine
+from gateway.engine.engine import Engine, Output, TokenColumn
 from gateway.engine.factory import build_backend, build_prefix_store
 from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
 from gateway.inputs import InputProcessor
 from gateway.lifecycle import RequestPath
-from gateway.ops.health import start_http_server
-from gateway.ops.logging import setup_logging
+from gateway.ops.health import HttpServerHandle, start_http_server
+from gateway.ops.logging import announce, setup_logging
 from gateway.ops.metrics import Metrics
 from gateway.ops.neuron_monitor import start_neuron_monitor
 from gateway.ops.notify import Notifier
+from gateway.ops.readiness import Health, StorePing
 from gateway.ops.sockets import make_listen_socket
 from gateway.prompts import PromptRegistry
 from gateway.server import Server
@@ -40,10 +54,118 @@ log = logging.getLogger("zerolayer")
 
 ENGINE_STALE_S = 10.0  # /healthz fails when the engine thread has not looped for this long
 
+T = TypeVar("T")
 
-async def _serve(settings: Settings) -> None:
+
+class StartupError(Exception):
+    """A start-up failure the operator can fix; the message names the setting."""
+
+
+def bind(what: str, setting: str, host: str, port: int, open_: Callable[[], T]) -> T:
+    """Run ``open_`` (which binds ``host:port``); an OSError becomes a StartupError naming the
+    listener and its setting, e.g. "the frame protocol port 127.0.0.1:7070 (server.port): Address
+    already in use"."""
+    try:
+        return open_()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise StartupError(f"the {what} port {host}:{port} ({setting}): {reason}") from exc
+
+
+@dataclass
+class Listeners:
+    """Every socket the daemon listens on, bound before the model loads."""
+
+    frame: socket.socket
+    http: HttpServerHandle | None  # metrics and health
+
+    def close(self) -> None:
+        self.frame.close()
+        if self.http is not None:
+            self.http.close()
+
+
+def bind_listeners(settings: Settings, metrics: Metrics, health: Health) -> Listeners:
+    cfg, mcfg = settings.server, settings.metrics
+    frame = bind(
+        "frame protocol",
+        "server.port",
+        cfg.host,
+        cfg.port,
+        lambda: make_listen_socket(cfg.host, cfg.port, cfg.backlog, cfg.reuse_port),
+    )
+    try:
+        http = None
+        if mcfg.enabled:
+            http = bind(
+                "metrics and health HTTP",
+                "metrics.port",
+                mcfg.host,
+                mcfg.port,
+                lambda: start_http_server(mcfg.host, mcfg.port, metrics, health),
+            )
+    except BaseException:
+        frame.close()
+        raise
+    return Listeners(frame, http)
+
+
+def required_stores(settings: Settings) -> list[StorePing]:
+    """A PING per store requests cannot do without: the Redis rate-limit store (it fails
+    closed). The Redis response cache is not required: its errors count as misses."""
+    rl = settings.ratelimit
+    if not (rl.enabled and rl.store == "redis"):
+        return []
+    from gateway.hooks.redis_scripts import sync_client
+
+    client = sync_client(rl.redis_url)
+    return [StorePing(f"ratelimit.redis_url {rl.redis_url}", client.ping)]
+
+
+def _wrong_door(first: bytes, **ports: int | None) -> bytes | None:
+    reply = wrong_door.answer(first, **ports)  # type: ignore[arg-type]
+    if reply is not None:
+        # TLS has no room for a sentence: the operator reads it here.
+        log.info(
+            "frame port: a %s client knocked; answered in kind and closed (the frame port "
+            "speaks the binary frame protocol)",
+            wrong_door.sniff(first),
+        )
+    return reply
+
+
+def _on_sighup(chain: Chain, settings: Settings, config_path: str | None) -> None:
+    chain.reload()
+    try:
+        current = load_settings(config_path)
+    except ConfigError as exc:
+        log.error("SIGHUP: the configuration no longer loads, keeping the running one: %s", exc)
+        return
+    for change in changed_keys(settings, current):
+        log.warning("SIGHUP: %s changed but is read only at start-up; restart to apply it", change)
+
+
+async def _serve(settings: Settings, config_path: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     metrics = Metrics()
+    health = Health()
+    health.starting("binding ports")
+    listeners = bind_listeners(settings, metrics, health)
+    try:
+        await _start_and_serve(settings, config_path, loop, metrics, health, listeners)
+    finally:
+        listeners.close()
+
+
+async def _start_and_serve(
+    settings: Settings,
+    config_path: str | None,
+    loop: asyncio.AbstractEventLoop,
+    metrics: Metrics,
+    health: Health,
+    listeners: Listeners,
+) -> None:
+    health.starting("loading model")
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
     # engine loop (see gateway.engine.compute for why one thread).
     compute = ComputeThread()
@@ -51,6 +173,7 @@ async def _serve(settings: Settings) -> None:
     # Validate, tokenize and prefill every registered prompt once, in slot 0, before the engine
     # loop owns the backend; its KV is pinned in the prefix store. An invalid prompt stops
     # start-up, named (PromptConfigError).
+    health.starting("compiling prompts")
     prompts = PromptRegistry.build(
         settings.prompts,
         tokenizer,
@@ -63,12 +186,27 @@ async def _serve(settings: Settings) -> None:
             store, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
         )
     )
+    health.starting("starting hooks")
     chain = Chain.build(settings)
     outbox = Outbox()  # engine thread → event loop
+    slots = backend.num_slots
+
+    occupancy = [(-1, -1, -1)]  # what the gauges show
+
+    def deliver(outputs: list[Output], column: TokenColumn | None) -> None:
+        # On the engine thread after every step (admissions and finished sequences are in):
+        # the occupancy gauges are exact, and set only when they change (a Gauge.set takes a
+        # lock; a steady decode step changes nothing).
+        now = (engine.running, engine.waiting, engine.slots_used)
+        if now != occupancy[0]:
+            occupancy[0] = now
+            metrics.set_queue(*now, slots)
+        outbox.put(outputs, column)
+
     engine = Engine(
         backend,
         tokenizer,
-        outbox.put,
+        deliver,
         max_queue=settings.engine.max_queue,
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,
@@ -79,24 +217,29 @@ async def _serve(settings: Settings) -> None:
     path = RequestPath(engine, inputs, chain, metrics)
     outbox.attach(loop, path.outputs.deliver)
     server = Server(settings.server, path, backend.info, metrics)
+    http = listeners.http
+    server.wrong_door = functools.partial(
+        _wrong_door,
+        max_frame_bytes=settings.server.max_frame_bytes,
+        http_port=None,  # the HTTP door's port, once it exists
+        metrics_port=http.port if http else None,
+    )
 
     def engine_alive() -> bool:
         return engine.alive and time.monotonic() - engine.last_beat < ENGINE_STALE_S
 
+    health.add_liveness(lambda: None if engine_alive() else "engine not stepping")
+    health.add_readiness(lambda: "draining" if server.draining else None)
+    stores = required_stores(settings)
+    for store in stores:
+        health.add_readiness(store.check)
+        store.start()
+
     engine.start(compute)
     cfg = settings.server
-    sock = make_listen_socket(cfg.host, cfg.port, cfg.backlog, cfg.reuse_port)
-    await server.start(sock)
-    http = None
-    if settings.metrics.enabled:
-        http = start_http_server(
-            settings.metrics.host,
-            settings.metrics.port,
-            metrics,
-            engine_alive,
-            lambda: engine_alive() and not server.draining,
-            prompts=prompts.describe,
-        )
+    await server.start(listeners.frame)
+    if http is not None:
+        http.prompts = prompts.describe
     monitor = start_neuron_monitor(
         settings.metrics.neuron_monitor,
         metrics.registry,
@@ -107,16 +250,24 @@ async def _serve(settings: Settings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, chain.reload)
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, settings, config_path)
+    health.serving()
     info = backend.info
-    # One machine-readable line: tests and scripts wait for it to learn the bound ports. One
-    # write() with its newline, so lines of workers sharing the stream never interleave.
-    line = (
-        f"zerolayer: listening frame={cfg.host}:{server.port} "
-        f"metrics={http.host + ':' + str(http.port) if http else 'off'} "
-        f"model={info.name} backend={settings.engine.backend} hooks={','.join(chain.names)}\n"
+    # One machine-readable line, whatever the log level: tests and scripts wait for it to learn
+    # the bound ports (plain: "zerolayer: listening frame=H:P metrics=H:P ...", or JSON).
+    announce(
+        "zerolayer",
+        "listening",
+        frame=f"{cfg.host}:{server.port}",
+        metrics=f"{http.host}:{http.port}" if http else "off",
+        model=info.name,
+        backend=settings.engine.backend,
+        hooks=",".join(chain.names),
     )
-    os.write(sys.stderr.fileno(), line.encode())
+    # Everything built so far lives as long as the process: keep the cyclic garbage collector
+    # from scanning it again and again while tokens stream.
+    gc.collect()
+    gc.freeze()
     notifier.ready(f"serving {info.name} on {cfg.host}:{server.port}")
     notifier.start_watchdog()
     await stop.wait()
@@ -127,19 +278,41 @@ async def _serve(settings: Settings) -> None:
     outbox.close()  # the engine thread must not wait for a loop that no longer delivers
     await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop
     await chain.aclose()
+    for store in stores:
+        store.close()
     if monitor is not None:
         monitor.close()
-    if http is not None:
-        http.close()
     notifier.close()
     log.info("stopped")
 
 
+def _raise_fd_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit to the hard one (each connection is a descriptor)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if max_connections + 64 > soft:
+        log.warning(
+            "server.max_connections is %d but the open-file limit is %d: connections beyond "
+            "it will fail (raise LimitNOFILE / ulimit -n)",
+            max_connections,
+            soft,
+        )
+
+
 def run(settings: Settings, config_path: str | None = None) -> int:
     setup_logging(settings.logging.level, settings.logging.json_lines, settings.logging.requests)
+    _raise_fd_limit(settings.server.max_connections)
     if settings.server.workers > 1:
         return _run_workers(settings, config_path)
-    uvloop.run(_serve(settings))
+    if config_path is None:
+        from gateway.config import default_config_path
+
+        config_path = str(default_config_path())
+    log.info("configuration: %s", config_path)
+    uvloop.run(_serve(settings, config_path))
     return 0
 
 

@@ -14,6 +14,7 @@ from gateway import protocol as p
 _pack_token1 = p.TOKEN1_FRAME.pack_into
 _TOKEN = int(p.FrameType.TOKEN)
 _TOKEN1_SIZE = p.TOKEN1_FRAME_SIZE
+_TOKEN1_ID = p.TOKEN1_ID
 
 
 class FrameBuffer:
@@ -21,8 +22,8 @@ class FrameBuffer:
 
     __slots__ = ("_buf", "_len")
 
-    def __init__(self, size: int = 16384) -> None:
-        self._buf = bytearray(size)
+    def __init__(self, size: int = 1024) -> None:
+        self._buf = bytearray(max(size, 64))
         self._len = 0
 
     def __len__(self) -> int:
@@ -34,7 +35,7 @@ class FrameBuffer:
 
     def _reserve(self, n: int) -> None:
         need = self._len + n
-        size = len(self._buf)
+        size = len(self._buf)  # never 0 (see __init__): doubling reaches any size
         if need > size:
             while size < need:
                 size *= 2
@@ -80,13 +81,21 @@ class FrameBuffer:
         self._buf[self._len : self._len + n] = data
         self._len += n
 
-    def frames(self, words: np.ndarray) -> None:
-        """Frames laid out as an int32 array (``p.token1_frames``), copied as they are."""
-        n = words.nbytes
-        if self._len + n > len(self._buf):
+    def token1_column(self, frames: np.ndarray, tokens: np.ndarray) -> None:
+        """One TOKEN frame per stream: ``frames`` is ``p.token1_frames(streams)`` (its header
+        words built once); ``tokens[i]`` goes into frame i, and the frames are appended."""
+        frames[:, _TOKEN1_ID] = tokens
+        n = frames.nbytes
+        end = self._len + n
+        if end > len(self._buf):
             self._reserve(n)
-        self._buf[self._len : self._len + n] = words.data
-        self._len += n
+        self._buf[self._len : end] = frames.data
+        self._len = end
+
+    def shrink(self, size: int) -> None:
+        """Give back memory beyond ``size`` bytes while nothing is buffered."""
+        if not self._len and len(self._buf) > size:
+            self._buf = bytearray(size)
 
     def take(self) -> bytes:
         """The buffered bytes (a copy: the buffer is reused at once); empties the buffer."""

@@ -27,6 +27,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -73,19 +74,15 @@ class Door(Protocol):
     def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
         """The stream ended in an error."""
 
-    def column_writer(self, streams: list[Stream]) -> ColumnWriter:
-        """A writer for one token per stream per step, for these streams of this door."""
+    def column_writer(self, streams: list[Stream]) -> Callable[[np.ndarray], None]:
+        """A function writing one token per stream per step (``tokens[i]`` to
+        ``streams[i]``), for these streams of this door; made once per engine row set."""
 
     def stream_ended(self, st: Stream) -> None:
         """After the ending was written: forget the stream (and close when draining)."""
 
     def flush(self) -> None:
         """Write what was buffered (one write per door per delivery)."""
-
-
-class ColumnWriter(Protocol):
-    def write(self, tokens: np.ndarray) -> None:
-        """One token per stream, in the order the writer was made for."""
 
 
 class Stream:
@@ -174,6 +171,11 @@ class RequestPath:
         except RequestRefused as exc:
             self.fail(st, exc.code, exc.message, exc.retry_after_ms)
             return
+        # Fair admission: an authenticated client's sequences share one turn, an anonymous
+        # client's share its connection's (gateway.engine.engine: round robin by this key).
+        seq = st.seq
+        assert seq is not None
+        seq.fair_key = principal.name if principal.key_id else id(st.door)
         if not self._per_request_hooks:
             self._submit(st)
             return

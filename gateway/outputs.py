@@ -15,6 +15,7 @@ settles, and drops the plan when the stream is one of its rows) before it reads 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,7 +25,7 @@ from gateway.engine.outbox import Step
 from gateway.ops.metrics import Metrics
 
 if TYPE_CHECKING:
-    from gateway.lifecycle import ColumnWriter, Door, RequestPath, Stream
+    from gateway.lifecycle import Door, RequestPath, Stream
 
 _perf = time.perf_counter
 
@@ -50,7 +51,7 @@ class ColumnPlan:
             if not st.t_first:  # not reached: a stream's first token comes from its prefill
                 st.t_first = now
         self.members = {id(st) for st in self.streams}
-        self.groups: list[tuple[Door, np.ndarray | None, ColumnWriter]] = []
+        self.groups: list[tuple[Door, np.ndarray | None, Callable[[np.ndarray], None]]] = []
         for door, rows in rows_by_door.items():
             index = None if len(rows) == len(owners) else np.array(rows, np.intp)
             self.groups.append((door, index, door.column_writer([owners[i] for i in rows])))
@@ -59,8 +60,8 @@ class ColumnPlan:
 
     def write(self, tokens: np.ndarray, dirty: list[Door]) -> int:
         """Write one step's ids; returns the tokens written."""
-        for door, index, writer in self.groups:
-            writer.write(tokens if index is None else tokens[index])
+        for door, index, write in self.groups:
+            write(tokens if index is None else tokens[index])
             if not door.dirty:
                 door.dirty = True
                 dirty.append(door)

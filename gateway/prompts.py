@@ -444,61 +444,55 @@ def _parse_input(data: bytes, name: str, suffix: str) -> tuple[list[Any], bool] 
     return [_file_text(text)], False
 
 
-def _load_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int, Any]:
-    """(tokenizer, max_prefix_tokens, settings or None) from --model / --config."""
-    settings = None
-    if args.config:
-        from gateway.config import ConfigError, load_settings
+def _load_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int, Any, Path]:
+    """(tokenizer, max_prefix_tokens, settings, config file) from --model / --config."""
+    # The daemon's effective configuration (file and ZEROLAYER_* environment), as `serve` sees
+    # it: without --config, the default config file, like `serve` without --config.
+    from gateway.config import ConfigError, default_config_path, load_settings
 
-        try:
-            settings = load_settings(args.config)
-        except ConfigError as exc:
-            raise _UsageError(str(exc)) from exc
+    try:
+        config = Path(args.config) if args.config else default_config_path()
+        settings = load_settings(config)
+    except ConfigError as exc:
+        raise _UsageError(str(exc)) from exc
     max_tokens = args.max_prefix_tokens
     if max_tokens is None:
-        max_tokens = (
-            getattr(settings.engine, "max_prefix_tokens", DEFAULT_MAX_PREFIX_TOKENS)
-            if settings is not None
-            else DEFAULT_MAX_PREFIX_TOKENS
-        )
+        max_tokens = getattr(settings.engine, "max_prefix_tokens", DEFAULT_MAX_PREFIX_TOKENS)
     path = args.model
-    if path is None and settings is not None:
+    if path is None:
         if settings.engine.backend == "synthetic":
             from gateway.tokenizer import ByteTokenizer
 
-            return ByteTokenizer(settings.engine.synthetic_vocab_size), max_tokens, settings
+            return ByteTokenizer(settings.engine.synthetic_vocab_size), max_tokens, settings, config
         path = settings.model.path
     if path:
         from gateway.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
 
         try:
-            return HFTokenizer(path), max_tokens, settings
+            return HFTokenizer(path), max_tokens, settings, config
         except TokenizerLoadError as exc:
             raise _UsageError(str(exc)) from exc
     from gateway.models.builtin import builtin_tokenizer
 
-    if settings is None:
-        print(
-            "note: counting tokens with the built-in byte tokenizer; pass --model PATH or "
-            "--config FILE to count with the served model's tokenizer",
-            file=sys.stderr,
-        )
-    return builtin_tokenizer(), max_tokens, settings
+    print(
+        f"note: counting tokens with the built-in byte tokenizer (model.path is empty in "
+        f"{config} and the environment); pass --model PATH to count with another model's",
+        file=sys.stderr,
+    )
+    return builtin_tokenizer(), max_tokens, settings, config
 
 
 def run_compile_check(args: argparse.Namespace) -> int:
     """``zerolayer compile-check``: 0 when every prompt passes, 1 when one fails, 2 when the
     input or the tokenizer cannot be read."""
     try:
-        tokenizer, max_tokens, settings = _load_tokenizer(args)
+        tokenizer, max_tokens, settings, config = _load_tokenizer(args)
         if args.file is None:
-            if settings is None:
-                raise _UsageError("give a FILE (or - for stdin), or --config FILE")
             if not hasattr(settings, "prompts"):
                 raise _UsageError("this build's configuration has no [[prompts]] key")
             tables: list[Any] = [e.model_dump() for e in settings.prompts]
-            is_toml, name = True, args.config
-            base_dir = Path(args.config).resolve().parent
+            is_toml, name = True, str(config)
+            base_dir = config.resolve().parent
         else:
             data, name, base_dir = _read_input(args.file)
             parsed = _parse_input(data, name, Path(args.file).suffix.lower())
@@ -554,11 +548,14 @@ def add_compile_check_subparser(subparsers: Any) -> None:
         nargs="?",
         default=None,
         help="TOML with [[prompts]], a JSON object with a 'system' field, or plain text; "
-        "- reads stdin; omitted with --config: the config's own prompts",
+        "- reads stdin; omitted: the daemon config's own prompts",
     )
     cc.add_argument("--model", default=None, help="checkpoint directory whose tokenizer to use")
     cc.add_argument(
-        "--config", default=None, help="daemon config: its model's tokenizer and token budget"
+        "--config",
+        default=None,
+        help="daemon config (default as for serve; ZEROLAYER_* environment applies): its "
+        "model's tokenizer, token budget and prompts",
     )
     cc.add_argument(
         "--max-prefix-tokens",

@@ -136,6 +136,15 @@ class FrameDecoder:
             self._compact()
         return self._view[self._end :]
 
+    def shrink(self) -> None:
+        """Give back a buffer grown for a large frame once nothing is buffered (an idle
+        connection keeps only ``initial_size``). Invalidates payload views returned earlier."""
+        if self._start == self._end and len(self._buf) > self._initial:
+            self._view.release()
+            self._buf = bytearray(self._initial)
+            self._view = memoryview(self._buf)
+            self._start = self._end = 0
+
     def _compact(self) -> None:
         n = self._end - self._start
         self._view[:n] = self._view[self._start : self._end]

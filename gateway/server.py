@@ -11,9 +11,12 @@ leaves with one ``transport.write`` per connection per delivery.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,10 +31,12 @@ from gateway.lifecycle import RequestPath, Stream
 from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options
 from gateway.protocol import FrameType, ProtocolError
+from gateway.wrong_door import SNIFF_BYTES
 
 log = logging.getLogger("zerolayer.server")
 
 _REPLAY_IDS_PER_FRAME = 256
+_IDLE_OUT_BYTES = 1024  # the write buffer an idle connection keeps
 
 
 class Server:
@@ -44,6 +49,9 @@ class Server:
         self.path = path
         self.metrics = metrics
         self.connections: set[Connection] = set()
+        self.per_ip: collections.Counter[str] = collections.Counter()
+        self.per_principal: collections.Counter[str] = collections.Counter()
+        self.rx_excess = 0  # receive memory grown beyond read_buffer_bytes, all connections
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
@@ -57,6 +65,8 @@ class Server:
             info.max_context,
             info.name,
         )
+        # first bytes -> the reply to a client at the wrong door (gateway.wrong_door), or None
+        self.wrong_door: Callable[[bytes], bytes | None] | None = None
         self._m_bytes_out = metrics.bytes_out
         self._m_bytes_in = metrics.bytes_in
 
@@ -113,42 +123,68 @@ class Server:
         if self._sweeper is not None:
             self._sweeper.cancel()
 
+    def admit(self, conn: Connection) -> tuple[ErrorCode, str] | None:
+        """A new connection is counted in; returns why it must be refused, if it must. At
+        ``max_connections`` the longest-idle connection (no stream, quiet for 1 s) makes room."""
+        cfg = self.cfg
+        self.connections.add(conn)
+        self.metrics.connection_opened()
+        self.per_ip[conn.peer_ip] += 1
+        if cfg.max_connections_per_ip and self.per_ip[conn.peer_ip] > cfg.max_connections_per_ip:
+            return ErrorCode.OVERLOADED, f"too many connections from {conn.peer_ip}"
+        if len(self.connections) > cfg.max_connections:
+            now = time.monotonic()
+            idle = [c for c in self.connections if not c.streams and not c.closing]
+            idle = [c for c in idle if c is not conn and now - c.last_activity >= 1.0]
+            if not idle:
+                return ErrorCode.OVERLOADED, "too many connections"
+            oldest = min(idle, key=lambda c: c.last_activity)
+            oldest.connection_error(
+                ErrorCode.IDLE_TIMEOUT, "idle connection closed to make room for a new client"
+            )
+        return None
+
+    def count_principal(self, conn: Connection, name: str) -> bool:
+        """Count ``conn`` for principal ``name``; False when that is over the limit."""
+        self.per_principal[name] += 1
+        limit = self.cfg.max_connections_per_principal
+        return not limit or self.per_principal[name] <= limit
+
     def connection_gone(self, conn: Connection) -> None:
         if conn in self.connections:
             self.connections.discard(conn)
             self.metrics.connection_closed()
+            self._uncount(self.per_ip, conn.peer_ip)
+            if conn.counted_principal is not None:
+                self._uncount(self.per_principal, conn.counted_principal)
+            self.rx_excess -= conn.rx_excess
+            conn.rx_excess = 0
         if not self.connections:
             self._all_closed.set()
+
+    @staticmethod
+    def _uncount(counter: collections.Counter[str], key: str) -> None:
+        counter[key] -= 1
+        if counter[key] <= 0:
+            del counter[key]
 
     async def _sweep_idle(self) -> None:
         timeout = self.cfg.idle_timeout_s
         interval = min(1.0, timeout / 4)
-        engine, metrics = self.path.engine, self.metrics
-        slots = engine.backend.num_slots
         while True:
             await asyncio.sleep(interval)
-            metrics.set_queue(engine.running, engine.waiting, engine.slots_used, slots)
             now = time.monotonic()
+            hello_deadline = now - self.cfg.hello_timeout_s
             for conn in list(self.connections):
-                if not conn.streams and now - conn.last_activity > timeout:
+                if conn.principal is None and conn.opened_at < hello_deadline:
+                    conn.connection_error(
+                        ErrorCode.UNAUTHENTICATED,
+                        f"no valid HELLO within {self.cfg.hello_timeout_s:g} s",
+                    )
+                elif not conn.streams and now - conn.last_activity > timeout:
                     conn.connection_error(
                         ErrorCode.IDLE_TIMEOUT, f"no frame for {timeout:g} s with no stream open"
                     )
-
-
-class FrameColumn:
-    """Writes one TOKEN frame per stream per step from an int32 [n, 5] array of frames whose
-    header words are built once (p.token1_frames): a step writes only its ids."""
-
-    __slots__ = ("conn", "frames")
-
-    def __init__(self, conn: Connection, streams: list[Stream]) -> None:
-        self.conn = conn
-        self.frames = p.token1_frames(np.array([st.key for st in streams]))
-
-    def write(self, tokens: np.ndarray) -> None:
-        self.frames[:, p.TOKEN1_ID] = tokens
-        self.conn.out.frames(self.frames)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -170,8 +206,11 @@ class Connection(asyncio.BufferedProtocol):
         self.closing = False
         self.slow = False
         self.dirty = False
-        self.last_activity = time.monotonic()
-        self.out = FrameBuffer()
+        self.last_activity = self.opened_at = time.monotonic()
+        self.out = FrameBuffer(_IDLE_OUT_BYTES)
+        self.peer_ip = ""
+        self.counted_principal: str | None = None  # the principal this connection counts for
+        self.rx_excess = 0  # receive memory beyond read_buffer_bytes (in Server.rx_excess)
 
     @property
     def open(self) -> bool:
@@ -182,14 +221,15 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
-        server.connections.add(self)
-        server.metrics.connection_opened()
+        peer = transport.get_extra_info("peername")
+        self.peer_ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         sock = transport.get_extra_info("socket")
         if sock is not None:
             apply_socket_options(sock, self.cfg)
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
-        if len(server.connections) > self.cfg.max_connections:
-            self.connection_error(ErrorCode.OVERLOADED, "too many connections", retry_after_ms=1000)
+        refusal = server.admit(self)
+        if refusal is not None:
+            self.connection_error(*refusal, retry_after_ms=1000)
         elif server.draining:
             self.goaway("server is draining")
 
@@ -199,6 +239,15 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closing:
             return
+        if self.first_frame and not self.decoder.buffered and self.server.wrong_door is not None:
+            # The connection's first bytes, at the buffer's start: HTTP or TLS gets its answer.
+            reply = self.server.wrong_door(
+                bytes(self.decoder.get_buffer()[: min(nbytes, SNIFF_BYTES)])
+            )
+            if reply is not None and self.transport is not None:
+                self.transport.write(reply)
+                self.close()
+                return
         self.decoder.advance(nbytes)
         self.server._m_bytes_in.inc(nbytes)
         self.last_activity = time.monotonic()
@@ -212,7 +261,28 @@ class Connection(asyncio.BufferedProtocol):
         except Exception:
             log.exception("internal error handling a frame")
             self.connection_error(ErrorCode.INTERNAL, "internal server error")
+        else:
+            self._account_receive_memory()
         self.flush()
+
+    def _account_receive_memory(self) -> None:
+        """Give back a buffer grown for a large frame, and keep the daemon-wide total of grown
+        receive buffers under max_pending_frame_bytes."""
+        decoder = self.decoder
+        decoder.shrink()
+        excess = decoder.capacity - self.cfg.read_buffer_bytes
+        if excess == self.rx_excess:
+            return
+        server = self.server
+        server.rx_excess += excess - self.rx_excess
+        self.rx_excess = excess
+        limit = self.cfg.max_pending_frame_bytes
+        if excess > 0 and server.rx_excess > limit:
+            self.connection_error(
+                ErrorCode.OVERLOADED,
+                f"the server holds {limit} bytes of frames in transit; retry later",
+                retry_after_ms=1000,
+            )
 
     def eof_received(self) -> bool:
         return False
@@ -270,10 +340,19 @@ class Connection(asyncio.BufferedProtocol):
                 f"protocol version {version} not supported (this server speaks {p.VERSION})",
             )
         try:
-            self.principal = self.path.authenticate(key)
+            principal = self.path.authenticate(key)
         except HookError as exc:
             self.connection_error(exc.code, exc.message, exc.retry_after_ms)
             return
+        self.counted_principal = principal.name
+        if not self.server.count_principal(self, principal.name):
+            self.connection_error(
+                ErrorCode.OVERLOADED,
+                f"too many connections for principal {principal.name!r}",
+                retry_after_ms=1000,
+            )
+            return
+        self.principal = principal
         self._queue_frame(self.server.welcome, "WELCOME")
 
     def _on_request(self, stream: int, flags: int, payload: memoryview) -> None:
@@ -343,8 +422,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._queue_frame(p.encode_error(st.key, code, message, retry_after_ms), "ERROR")
 
-    def column_writer(self, streams: list[Stream]) -> FrameColumn:
-        return FrameColumn(self, streams)
+    def column_writer(self, streams: list[Stream]) -> Callable[[np.ndarray], None]:
+        """One TOKEN frame per stream per step; the frames' header words are built once."""
+        return functools.partial(
+            self.out.token1_column, p.token1_frames(np.array([st.key for st in streams]))
+        )
 
     def stream_ended(self, st: Stream) -> None:
         if self.streams.get(st.key) is st:
@@ -354,6 +436,8 @@ class Connection(asyncio.BufferedProtocol):
             if self.server.draining and not self.closing:
                 self.flush()
                 self.close()
+            elif not self.dirty:  # idle: keep only a small write buffer
+                self.out.shrink(_IDLE_OUT_BYTES)
 
     def flush(self) -> None:
         self.dirty = False
@@ -401,3 +485,4 @@ class Connection(asyncio.BufferedProtocol):
             self.path.fail(st, code, message)
         if self.transport is not None:
             self.transport.close()
+        self.server.connection_gone(self)  # counts and memory are released now, not at EOF

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -84,6 +84,7 @@ class Sequence:
         "held",
         "cancelled",
         "t_admit",
+        "fair_key",
         "_max_stop",
     )
 
@@ -96,6 +97,7 @@ class Sequence:
         stop_ids: frozenset[int] = frozenset(),
         stop_sequences: tuple[str, ...] = (),
         detokenizer: Detokenizer | None = None,
+        fair_key: object = None,
     ) -> None:
         self.owner = owner
         self.prompt = prompt  # int32 [n]: the whole prompt
@@ -113,6 +115,7 @@ class Sequence:
         self.held = ""  # text withheld because it may start a stop sequence
         self.cancelled = False
         self.t_admit = 0.0
+        self.fair_key = fair_key  # sequences sharing a key share one turn at admission
         self._max_stop = max((len(s) for s in stop_sequences), default=0)
 
 
@@ -147,11 +150,11 @@ class StepPlan:
     """What one step runs: prompt chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then one decode
     row per sequence of ``decode`` (rows version ``version``) as ``batch``."""
 
-    chunks: list[PrefillChunk] = field(default_factory=list)
-    chunk_seqs: list[Sequence] = field(default_factory=list)
-    decode: tuple[Sequence, ...] = ()
-    version: int = 0
-    batch: DecodeBatch | None = None
+    chunks: list[PrefillChunk]
+    chunk_seqs: list[Sequence]
+    decode: tuple[Sequence, ...]
+    version: int
+    batch: DecodeBatch | None
 
 
 class _Columnar:
@@ -230,7 +233,10 @@ class Engine:
         self._on_step = on_step
         self._store = prefix_store  # consulted at admission, fed at prefill completion
         self._inbox: collections.deque[Sequence] = collections.deque()
-        self._waiting: collections.deque[Sequence] = collections.deque()
+        # Waiting sequences by fairness key (Sequence.fair_key), in round-robin order: admission
+        # takes the head of the first key's queue and moves that key to the end, so a client
+        # with many queued sequences cannot starve one with a single request.
+        self._waiting: dict[object, collections.deque[Sequence]] = {}
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
         self._decoding: tuple[Sequence, ...] = ()  # ... and those decoding (_set_decoding)
@@ -379,12 +385,16 @@ class Engine:
         """Take in new sequences and cancellations (their endings go to ``outputs``) and plan
         the step; None when nothing runs."""
         while self._inbox:
-            self._waiting.append(self._inbox.popleft())
+            seq = self._inbox.popleft()
+            queue = self._waiting.get(seq.fair_key)
+            if queue is None:
+                self._waiting[seq.fair_key] = queue = collections.deque()
+            queue.append(seq)
         self._admit(outputs)
         self._drop_cancelled(outputs)
         if not self._running:
             return None
-        plan = StepPlan(decode=self._decoding, version=self._rows_version)
+        plan = StepPlan([], [], self._decoding, self._rows_version, None)
         budget = self._max_step_tokens - len(plan.decode)
         for seq in self._prefilling:
             if budget <= 0:
@@ -411,8 +421,13 @@ class Engine:
         return plan
 
     def _admit(self, outputs: list[Output]) -> None:
-        while self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
+        waiting = self._waiting
+        while waiting and self._free_slots:
+            key = next(iter(waiting))
+            queue = waiting.pop(key)
+            seq = queue.popleft()
+            if queue:
+                waiting[key] = queue  # to the end of the round
             with self._lock:
                 self._queued -= 1
             seq.t_admit = time.perf_counter()
@@ -447,16 +462,21 @@ class Engine:
             return
         self._cancel_pending = False
         # Waiting sequences that were cancelled leave the queue now, not when a slot frees.
-        if any(s.cancelled for s in self._waiting):
+        for key, queue in list(self._waiting.items()):
+            if not any(s.cancelled for s in queue):
+                continue
             keep = collections.deque()
-            for seq in self._waiting:
+            for seq in queue:
                 if seq.cancelled:
                     with self._lock:
                         self._queued -= 1
                     outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
                 else:
                     keep.append(seq)
-            self._waiting = keep
+            if keep:
+                self._waiting[key] = keep
+            else:
+                del self._waiting[key]
         for seq in [s for s in self._running if s.cancelled]:
             outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
             self._release(seq)
@@ -494,34 +514,41 @@ class Engine:
 
     # ---- execute -----------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> tuple[np.ndarray | None, np.ndarray | None, set[int]]:
+    def execute(
+        self, plan: StepPlan
+    ) -> tuple[np.ndarray | None, np.ndarray | None, set[int] | None]:
         """Run the backend on ``plan``: (sampled per chunk, sampled per decode row, the ids of
-        sequences whose rows failed even when run alone)."""
-        failed: set[int] = set()
+        sequences whose rows failed even when run alone, or None when nothing failed)."""
+        failed: set[int] | None = None
         prefilled = decoded = None
+        backend = self.backend
         if plan.chunks:
             t0 = time.perf_counter()
-            prefilled = self._call_rows(
-                self.backend.prefill, plan.chunks, plan.chunk_seqs, _one_chunk, failed
-            )
+            try:
+                prefilled = backend.prefill(plan.chunks)
+            except Exception:
+                failed = set()
+                prefilled = self._retry_rows(
+                    backend.prefill, plan.chunks, plan.chunk_seqs, _one_chunk, failed
+                )
             self._report("prefill", time.perf_counter() - t0, len(plan.chunks))
         if plan.batch is not None:
             t0 = time.perf_counter()
-            decoded = self._call_rows(
-                self.backend.decode, plan.batch, plan.decode, _one_row, failed
-            )
+            try:
+                decoded = backend.decode(plan.batch)
+            except Exception:
+                failed = failed if failed is not None else set()
+                decoded = self._retry_rows(
+                    backend.decode, plan.batch, plan.decode, _one_row, failed
+                )
             self._report("decode", time.perf_counter() - t0, plan.batch.size)
         return prefilled, decoded, failed
 
     @staticmethod
-    def _call_rows(call, work, seqs, one, failed: set[int]) -> np.ndarray:  # noqa: ANN001
-        """``call(work)``; when it raises, run each row alone so that only the rows that fail
+    def _retry_rows(call, work, seqs, one, failed: set[int]) -> np.ndarray:  # noqa: ANN001
+        """A batched ``call(work)`` raised: run each row alone so that only the rows that fail
         by themselves are lost (their sequences' ids go to ``failed``, their tokens are -1)."""
-        try:
-            return call(work)
-        except Exception:
-            log.exception("a batched backend call failed; retrying its %d rows one by one",
-                          len(seqs))  # fmt: skip
+        log.exception("a batched backend call failed; retrying its %d rows one by one", len(seqs))
         sampled = np.full(len(seqs), -1, np.int32)
         for i, seq in enumerate(seqs):
             try:
@@ -542,7 +569,7 @@ class Engine:
         plan: StepPlan,
         prefilled: np.ndarray | None,
         decoded: np.ndarray | None,
-        failed: set[int],
+        failed: set[int] | None,
         outputs: list[Output],
     ) -> TokenColumn | None:
         finished: list[Sequence] = []

@@ -39,6 +39,7 @@ from gateway.hooks.types import (
 
 log = logging.getLogger("zerolayer.hooks")
 
+_FILE_MODULE_PREFIX = "zerolayer_hook_"  # sys.modules names of hooks loaded from a .py path
 BUILTIN_MODULES = ("gateway.hooks.auth", "gateway.hooks.ratelimit", "gateway.hooks.cache")
 
 
@@ -49,7 +50,7 @@ def _import(spec: str) -> str:
         if not path.is_file():
             raise HookConfigError(f"hook module {spec!r}: file {path} not found")
         tag = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-        name = f"zerolayer_hook_{path.stem}_{tag}"
+        name = f"{_FILE_MODULE_PREFIX}{path.stem}_{tag}"
         if name in sys.modules:
             return name
         forget(name)
@@ -76,6 +77,11 @@ def _import(spec: str) -> str:
 
 
 def _label(target: Any) -> str:
+    # A hook loaded from a .py path is named by its file, not by the generated module name.
+    if target.__module__.startswith(_FILE_MODULE_PREFIX):
+        origin = getattr(sys.modules.get(target.__module__), "__file__", None)
+        if origin:
+            return f"{origin}:{target.__qualname__}"
     return f"{target.__module__}.{target.__qualname__}"
 
 

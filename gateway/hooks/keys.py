@@ -241,10 +241,14 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     return _run(args, action)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
+def positive_int(text: str) -> int:
+    """argparse type for counts and limits (shared with the zerolayer command)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError("must be a positive integer")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
@@ -261,14 +265,14 @@ def add_keys_subparser(subparsers: argparse._SubParsersAction) -> None:
         return p
 
     add = with_file(sub.add_parser("add", help="create a key, print it once, store its digest"))
-    add.add_argument("name")
-    add.add_argument("--rpm", type=_positive, default=None, help="requests per minute")
-    add.add_argument("--tpm", type=_positive, default=None, help="tokens per minute")
+    add.add_argument("name", help="the key's name (unique)")
+    add.add_argument("--rpm", type=positive_int, default=None, help="requests per minute")
+    add.add_argument("--tpm", type=positive_int, default=None, help="tokens per minute")
     add.set_defaults(func=_cmd_add)
 
     lst = with_file(sub.add_parser("list", help="list keys (names, digest prefixes, limits)"))
     lst.set_defaults(func=_cmd_list)
 
     rev = with_file(sub.add_parser("revoke", help="remove a key"))
-    rev.add_argument("name")
+    rev.add_argument("name", help="the name of the key to remove")
     rev.set_defaults(func=_cmd_revoke)

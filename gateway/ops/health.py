@@ -1,10 +1,11 @@
 """The metrics and health HTTP endpoint, served from its own thread, never from the event loop.
 
-GET /metrics (Prometheus text), /healthz (process alive and engine thread stepping) and /readyz
-(model loaded, prompts compiled, not draining), each 200 or 503; GET /prompts lists the
-precompiled system prompts as JSON when the daemon passes a ``prompts`` callable. A slow
-scraper costs a thread of its own, so a scrape never stalls token delivery on the event loop.
-Liveness and readiness come from callables the daemon passes (the engine's heartbeat, draining).
+GET /metrics (Prometheus text), /healthz and /readyz: 200 "ok", or 503 with the reason in the
+body (gateway.ops.readiness decides: "starting: loading model", "engine not stepping",
+"draining", a store unreachable). GET /prompts lists the precompiled system prompts as JSON once
+the daemon sets ``HttpServerHandle.prompts``. The daemon starts this server before loading the
+model, so probes get answers during start-up. A slow scraper costs a thread of its own, so a
+scrape never stalls token delivery on the event loop.
 """
 
 from __future__ import annotations
@@ -17,27 +18,18 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gateway.ops.metrics import CONTENT_TYPE_LATEST, Metrics
+from gateway.ops.readiness import Health
 
 __all__ = ["HttpServerHandle", "start_http_server"]
 
 log = logging.getLogger("zerolayer.ops.http")
 
 
-def _safe(check: Callable[[], bool]) -> bool:
-    # A probe that raises is a failed probe, not a crashed server thread.
-    try:
-        return bool(check())
-    except Exception:
-        log.exception("health check %r raised", check)
-        return False
-
-
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # an in-flight scrape never holds up shutdown
     allow_reuse_address = True
     metrics: Metrics
-    engine_alive: Callable[[], bool]
-    ready: Callable[[], bool]
+    health: Health
     prompts: Callable[[], list[dict]] | None
 
 
@@ -60,11 +52,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._reply(200, self.server.metrics.render(), CONTENT_TYPE_LATEST, send_body)
         elif path == "/healthz":
-            ok = _safe(self.server.engine_alive)
-            self._reply(*_probe(ok, "engine not stepping"), send_body=send_body)
+            self._reply(*_probe(self.server.health.live()), send_body=send_body)
         elif path == "/readyz":
-            ok = _safe(self.server.ready)
-            self._reply(*_probe(ok, "not ready"), send_body=send_body)
+            self._reply(*_probe(self.server.health.ready()), send_body=send_body)
         elif path == "/prompts" and self.server.prompts is not None:
             try:
                 body = json.dumps({"prompts": self.server.prompts()}).encode()
@@ -93,8 +83,8 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("http: " + format, *args)
 
 
-def _probe(ok: bool, reason: str) -> tuple[int, bytes, str]:
-    if ok:
+def _probe(reason: str | None) -> tuple[int, bytes, str]:
+    if reason is None:
         return 200, b"ok\n", "text/plain; charset=utf-8"
     return 503, (reason + "\n").encode(), "text/plain; charset=utf-8"
 
@@ -108,6 +98,15 @@ class HttpServerHandle:
         self.host: str = server.server_address[0]
         self.port: int = server.server_address[1]
 
+    @property
+    def prompts(self) -> Callable[[], list[dict]] | None:
+        return self._server.prompts
+
+    @prompts.setter
+    def prompts(self, describe: Callable[[], list[dict]] | None) -> None:
+        """Serve GET /prompts from ``describe`` (set once the prompts are compiled)."""
+        self._server.prompts = describe
+
     def close(self) -> None:
         """Stop serving and release the port; idempotent."""
         if self._thread.is_alive():
@@ -120,17 +119,16 @@ def start_http_server(
     host: str,
     port: int,
     metrics: Metrics,
-    engine_alive: Callable[[], bool],
-    ready: Callable[[], bool],
+    health: Health,
     prompts: Callable[[], list[dict]] | None = None,
 ) -> HttpServerHandle:
     """Bind ``host:port`` and serve /metrics, /healthz and /readyz (and /prompts when
-    ``prompts`` is given: it returns the JSON-ready list) on a daemon thread."""
+    ``prompts`` is given: it returns the JSON-ready list) on a daemon thread. Binding errors
+    (address in use) propagate as OSError."""
     server_cls = _Server6 if ":" in host else _Server
     server = server_cls((host, port), _Handler)
     server.metrics = metrics
-    server.engine_alive = engine_alive
-    server.ready = ready
+    server.health = health
     server.prompts = prompts
     thread = threading.Thread(
         target=server.serve_forever,

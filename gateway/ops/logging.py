@@ -4,17 +4,23 @@ JSON lines carry ``ts``, ``level``, ``logger``, ``msg`` and every ``extra=`` fie
 passed (``request_id``, ``stream``, ``code``, ...), one object per line. Per-request lines go to
 the ``zerolayer.requests`` logger, which is silenced unless ``logging.requests`` is on, so the hot
 path can check ``REQUEST_LOG.isEnabledFor(logging.INFO)`` once and skip formatting entirely.
+Everything the process writes to stderr goes through the one handler, so in JSON mode every line
+is JSON: ``announce`` (the "listening" line, written whatever the level), Python warnings, and
+uncaught exceptions of any thread.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import time
+from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["REQUEST_LOG", "JsonFormatter", "setup_logging"]
+__all__ = ["REQUEST_LOG", "JsonFormatter", "announce", "installed_handler", "setup_logging"]
 
 REQUEST_LOG = logging.getLogger("zerolayer.requests")
 
@@ -98,4 +104,38 @@ def setup_logging(
     root.setLevel(level.upper())
     # Errors always reach the log; per-request info lines only when asked for.
     REQUEST_LOG.setLevel(logging.INFO if requests else logging.WARNING)
+    logging.captureWarnings(True)  # warnings.warn (torch, ...) as log records, not raw stderr
+    sys.excepthook = _log_uncaught
+    threading.excepthook = lambda a: _log_uncaught(a.exc_type, a.exc_value, a.exc_traceback)
     return handler
+
+
+def _log_uncaught(
+    exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None
+) -> None:
+    logging.getLogger("zerolayer").critical("uncaught exception", exc_info=(exc_type, exc, tb))
+
+
+def installed_handler() -> logging.Handler | None:
+    """The handler setup_logging installed, or None before it ran."""
+    return next((h for h in logging.getLogger().handlers if isinstance(h, _OurHandler)), None)
+
+
+def announce(logger: str, msg: str, **fields: object) -> None:
+    """Write one info line whatever the configured level, in the process's format (plain:
+    ``... logger: msg k=v ...``; JSON: an object with the fields as keys). One write() with its
+    newline, so lines of workers sharing the stream never interleave. For start-up facts that
+    scripts wait for, like the bound ports."""
+    record = logging.LogRecord(logger, logging.INFO, __file__, 0, msg, None, None)
+    record.__dict__.update(fields)
+    handler = installed_handler()
+    formatter = handler.formatter if handler is not None and handler.formatter else None
+    line = (formatter or _PlainFormatter(_PLAIN_FORMAT)).format(record)
+    stream = getattr(handler, "stream", None) or sys.stderr
+    stream.flush()
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # an in-memory stream (tests)
+        stream.write(line + "\n")
+        return
+    os.write(fd, (line + "\n").encode())

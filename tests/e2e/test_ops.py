@@ -20,7 +20,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import rawclient as rc
-from tests.support.daemon import ROOT, Daemon
+from tests.support.daemon import ROOT, Daemon, free_port
 from tests.support.metrics import scrape, status, value
 
 
@@ -111,14 +111,8 @@ def test_systemd_notify_ready_watchdog_stopping():
         sock.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_reuse_port_workers_share_one_port():
-    port, mport = _free_port(), _free_port()
+    port, mport = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
     env.update(
         ZEROLAYER_ENGINE__BACKEND="synthetic",
@@ -171,7 +165,7 @@ def test_reuse_port_workers_share_one_port():
 
 
 def test_a_worker_that_fails_to_start_stops_the_others():
-    port = _free_port()
+    port = free_port()
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
     blocker.listen()
@@ -194,7 +188,11 @@ def test_a_worker_that_fails_to_start_stops_the_others():
     try:
         _, err = proc.communicate(timeout=90)
         assert proc.returncode != 0
-        assert "cannot start" in err and "stopping the others" in err
+        assert (
+            f"cannot start: the metrics and health HTTP port 127.0.0.1:{taken} (metrics.port)"
+            in err
+        )
+        assert "stopping the others" in err
     finally:
         blocker.close()
         with contextlib.suppress(ProcessLookupError):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +15,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"zerolayer: listening frame=([\d.]+):(\d+)")
+
+
+def free_port() -> int:
+    """A loopback port free right now (another process may take it before we bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening_fields(line: str) -> dict[str, str] | None:
+    """The fields of the daemon's "listening" line (frame, metrics, model, backend, hooks) in
+    either log format: plain ``... zerolayer: listening frame=H:P ...`` or a JSON object."""
+    if line.startswith("{"):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+        if record.get("msg") != "listening" or "frame" not in record:
+            return None
+        return {k: str(v) for k, v in record.items()}
+    if not _LISTENING.search(line):
+        return None
+    return dict(re.findall(r"(\w+)=(\S+)", line))
 
 
 class Daemon:
@@ -46,15 +71,14 @@ class Daemon:
             if not line:
                 break
             self.lines.append(line)
-            m = _LISTENING.search(line)
-            if m:
-                self.host, self.port = m.group(1), int(m.group(2))
-                metrics = re.search(r"metrics=([\d.]+):(\d+)", line)
-                self.metrics_url = (
-                    f"http://{metrics.group(1)}:{metrics.group(2)}" if metrics else None
-                )
+            fields = listening_fields(line)
+            if fields is not None:
+                host, _, port = fields["frame"].rpartition(":")
+                self.host, self.port = host, int(port)
+                metrics = fields.get("metrics", "off")
+                self.metrics_url = None if metrics == "off" else f"http://{metrics}"
                 self.endpoint = f"tcp://{self.host}:{self.port}"
-                self.extra = dict(re.findall(r"(\w+)=(\S+)", line))
+                self.extra = fields
                 # Keep draining stderr so a chatty daemon never blocks on a full pipe.
                 threading.Thread(target=self._drain, daemon=True).start()
                 return

@@ -26,3 +26,12 @@ def status(url: str) -> int:
         return urllib.request.urlopen(url, timeout=5).status
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+def probe(url: str) -> tuple[int, str]:
+    """(status, body) of a health endpoint; 503 answers are returned, not raised."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()

@@ -178,8 +178,26 @@ def test_config_supplies_tokenizer_and_budget(tmp_path, capsys) -> None:
 def test_missing_input_is_a_usage_error(tmp_path, capsys) -> None:
     code, _, err = check([str(tmp_path / "nope.txt")], capsys)
     assert code == 2 and "cannot read" in err
-    code, _, err = check([], capsys)
-    assert code == 2 and "give a FILE" in err
+
+
+def test_without_file_or_config_the_default_configs_prompts_are_checked(capsys) -> None:
+    # Like `serve` without --config: configs/default.toml, which registers no prompts.
+    code, out, _ = check([], capsys)
+    assert code == 1
+    assert out == [f"ERROR: {ROOT / 'configs' / 'default.toml'} has no [[prompts]] entries"]
+
+
+def test_without_config_the_environment_still_applies(tmp_path, capsys, monkeypatch) -> None:
+    # Regression: compile-check without --config ignored ZEROLAYER_* (serve does not): a model
+    # path set only in the environment must be the tokenizer that counts.
+    monkeypatch.setenv("ZEROLAYER_MODEL__PATH", str(tmp_path / "no-such-model"))
+    code, _, err = check([write(tmp_path / "p.json", json.dumps({"system": TERSE}))], capsys)
+    assert code == 2
+    assert "no-such-model" in err
+    monkeypatch.setenv("ZEROLAYER_ENGINE__MAX_PREFIX_TOKENS", "3")
+    monkeypatch.delenv("ZEROLAYER_MODEL__PATH")
+    code, out, _ = check([write(tmp_path / "q.json", json.dumps({"system": TERSE}))], capsys)
+    assert code == 1 and "3" in out[0]
 
 
 @pytest.mark.skipif(

@@ -80,3 +80,61 @@ def test_missing_and_unparsable_files(tmp_path):
     bad.write_text("[server\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "section"),
+    [
+        ("ZEROLAYER_TLS__CERT_FILE", "tls"),  # a section this build does not have
+        ("ZEROLAYER_SERVRE__PORT", "servre"),  # a typo in a real one
+        ("ZEROLAYER_SERVER_PORT", "server_port"),  # one underscore where two were meant
+    ],
+)
+def test_an_unknown_section_in_the_environment_is_an_error(monkeypatch, name, section):
+    # Regression: pydantic-settings skips variables that match no field, so these were ignored.
+    monkeypatch.setenv(name, "7071")
+    with pytest.raises(ConfigError) as exc:
+        load_settings(DEFAULT_CONFIG)
+    assert str(exc.value).startswith(
+        f"environment variable {name}: no configuration section or key {section!r} (known: "
+    )
+
+
+def test_variables_that_are_not_settings_are_allowed(monkeypatch):
+    monkeypatch.setenv("ZEROLAYER_DEBUG", "1")
+    assert load_settings(DEFAULT_CONFIG).server.port == 7070
+
+
+def test_a_missing_default_config_is_an_error_not_a_fall_back(monkeypatch, tmp_path):
+    # Regression: a missing configs/default.toml silently meant the built-in defaults.
+    import gateway.config as config
+
+    monkeypatch.setattr(config, "DEFAULT_CONFIGS", (tmp_path / "a.toml", tmp_path / "b.toml"))
+    with pytest.raises(ConfigError) as exc:
+        load_settings()
+    assert str(exc.value) == (
+        f"no --config given and no default config at {tmp_path / 'a.toml'} or "
+        f"{tmp_path / 'b.toml'}; pass --config FILE"
+    )
+    (tmp_path / "b.toml").write_text("[server]\nport = 7171\n")  # the second place counts
+    assert load_settings().server.port == 7171
+
+
+def test_the_default_config_is_found_from_any_directory(monkeypatch, tmp_path):
+    from gateway.config import default_config_path
+
+    monkeypatch.chdir(tmp_path)
+    assert default_config_path() == ROOT / "configs" / "default.toml"
+
+
+def test_changed_keys_names_each_difference(tmp_path):
+    from gateway.config import changed_keys
+
+    old = load_settings(DEFAULT_CONFIG)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[ratelimit]\ndefault_rpm = 120\n[server]\nport = 7071\n")
+    assert changed_keys(old, load_settings(cfg)) == [
+        "ratelimit.default_rpm: None -> 120",
+        "server.port: 7070 -> 7071",
+    ]
+    assert changed_keys(old, old) == []

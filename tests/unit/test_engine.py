@@ -577,3 +577,22 @@ def test_stop_closes_the_backend_on_the_engine_thread():
     engine_thread = compute.thread.ident
     engine.stop()
     assert closed_on == [engine_thread]
+
+
+def test_admission_is_round_robin_across_fairness_keys():
+    """One client queues 12 sequences, another then sends one: it gets the next free slot
+    instead of waiting behind all 12 (2 slots, each sequence 4 tokens)."""
+    engine, sink = make_engine(Scripted([5, 6, 7, 8], num_slots=2))
+    order: list[str] = []
+    for i in range(12):
+        engine.submit(Sequence(f"a{i}", np.array([1, 2], np.int32), 4, SamplingRow(), fair_key="A"))
+    engine.step()  # a0 and a1 take both slots
+    engine.submit(Sequence("b", np.array([1, 2], np.int32), 4, SamplingRow(), fair_key="B"))
+    for _ in range(200):
+        for out in engine.step():
+            if out[FINISH] != NOT_FINISHED:
+                order.append(out[OWNER])
+        if engine.idle:
+            break
+    assert len(order) == 13
+    assert order.index("b") <= 3  # after at most the two running and one more of A's

@@ -379,3 +379,24 @@ def test_async_chain_refusals_and_crashes_give_back_the_reservation(tmp_path):
         return codes
 
     assert asyncio.run(run()) == [INVALID_REQUEST, INTERNAL, INVALID_REQUEST, RATE_LIMITED]
+
+
+def test_a_hook_from_a_file_that_fails_to_start_is_named_by_its_file(tmp_path):
+    # Regression: the error named a generated module (zerolayer_hook_audit_hook_47966dc8).
+    example = REPO / "examples" / "audit_hook.py"
+    missing = tmp_path / "no-such-dir" / "audit.jsonl"
+    with pytest.raises(HookConfigError) as exc:
+        Chain.build(settings([str(example)], options={"audit": {"path": str(missing)}}))
+    assert str(exc.value) == (
+        f"hooks.options.audit.path {missing}: No such file or directory (create its directory, "
+        "writable by the daemon's user)"
+    )
+    boom = tmp_path / "boom_hook.py"
+    boom.write_text(
+        "from gateway.hooks import hook\n\n@hook\nclass Boom:\n"
+        "    def __init__(self, settings):\n        raise RuntimeError('no')\n\n"
+        "    def on_done(self, ctx, result):\n        pass\n"
+    )
+    with pytest.raises(HookConfigError) as exc:
+        Chain.build(settings([str(boom)]))
+    assert str(exc.value) == f"hook {boom}:Boom failed to start: RuntimeError: no"

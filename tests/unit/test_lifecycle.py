@@ -51,14 +51,11 @@ class Door:
         self.endings.append((st.key, "error", code))
 
     def column_writer(self, streams: list[Stream]):  # noqa: ANN201
-        door = self
+        def write(tokens: np.ndarray) -> None:
+            for st, t in zip(streams, tokens.tolist(), strict=True):
+                self.tokens.setdefault(st.key, []).append(t)
 
-        class Writer:
-            def write(self, tokens: np.ndarray) -> None:
-                for st, t in zip(streams, tokens.tolist(), strict=True):
-                    door.tokens.setdefault(st.key, []).append(t)
-
-        return Writer()
+        return write
 
     def stream_ended(self, st: Stream) -> None:
         self.ended.append(st.key)

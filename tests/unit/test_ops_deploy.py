@@ -160,6 +160,9 @@ def test_compose_and_prometheus(monkeypatch: pytest.MonkeyPatch) -> None:
         s = load_settings(ROOT / "configs" / "inf2.toml")  # env wins over any file
         assert s.engine.backend in ("synthetic", "cpu")
         assert s.server.host == "0.0.0.0" and s.metrics.host == "0.0.0.0"
+        # The replicas share the compose file's Redis (the service name is its host name).
+        assert (s.ratelimit.store, s.cache.store) == ("redis", "redis")
+        assert s.ratelimit.redis_url == s.cache.redis_url == "redis://redis:6379/0"
     prom = load_yaml(DEPLOY / "prometheus.yml")[0]
     targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
     assert sorted(targets) == sorted(f"{n}:9464" for n in daemons)

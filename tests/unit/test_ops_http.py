@@ -1,4 +1,5 @@
-"""The metrics/health HTTP server: Prometheus text, and probes that follow their callables."""
+"""The metrics/health HTTP server: Prometheus text, and probes that follow gateway.ops.readiness
+(503 with the reason in the body, from start-up on)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.ops.health import HttpServerHandle, start_http_server
 from gateway.ops.metrics import Metrics
+from gateway.ops.readiness import Health, StorePing
 
 
 class Flags:
@@ -20,11 +22,21 @@ class Flags:
         self.ready = False
 
 
+def health_of(alive: object, ready: object) -> Health:
+    """A Health past start-up whose checks follow two callables returning bools."""
+    health = Health()
+    health.add_liveness(lambda: None if alive() else "engine not stepping")
+    health.add_readiness(lambda: None if ready() else "draining")
+    health.serving()
+    return health
+
+
 @pytest.fixture
 def served() -> Iterator[tuple[HttpServerHandle, Metrics, Flags]]:
     m = Metrics()
     flags = Flags()
-    handle = start_http_server("127.0.0.1", 0, m, lambda: flags.alive, lambda: flags.ready)
+    health = health_of(lambda: flags.alive, lambda: flags.ready)
+    handle = start_http_server("127.0.0.1", 0, m, health)
     try:
         yield handle, m, flags
     finally:
@@ -68,29 +80,67 @@ def test_healthz_follows_engine_alive(served: tuple[HttpServerHandle, Metrics, F
     handle, _, flags = served
     assert get(handle, "/healthz")[0] == 200
     flags.alive = False
-    assert get(handle, "/healthz")[0] == 503
+    status, _, body = get(handle, "/healthz")
+    assert (status, body) == (503, "engine not stepping\n")
     flags.alive = True
     assert get(handle, "/healthz")[0] == 200
 
 
 def test_readyz_flips_for_drain(served: tuple[HttpServerHandle, Metrics, Flags]) -> None:
     handle, _, flags = served
-    assert get(handle, "/readyz")[0] == 503  # model not loaded yet
+    assert get(handle, "/readyz")[0] == 503
     flags.ready = True
     assert get(handle, "/readyz")[0] == 200
     flags.ready = False  # draining
     status, _, body = get(handle, "/readyz")
-    assert status == 503
-    assert "not ready" in body
+    assert (status, body) == (503, "draining\n")
+    flags.alive = False  # every failing reason is named
+    assert get(handle, "/readyz")[2] == "engine not stepping; draining\n"
+
+
+def test_both_probes_say_the_start_up_step_until_serving() -> None:
+    health = Health()
+    handle = start_http_server("127.0.0.1", 0, Metrics(), health)
+    try:
+        health.starting("loading model")
+        assert get(handle, "/healthz")[::2] == (503, "starting: loading model\n")
+        assert get(handle, "/readyz")[::2] == (503, "starting: loading model\n")
+        assert get(handle, "/metrics")[0] == 200  # scrapes work during start-up
+        health.serving()
+        assert get(handle, "/readyz")[::2] == (200, "ok\n")
+    finally:
+        handle.close()
+
+
+def test_store_ping_reports_the_failure_and_the_recovery() -> None:
+    state = {"up": True}
+
+    def ping() -> bool:
+        if not state["up"]:
+            raise ConnectionError("Connection refused")
+        return True
+
+    store = StorePing("ratelimit.redis_url redis://x", ping)
+    store.probe_once()
+    assert store.check() is None
+    state["up"] = False
+    store.probe_once()
+    assert store.check() == "ratelimit.redis_url redis://x unreachable: Connection refused"
+    state["up"] = True
+    store.probe_once()
+    assert store.check() is None
 
 
 def test_probe_that_raises_is_503() -> None:
     def boom() -> bool:
         raise RuntimeError("engine gone")
 
-    handle = start_http_server("127.0.0.1", 0, Metrics(), boom, boom)
+    handle = start_http_server("127.0.0.1", 0, Metrics(), health_of(boom, boom))
     try:
-        assert get(handle, "/healthz")[0] == 503
+        assert get(handle, "/healthz")[::2] == (
+            503,
+            "health check failed: RuntimeError: engine gone\n",
+        )
         assert get(handle, "/readyz")[0] == 503
         assert get(handle, "/metrics")[0] == 200  # the server thread survived
     finally:
@@ -111,7 +161,7 @@ def test_served_off_the_calling_thread(served: tuple[HttpServerHandle, Metrics, 
         seen.append(threading.current_thread().name)
         return True
 
-    handle2 = start_http_server("127.0.0.1", 0, m, probe, probe)
+    handle2 = start_http_server("127.0.0.1", 0, m, health_of(probe, probe))
     try:
         assert get(handle2, "/healthz")[0] == 200
     finally:
@@ -120,8 +170,8 @@ def test_served_off_the_calling_thread(served: tuple[HttpServerHandle, Metrics, 
 
 
 def test_close_releases_port() -> None:
-    handle = start_http_server("127.0.0.1", 0, Metrics(), lambda: True, lambda: True)
+    handle = start_http_server("127.0.0.1", 0, Metrics(), Health())
     port = handle.port
     handle.close()
-    again = start_http_server("127.0.0.1", port, Metrics(), lambda: True, lambda: True)
+    again = start_http_server("127.0.0.1", port, Metrics(), Health())
     again.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -90,3 +92,53 @@ def test_setup_twice_replaces_handler() -> None:
     logging.getLogger("y").info("once")
     assert a.getvalue() == ""
     assert len(b.getvalue().splitlines()) == 1
+
+
+FIELDS = {"frame": "127.0.0.1:7070", "metrics": "127.0.0.1:9464", "model": "m", "hooks": "a,b"}
+
+
+def test_announce_is_written_whatever_the_level_in_both_formats() -> None:
+    from gateway.ops.logging import announce
+    from tests.support.daemon import listening_fields
+
+    for json_lines in (False, True):
+        out = io.StringIO()
+        setup_logging("error", json_lines=json_lines, stream=out)
+        announce("zerolayer", "listening", **FIELDS)
+        (line,) = out.getvalue().splitlines()
+        if json_lines:
+            record = json.loads(line)
+            assert (record["level"], record["logger"], record["msg"]) == (
+                "info",
+                "zerolayer",
+                "listening",
+            )
+        else:
+            assert line.endswith(
+                " INFO zerolayer: listening frame=127.0.0.1:7070 metrics=127.0.0.1:9464 "
+                "model=m hooks=a,b"
+            )
+        # The test helper that waits for daemons reads both.
+        fields = listening_fields(line)
+        assert fields is not None and {k: fields[k] for k in FIELDS} == FIELDS
+
+
+def test_warnings_and_uncaught_thread_errors_are_json_lines() -> None:
+    # In a fresh interpreter: pytest replaces warning and thread-exception hooks of its own.
+    script = """
+import threading, warnings
+from gateway.ops.logging import setup_logging
+setup_logging("info", json_lines=True)
+warnings.warn("old knob", UserWarning)
+t = threading.Thread(target=lambda: 1 / 0)
+t.start()
+t.join()
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout == ""
+    records = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert any("UserWarning: old knob" in r["msg"] for r in records)
+    (crash,) = [r for r in records if r["msg"] == "uncaught exception"]
+    assert "ZeroDivisionError: division by zero" in crash["exc"]

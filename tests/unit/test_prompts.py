@@ -442,11 +442,12 @@ def test_registered_prompt_output_is_identical_to_inline_on_a_transformers_check
 def test_prompts_are_listed_on_the_metrics_port() -> None:
     from gateway.ops.health import start_http_server
     from gateway.ops.metrics import Metrics
+    from gateway.ops.readiness import Health
 
     reg = build([{"id": 9, "name": "b", "text": "B."}, {"id": 4, "name": "a", "text": SYSTEM}])
     reg.compile(synthetic_store(1))
-    handle = start_http_server("127.0.0.1", 0, Metrics(), lambda: True, lambda: True, reg.describe)
-    plain = start_http_server("127.0.0.1", 0, Metrics(), lambda: True, lambda: True)
+    handle = start_http_server("127.0.0.1", 0, Metrics(), Health(), reg.describe)
+    plain = start_http_server("127.0.0.1", 0, Metrics(), Health())
     try:
         ids4, ids9 = reg.by_id(4).ids, reg.by_id(9).ids
         url = f"http://127.0.0.1:{handle.port}/prompts"

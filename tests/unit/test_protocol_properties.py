@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway import protocol as p
-from gateway.protocol import ErrorCode, FinishReason, FrameType, ProtocolError
+from gateway.codes import DONE_REASONS
+from gateway.protocol import ErrorCode, FrameType, ProtocolError
 
 MAX = 1 << 20
 U16 = 2**16 - 1
@@ -203,7 +204,7 @@ def tokens(draw: st.DrawFn) -> Case:
 def dones(draw: st.DrawFn) -> Case:
     stream = draw(STREAM)
     done = p.Done(
-        draw(st.sampled_from(list(FinishReason))),
+        draw(st.sampled_from(DONE_REASONS)),
         draw(st.integers(0, 3)),
         *(draw(st.integers(0, U32)) for _ in range(5)),
     )

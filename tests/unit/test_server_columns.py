@@ -11,85 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from gateway import protocol as p
-from gateway.config import Settings
-from gateway.engine.engine import Engine
-from gateway.engine.factory import build_backend
-from gateway.hooks import Chain, Completion
-from gateway.inputs import InputProcessor
-from gateway.lifecycle import RequestPath
-from gateway.ops.metrics import Metrics
+from gateway.hooks import Completion
 from gateway.protocol import ErrorCode, FrameType
-from gateway.server import Connection, Server
-
-
-class FakeTransport:
-    """What Connection uses of an asyncio transport; keeps what was written."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.writes = 0
-        self.closed = False
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return default
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-        self.writes += 1
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def make_server() -> tuple[Server, list[Completion]]:
-    settings = Settings(
-        engine={
-            "backend": "synthetic",
-            "max_batch_size": 8,
-            "max_context": 96,
-            "synthetic_vocab_size": 300,
-        }
-    )
-    backend, tokenizer = build_backend(settings)
-    chain = Chain.build(settings)
-    completions: list[Completion] = []
-    on_done = chain.on_done
-
-    def record(ctx, completion: Completion) -> None:
-        completions.append(completion)
-        on_done(ctx, completion)
-
-    chain.on_done = record  # type: ignore[method-assign]
-    engine = Engine(
-        backend,
-        tokenizer,
-        lambda outputs, column: None,  # never started: the test steps it
-        max_queue=64,
-        max_step_tokens=64,
-        prefill_chunk=16,
-    )
-    metrics = Metrics()
-    path = RequestPath(engine, InputProcessor(tokenizer, backend.info), chain, metrics)
-    return Server(settings.server, path, backend.info, metrics), completions
-
-
-def connect(server: Server) -> tuple[Connection, FakeTransport]:
-    conn = Connection(server)
-    transport = FakeTransport()
-    conn.connection_made(transport)  # type: ignore[arg-type]
-    return conn, transport
-
-
-def send(conn: Connection, data: bytes) -> None:
-    buf = conn.get_buffer(len(data))
-    buf[: len(data)] = data
-    conn.buffer_updated(len(data))
+from tests.support.inproc import connect, make_server, send
 
 
 def frames(data: bytes) -> list[tuple[int, int, bytes]]:

@@ -1,0 +1,148 @@
+"""The ``zerolayer`` command as an operator meets it: one-line errors (tracebacks only with
+--debug), help text on every option, the README's commands block equal to ``--help``, the
+request ``generate`` sends, and terminal-safe output. No daemon here (tests/e2e/test_cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import COMMANDS, build_parser, generate_request, terminal_safe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *argv],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_readme_commands_block_is_the_help_epilog() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Commands\n\n```\n(.*?)\n```", readme, re.S)
+    assert block is not None
+    assert block.group(1) == COMMANDS
+    assert COMMANDS in build_parser().format_help()
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(parser.prog, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
+def test_every_option_has_help_text() -> None:
+    missing = [
+        f"{prog} {action.dest}"
+        for prog, parser in _parsers(build_parser())
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+        and not action.help
+    ]
+    assert missing == []
+
+
+def _generate_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["generate", *argv])
+
+
+def test_generate_sends_chat_by_default_and_text_with_raw() -> None:
+    chat = generate_request(_generate_args("What is the capital of France?"))
+    assert chat == {
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
+    raw = generate_request(_generate_args("--raw", "--max-tokens", "5", "Once upon"))
+    assert raw == {"max_tokens": 5, "temperature": 0.0, "prompt": "Once upon"}
+    for mode in ((), ("--raw",)):
+        req = generate_request(
+            _generate_args(*mode, "--system", "Be terse.", "--prompt-id", "3", "--seed", "7", "x")
+        )
+        assert (req["system"], req["prompt_id"], req["seed"]) == ("Be terse.", 3, 7)
+
+
+def test_terminal_output_escapes_control_characters() -> None:
+    assert terminal_safe("a\x0fb\x03c\x1b[2Jd\x7f\x9b") == "a\\x0fb\\x03c\\x1b[2Jd\\x7f\\x9b"
+    assert terminal_safe("line\n\ttab é 猫 🙂") == "line\n\ttab é 猫 🙂"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "status", "line"),
+    [
+        (
+            ["config"],
+            {"ZEROLAYER_HOOKS__MODULES": "my_hooks"},
+            2,
+            "zerolayer: environment variable ZEROLAYER_HOOKS__MODULES='my_hooks': not a valid "
+            "value for 'hooks'; lists and tables are written as JSON, e.g. "
+            "ZEROLAYER_HOOKS__MODULES='[\"my_hooks\"]'",
+        ),
+        (
+            ["config"],
+            {"ZEROLAYER_SERVER__PORT": "seventy"},
+            2,
+            "zerolayer: invalid configuration: server.port: Input should be a valid integer, "
+            "unable to parse string as an integer",
+        ),
+        (
+            ["generate", "--endpoint", "http://127.0.0.1:8080/v1", "hi"],
+            {},
+            1,
+            "zerolayer: endpoint must look like tcp://HOST:PORT, got 'http://127.0.0.1:8080/v1'",
+        ),
+    ],
+)
+def test_user_errors_are_one_line_and_non_zero(
+    argv: list[str], env: dict[str, str], status: int, line: str
+) -> None:
+    proc = run_cli(*argv, **env)
+    assert (proc.returncode, proc.stderr) == (status, line + "\n")
+    assert proc.stdout == ""
+
+
+def test_debug_shows_the_traceback() -> None:
+    for argv, env in (
+        (["--debug", "config"], {"ZEROLAYER_SERVER__PORT": "seventy"}),
+        (["config"], {"ZEROLAYER_SERVER__PORT": "seventy", "ZEROLAYER_DEBUG": "1"}),
+    ):
+        proc = run_cli(*argv, **env)
+        assert proc.returncode != 0
+        assert "Traceback (most recent call last)" in proc.stderr
+        assert "server.port" in proc.stderr
+
+
+def test_an_unknown_section_in_the_environment_stops_the_start() -> None:
+    # Regression: ZEROLAYER_<SECTION>__KEY for a section that does not exist was ignored.
+    proc = run_cli("serve", ZEROLAYER_TSL__CERT_FILE="/etc/cert.pem")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(
+        "zerolayer: environment variable ZEROLAYER_TSL__CERT_FILE: no configuration section "
+        "or key 'tsl' (known: auth, cache, "
+    )
+    assert proc.stderr.count("\n") == 1
+
+
+def test_the_user_error_list_names_real_exception_classes() -> None:
+    import importlib
+
+    from gateway.cli import _USER_ERRORS
+
+    for module, name in _USER_ERRORS:
+        assert issubclass(getattr(importlib.import_module(module), name), Exception)
