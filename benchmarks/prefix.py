@@ -48,9 +48,9 @@ from tests.support.daemon import Daemon  # noqa: E402
 
 PREFIX_TOKENS = 1000
 USER_TOKENS = 24
-SHARED_REQUESTS = 8
+SHARED_REQUESTS = 10
 SHARED_MAX_TOKENS = 8
-CONVERSATIONS = 3
+CONVERSATIONS = 4
 TURNS = 8
 SYSTEM_TOKENS = 48
 ANSWER_TOKENS = 32
@@ -122,7 +122,14 @@ async def part_conversation(clients: dict[str, Client], gen: Ids) -> list[list[d
     return conversations
 
 
+def load_average() -> float:
+    """The machine's 1-minute load average: how busy the shared machine was."""
+    with open("/proc/loadavg") as fh:
+        return float(fh.read().split()[0])
+
+
 async def measure(endpoints: dict[str, str], gen: Ids, daemons: dict[str, Daemon]) -> dict:
+    loads = [load_average()]
     clients = {mode: await Client.connect(endpoints[mode]) for mode in MODES}
     try:
         warm = gen.take(64, first=True)  # first allocations and kernels, on both sides
@@ -130,7 +137,9 @@ async def measure(endpoints: dict[str, str], gen: Ids, daemons: dict[str, Daemon
         t0 = time.perf_counter()
         shared = await part_shared(clients, gen)
         shared_store = store_facts(daemons["reuse"])
+        loads.append(load_average())
         conv = await part_conversation(clients, gen)
+        loads.append(load_average())
         conv_store = store_facts(daemons["reuse"])
         seconds = time.perf_counter() - t0
     finally:
@@ -142,6 +151,7 @@ async def measure(endpoints: dict[str, str], gen: Ids, daemons: dict[str, Daemon
         "store_after_shared": shared_store,
         "store_after_conversation": conv_store,
         "seconds": seconds,
+        "load_average": loads,
     }
 
 
@@ -186,6 +196,7 @@ def summarise(raw: dict, kv_bytes_per_token: int) -> dict:
     }
     out["kv_bytes_per_token"] = kv_bytes_per_token
     out["seconds"] = raw["seconds"]
+    out["load_average"] = raw["load_average"]
     return out
 
 
@@ -222,9 +233,11 @@ def markdown(r: dict, m: dict, args: argparse.Namespace, model: str) -> str:
             "cache off, no prompt registered; one has `engine.prefix_cache` on (the default), "
             "the other off. Every request goes to both, one after the other (one request in "
             "flight at a time), as token ids; greedy. TTFT is the daemon's DONE `ttft_us`. "
-            f"Block size {16} tokens; KV is {per_token:,} bytes per token. Ran on a shared 2-core "
-            "machine while other jobs were busy: absolute times are noisy, the two columns of "
-            "one row were measured moments apart.",
+            f"Block size 16 tokens; KV is {per_token:,} bytes per token. Ran on a shared 2-core "
+            "machine while other jobs were busy (1-minute load average "
+            + ", ".join(f"{x:.1f}" for x in r["load_average"])
+            + " at the start, between the parts and at the end): absolute times are noisy, the "
+            "two columns of one row were measured moments apart.",
             "",
             f"**(a) Shared unregistered prefix**: {s['prefix_tokens']} tokens + a distinct "
             f"{s['user_tokens']}-token user turn, {SHARED_MAX_TOKENS} tokens out. Aim: later "

@@ -102,10 +102,6 @@ class PrefixStore:
         """Full blocks held (pinned and cached)."""
         return len(self._blocks)
 
-    @property
-    def nbytes(self) -> int:
-        return self.pinned_bytes + self.cached_bytes
-
     def _block_ids(self, ids: np.ndarray, n_blocks: int) -> list[bytes]:
         b = self.block_tokens
         data = np.ascontiguousarray(ids[: n_blocks * b], dtype=np.int32).tobytes()
@@ -251,16 +247,3 @@ class PrefixStore:
     def _report_bytes(self) -> None:
         if self._metrics is not None:
             self._metrics.prefix_bytes(self.pinned_bytes, self.cached_bytes)
-
-    def describe(self) -> dict[str, int]:
-        """Facts for logs and benchmarks."""
-        return {
-            "block_tokens": self.block_tokens,
-            "blocks": self.blocks,
-            "pinned_bytes": self.pinned_bytes,
-            "cached_bytes": self.cached_bytes,
-            "capacity_bytes": self.capacity_bytes,
-            "queried_tokens": self.queried_tokens,
-            "hit_tokens": self.hit_tokens,
-            "evicted_blocks": self.evicted_blocks,
-        }
