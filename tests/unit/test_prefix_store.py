@@ -303,3 +303,20 @@ def test_the_daemon_builds_a_store_only_where_reuse_happens() -> None:
 
     nokv = NoKV(num_slots=1, vocab_size=259, max_context=64)
     assert build_prefix_store(settings(), nokv, None, registered=0) is None
+
+
+def test_the_engine_prefills_only_what_the_store_does_not_have() -> None:
+    from gateway.engine.engine import Engine
+
+    backend = synthetic()
+    store = PrefixStore(backend, 1 << 20)
+    prompt = ids(3 * B + 5, 50)
+    offered(store, prompt)
+    engine = Engine(backend, TOK, lambda *_: None, max_queue=4, max_step_tokens=512,
+                    prefill_chunk=256, prefix_store=store)  # fmt: skip
+    seq = Sequence("a", np.concatenate([prompt, ids(4, 51)]), 2, SamplingRow())
+    engine.submit(seq)
+    plan = engine.schedule([])
+    assert plan is not None and seq.reused == 3 * B
+    (chunk,) = plan.chunks
+    assert chunk.start == 3 * B and len(chunk.tokens) == len(seq.prompt) - 3 * B and chunk.last
