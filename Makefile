@@ -28,13 +28,19 @@ test: $(STAMP) redis
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
+# Benchmarks print only unless given --write; this target updates the tracked results and docs.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/serving.py
-	$(BIN)/python benchmarks/engine.py --dtype float32
-	$(BIN)/python benchmarks/engine.py --dtype bfloat16 --runs 3
-	$(BIN)/python benchmarks/hooks.py
-	$(BIN)/python benchmarks/prompts.py --size medium
-	$(BIN)/python benchmarks/prompts.py --size builtin
+	$(BIN)/python benchmarks/serving.py --write
+	$(BIN)/python benchmarks/serving.py --scenario engine-step --write
+	$(BIN)/python benchmarks/engine.py --dtype float32 --write
+	$(BIN)/python benchmarks/engine.py --dtype bfloat16 --runs 3 --write
+	$(BIN)/python benchmarks/hooks.py --write
+	$(BIN)/python benchmarks/prompts.py --size medium --write
+	$(BIN)/python benchmarks/prompts.py --size builtin --write
+	$(BIN)/python benchmarks/prefix.py --write
+	$(BIN)/python benchmarks/connections.py --write
+	$(BIN)/python benchmarks/fairness.py --write
+	$(BIN)/python benchmarks/tls.py --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway kernels tests benchmarks

@@ -1,12 +1,23 @@
-"""Shared by the benchmark scripts: machine facts, JSON results, sections of docs/benchmarks.md."""
+"""Shared by the benchmark scripts: the command line they share (``--write``, SIGTERM), machine
+facts, and publishing: JSON results and sections of docs/benchmarks.md.
+
+A benchmark is a tool first: it prints its table and writes tracked files (benchmarks/results/,
+docs/benchmarks.md) only when run with ``--write`` (``make bench`` passes it). ``parser`` builds
+every benchmark's argument parser and turns SIGTERM into a normal exit, so ``with Daemon(...)``
+blocks and ``finally`` clauses stop the children; the children also get SIGKILL from the kernel
+if the benchmark dies without cleaning up (tests/support/daemon.py's ``die_with_parent``).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import re
+import signal
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,8 +45,13 @@ def machine() -> dict:
         ).stdout.strip()
     except OSError:
         commit = ""
+    try:
+        load = float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        load = None
     return {
         "cpu": cpu,
+        "load_average_1m": load,
         "cores": os.cpu_count(),
         "memory_gib": mem,
         "python": platform.python_version(),
@@ -46,20 +62,48 @@ def machine() -> dict:
 
 
 def machine_line(m: dict) -> str:
+    load = m.get("load_average_1m")
+    busy = f"; 1-minute load average {load:.1f} when it started" if load is not None else ""
     return (
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}, "
-        f"{m['os']}; commit {m['commit']}, {m['date']}."
+        f"{m['os']}; commit {m['commit']}, {m['date']}{busy}."
     )
 
 
-def write_json(name: str, data: dict) -> Path:
+def parser(description: str | None = None) -> argparse.ArgumentParser:
+    """An ArgumentParser with ``--write``; SIGTERM from here on exits like Ctrl-C would."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument(
+        "--write",
+        action="store_true",
+        help="update benchmarks/results/*.json and docs/benchmarks.md (default: print only)",
+    )
+    return ap
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def publish(args: argparse.Namespace, name: str, data: dict, markdown: str) -> None:
+    """Print ``markdown``; with ``--write`` also write results/NAME.json and the doc section."""
+    print(markdown)
+    if not args.write:
+        print(f"(not written: pass --write to update results/{name}.json)", file=sys.stderr)
+        return
+    _write_json(name, data)
+    _write_section(name, markdown)
+
+
+def _write_json(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
 
-def write_section(name: str, markdown: str) -> None:
+def _write_section(name: str, markdown: str) -> None:
     """Replace (or append) the section between <!-- NAME:begin --> and <!-- NAME:end -->."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway import protocol as p  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
@@ -113,13 +113,12 @@ async def measure(args: argparse.Namespace, d: Daemon) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--connections", type=int, default=10_000)
     ap.add_argument("--concurrency", type=int, default=200, help="connections opened at a time")
     ap.add_argument("--active", type=int, default=1000, help="streams at once (10 a connection)")
     ap.add_argument("--tokens", type=int, default=50, help="tokens per active stream")
     ap.add_argument("--step-ms", type=float, default=5.0, help="synthetic engine step time")
-    ap.add_argument("--write", action="store_true", help="write results JSON and docs section")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = args.connections + 200
@@ -178,10 +177,7 @@ def main() -> None:
         "the systemd unit sets `LimitNOFILE=1048576`; the daemon raises its soft limit to the "
         "hard one at start.\n\n" + machine_line(result["machine"])
     )
-    print(md)
-    if args.write:
-        write_json("connections", result)
-        write_section("connections", md)
+    publish(args, "connections", result, md)
 
 
 if __name__ == "__main__":

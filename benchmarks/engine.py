@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -694,7 +694,7 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument(
         "--size",
         choices=sorted(SIZE_DEFAULTS),
@@ -725,7 +725,6 @@ def main() -> None:
         help="before each run, wait up to this many seconds for other load to go away",
     )
     ap.add_argument("--no-diagnostic", action="store_true", help="skip the in-process run")
-    ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args()
     tokens, requests, runs = SIZE_DEFAULTS[args.size]
     args.tokens = args.tokens or tokens
@@ -794,11 +793,7 @@ def main() -> None:
     for group in (results["zerolayer"], results["transformers"]):
         for run in group.values():
             run.pop("outputs")
-    md = render(results, args)
-    print(md)
-    if not args.no_write:
-        write_json(f"engine-{args.dtype}", results)
-        write_section(f"engine-{args.dtype}", md)
+    publish(args, f"engine-{args.dtype}", results, render(results, args))
 
 
 if __name__ == "__main__":

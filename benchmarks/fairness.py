@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway import protocol as p  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
@@ -71,12 +71,11 @@ async def run(host: str, port: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=256, help="client A's streams (one connection)")
     ap.add_argument("--a-tokens", type=int, default=100)
     ap.add_argument("--b-tokens", type=int, default=50)
     ap.add_argument("--step-ms", type=float, default=5.0, help="synthetic engine step time")
-    ap.add_argument("--write", action="store_true", help="write results JSON and docs section")
     args = ap.parse_args()
     env = {
         "ENGINE__SYNTHETIC_STEP_MS": str(args.step_ms),
@@ -107,10 +106,7 @@ def main() -> None:
         + "\n\n"
         + machine_line(result["machine"])
     )
-    print(md)
-    if args.write:
-        write_json("fairness", result)
-        write_section("fairness", md)
+    publish(args, "fairness", result, md)
 
 
 if __name__ == "__main__":

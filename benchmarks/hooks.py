@@ -11,12 +11,11 @@ Variants, each run side by side in one process on the same pre-built requests:
   so the DONE work is counted); the empty chain through the same awaited calls is its baseline.
 Prompts are PROMPT_LEN int32 ids, completions COMPLETION_LEN ids with text.
 
-    python benchmarks/hooks.py [--n 20000] [--redis-n 2000] [--runs 5] [--no-write]
+    python benchmarks/hooks.py [--n 20000] [--redis-n 2000] [--runs 5] [--write]
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -31,7 +30,7 @@ import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.config import AuthConfig  # noqa: E402
 from gateway.hooks import Chain, Completion, RequestContext  # noqa: E402
 from gateway.hooks.keys import add_key  # noqa: E402
@@ -168,14 +167,10 @@ ROWS = (
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser()
     ap.add_argument("--n", type=int, default=20000, help="requests per in-process measurement")
     ap.add_argument("--redis-n", type=int, default=2000, help="requests per Redis measurement")
     ap.add_argument("--runs", type=int, default=5, help="runs per variant; the median is kept")
-    ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument(
-        "--doc-fragment", help="write the markdown here instead of docs/benchmarks.md's section"
-    )
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,10 +217,8 @@ def main() -> None:
             machine_line(m),
         ]
     )
-    print(md)
-    if args.no_write:
-        return
-    write_json(
+    publish(
+        args,
         "hooks",
         {
             "machine": m,
@@ -236,11 +229,8 @@ def main() -> None:
             "completion_len": COMPLETION_LEN,
             "us_per_request": {"memory": mem, "redis": red},
         },
+        md,
     )
-    if args.doc_fragment:
-        Path(args.doc_fragment).write_text(md + "\n")
-    else:
-        write_section("hooks", md)
 
 
 if __name__ == "__main__":

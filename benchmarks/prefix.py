@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.client import Client  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
@@ -268,12 +268,11 @@ def markdown(r: dict, m: dict, args: argparse.Namespace, model: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=("medium", "builtin"), default="medium")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--data-dir", default="", help="where generated checkpoints are cached")
-    parser.add_argument("--write", action="store_true", help="write JSON and docs/benchmarks.md")
-    args = parser.parse_args()
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=("medium", "builtin"), default="medium")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--data-dir", default="", help="where generated checkpoints are cached")
+    args = ap.parse_args()
     if args.size == "medium":
         from benchmarks.engine import MEDIUM_CONFIG, ensure_medium, parameter_count
 
@@ -316,11 +315,8 @@ def main() -> int:
     result = summarise(raw, per_token)
     m = machine()
     text = markdown(result, m, args, model)
-    print(text)
-    if args.write:
-        report = {"machine": m, "size": args.size, "dtype": args.dtype, **result}
-        write_json(f"prefix-{args.size}", report)
-        write_section(f"prefix-{args.size}", text)
+    report = {"machine": m, "size": args.size, "dtype": args.dtype, **result}
+    publish(args, f"prefix-{args.size}", report, text)
     ok = result["shared"]["identical"] and result["conversation"]["identical"]
     if not ok:
         print("answers with reuse differ from answers without", file=sys.stderr)

@@ -27,7 +27,7 @@ Results: ``benchmarks/results/prompts-<size>.json`` and section ``prompts-<size>
 docs/benchmarks.md.
 
     python benchmarks/prompts.py [--size medium|builtin] [--dtype float32|bfloat16]
-                                 [--rounds N] [--no-write]
+                                 [--rounds N] [--write]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
+from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.client import Client  # noqa: E402
 from gateway.prompts import system_ids  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
@@ -288,18 +288,17 @@ def markdown(result: dict, m: dict, args: argparse.Namespace) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument(
         "--size",
         choices=sorted(ROUNDS),
         default="medium",
         help="medium (the 124M checkpoint of benchmarks/engine.py) or the built-in model",
     )
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--rounds", type=int, help="rounds per concurrency (default: by --size)")
-    parser.add_argument("--data-dir", default="", help="where generated checkpoints are cached")
-    parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args()
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--rounds", type=int, help="rounds per concurrency (default: by --size)")
+    ap.add_argument("--data-dir", default="", help="where generated checkpoints are cached")
+    args = ap.parse_args()
     args.rounds = args.rounds or ROUNDS[args.size]
     if args.size == "medium":
         from benchmarks.engine import ensure_medium, parameter_count
@@ -335,10 +334,7 @@ def main() -> int:
     m = machine()
     report = {"machine": m, "rounds": args.rounds, "size": args.size, "dtype": args.dtype, **result}
     text = markdown(result, m, args)
-    print(text)
-    if not args.no_write:
-        write_json(f"prompts-{args.size}", report)
-        write_section(f"prompts-{args.size}", text)
+    publish(args, f"prompts-{args.size}", report, text)
     bad = [
         (c, mode)
         for c, row in result["runs"].items()

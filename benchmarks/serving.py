@@ -1,57 +1,97 @@
-"""Serving-layer cost: server CPU time per streamed token, ZeroLayer vs a no-logic floor.
+"""Serving-layer cost and tail latency: ZeroLayer vs no-logic uvloop servers, two scenarios.
 
-Both servers run as their own processes on loopback; the load client runs in a third process.
-- zerolayer: `zerolayer serve` with the synthetic backend (no model), step time 0.
-- floor: a minimal uvloop server in this file that parses only the frame header and the
-  request's max_tokens, then writes the same TOKEN/DONE frames, one buffer per connection per
-  loop iteration, with no validation, scheduling, hooks or accounting: what Python costs at least.
-Load: ROUNDS rounds of STREAMS concurrent streams x TOKENS tokens on one connection (token-id
-prompts, no text).
-Server CPU = utime + stime of the server process (/proc/PID/stat) across the load.
+Every server runs as its own process on loopback; the load comes from `zerolayer bench`'s Python
+API (gateway.bench) in this process, with token-id prompts and no text deltas. Server CPU = the
+server's threads' run time (/proc/PID/task/*/schedstat, nanoseconds) across the measured load.
 
-    python benchmarks/serving.py [--streams 64] [--tokens 256] [--runs 3]
+flat-out: the synthetic backend with no step time, so the engine runs ahead and a TOKEN frame
+  carries many tokens. Floor: a uvloop server that parses only the frame header and max_tokens
+  and writes one-id TOKEN frames and DONE, one buffer per connection per loop iteration. Load:
+  a closed loop of STREAMS concurrent streams x TOKENS tokens on one connection.
+paced: the synthetic backend paced like a model (ENGINE__SYNTHETIC_STEP_MS, one pause per engine
+  step; see gateway/engine/synthetic.py), 256 concurrent streams over 16 connections x 150
+  tokens, each round a burst of 256 requests into an idle server. Floor: a uvloop pump with the
+  same pace: every tick one TOKEN frame per active stream and one write per connection. Measured:
+  server CPU per token, ITL P50/P99 (per token) and TTFT P50/P99 at the client.
+
+engine-step (a diagnostic, its own section): the engine and the synthetic backend in this
+  process on their own thread, no server (outputs dropped), 256 streams x 150 tokens of 16-id
+  prompts at several step times: the engine thread's CPU per step, back to back and paced.
+
+    python benchmarks/serving.py [--scenario both|flat|paced|engine-step] [--write]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
+import itertools
+import math
 import os
 import statistics
 import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, table, write_json, write_section  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
+from benchmarks._report import RESULTS, machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks.engine import ForeignLoad, wait_quiet  # noqa: E402
+from gateway import protocol as p  # noqa: E402
+from gateway.bench import BenchOptions, run  # noqa: E402
+from tests.support.daemon import Daemon, child_preexec  # noqa: E402
 
 HDR = struct.Struct("<IBBHI")
-CLK = os.sysconf("SC_CLK_TCK")
+VOCAB = 100_000
+WELCOME = p.encode_welcome(1 << 24, 1024, VOCAB, -1, 4096, "floor")
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """CPU time of a process's threads (or of one thread), from the scheduler's nanosecond
+    account (/proc/.../schedstat): /proc/PID/stat counts in 10 ms ticks, too coarse for a few
+    seconds of load."""
+    tids = [tid] if tid is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    total = 0
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
 
 
-# --------------------------------------------------------------------------- floor server
+# --------------------------------------------------------------------------- floor servers
+
+
+def _token(stream: int) -> bytes:
+    return struct.pack("<IBBHIHHi", 8, 2, 0, 0, stream, 1, 0, 97)
+
+
+def _done(stream: int, sent: int) -> bytes:
+    return struct.pack("<IBBHIBBHIIIII", 24, 3, 0, 0, stream, 1, 0, 0, 0, sent, 0, 0, 0)
 
 
 class FloorProtocol(asyncio.Protocol):
+    """Reads REQUESTs (max_tokens only) and HELLO; ``step`` writes one token per stream."""
+
+    pace_s = 0.0  # 0: flat out (call_soon); > 0: the pump (a shared ticker)
+    conns: set[FloorProtocol] = set()
+    ticking = False
+
     def __init__(self) -> None:
         self.buf = bytearray()
         self.active: dict[int, int] = {}  # stream -> tokens left
         self.sent: dict[int, int] = {}
         self.scheduled = False
-        self.out = bytearray()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        FloorProtocol.conns.add(self)
+
+    def connection_lost(self, exc) -> None:
+        FloorProtocol.conns.discard(self)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -63,44 +103,51 @@ class FloorProtocol(asyncio.Protocol):
                 (max_tokens,) = struct.unpack_from("<I", self.buf, 12)
                 self.active[stream] = max_tokens
                 self.sent[stream] = 0
+            elif ftype == 8:
+                self.transport.write(WELCOME)
             del self.buf[: 12 + length]
-        if self.active and not self.scheduled:
+        loop = asyncio.get_running_loop()
+        if self.pace_s:
+            if self.active and not FloorProtocol.ticking:
+                FloorProtocol.ticking = True
+                loop.call_later(self.pace_s, FloorProtocol.tick)
+        elif self.active and not self.scheduled:
             self.scheduled = True
-            asyncio.get_running_loop().call_soon(self.step)
+            loop.call_soon(self.step)
 
-    def step(self) -> None:
+    def emit(self) -> None:
         out = bytearray()
         for stream in list(self.active):
-            out += struct.pack("<IBBHIHHi", 8, 2, 0, 0, stream, 1, 0, 97)
+            out += _token(stream)
             self.active[stream] -= 1
             self.sent[stream] += 1
             if not self.active[stream]:
                 del self.active[stream]
-                out += struct.pack(
-                    "<IBBHIBBHIIIII",
-                    24,
-                    3,
-                    0,
-                    0,
-                    stream,
-                    1,
-                    0,
-                    0,
-                    0,
-                    self.sent.pop(stream),
-                    0,
-                    0,
-                    0,
-                )
-        self.transport.write(out)
+                out += _done(stream, self.sent.pop(stream))
+        if out:
+            self.transport.write(out)
+
+    def step(self) -> None:
+        self.emit()
         if self.active:
             asyncio.get_running_loop().call_soon(self.step)
         else:
             self.scheduled = False
 
+    @classmethod
+    def tick(cls) -> None:
+        for conn in list(cls.conns):
+            conn.emit()
+        if any(c.active for c in cls.conns):
+            asyncio.get_running_loop().call_later(cls.pace_s, cls.tick)
+        else:
+            cls.ticking = False
 
-def run_floor_server() -> None:
+
+def run_floor_server(pace_ms: float) -> None:
     import uvloop
+
+    FloorProtocol.pace_s = pace_ms / 1000.0
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(FloorProtocol, "127.0.0.1", 0)
@@ -110,145 +157,106 @@ def run_floor_server() -> None:
     uvloop.run(main())
 
 
-# --------------------------------------------------------------------------- load client
+class Floor:
+    """A floor server subprocess (dies with this process)."""
 
-
-def run_client(port: int, streams: int, tokens: int, rounds: int) -> None:
-    import uvloop
-
-    async def main() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        fixed = struct.Struct("<IffIQIHH")
-        nonce = int(time.time_ns() % 100_000)
-        rounds_frames = []
-        for r in range(rounds):
-            # Every prompt is unique (run, round, stream): no response-cache hits.
-            frames = b""
-            for s in range(1, streams + 1):
-                prompt = struct.pack("<4i", 72, nonce, r, s)
-                payload = fixed.pack(tokens, 0.0, 1.0, 0, 0, 0, 0, 0) + prompt
-                frames += HDR.pack(len(payload), 1, 0, 0, s) + payload
-            rounds_frames.append(frames)
-        t0 = time.perf_counter()
-        received = 0
-        for frames in rounds_frames:
-            received += await one_round(reader, writer, frames)
-        elapsed = time.perf_counter() - t0
-        writer.close()
-        print(json.dumps({"tokens": received, "seconds": elapsed}))
-
-    async def one_round(reader, writer, frames: bytes) -> int:
-        writer.write(frames)
-        buf = b""
-        received = done = 0
-        while done < streams:
-            data = await reader.read(1 << 20)
-            if not data:
-                raise SystemExit("server closed the connection")
-            buf += data
-            pos = 0
-            while len(buf) - pos >= 12:
-                length, ftype, _, _, _ = HDR.unpack_from(buf, pos)
-                if len(buf) - pos < 12 + length:
-                    break
-                if ftype == 2:
-                    received += struct.unpack_from("<H", buf, pos + 12)[0]
-                elif ftype == 3:
-                    done += 1
-                elif ftype == 6:
-                    raise SystemExit("server answered ERROR")
-                pos += 12 + length
-            buf = buf[pos:]
-        return received
-
-    uvloop.run(main())
-
-
-def load(port: int, pid: int, streams: int, tokens: int, rounds: int) -> dict:
-    cpu0 = cpu_seconds(pid)
-    out = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--client",
-            str(port),
-            "--streams",
-            str(streams),
-            "--tokens",
-            str(tokens),
-            "--rounds",
-            str(rounds),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    cpu = cpu_seconds(pid) - cpu0
-    res = json.loads(out.stdout)
-    if res["tokens"] != streams * tokens * rounds:
-        raise SystemExit(f"expected {streams * tokens * rounds} tokens, got {res['tokens']}")
-    return {"cpu_s": cpu, "wall_s": res["seconds"], "tokens": res["tokens"]}
-
-
-def summarize(runs: list[dict]) -> dict:
-    cpu = statistics.median(r["cpu_s"] for r in runs)
-    wall = statistics.median(r["wall_s"] for r in runs)
-    tokens = runs[0]["tokens"]
-    return {
-        "runs": runs,
-        "cpu_us_per_token": cpu / tokens * 1e6,
-        "tokens_per_s": tokens / wall,
-        "wall_s": wall,
-    }
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=60,
-        help="load rounds per measured run (CPU time is read in 10 ms ticks)",
-    )
-    ap.add_argument("--client", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--no-write", action="store_true", help="print only")
-    args = ap.parse_args()
-    if args.floor_server:
-        return run_floor_server()
-    if args.client:
-        return run_client(args.client, args.streams, args.tokens, args.rounds)
-
-    results: dict = {
-        "machine": machine(),
-        "streams": args.streams,
-        "tokens": args.tokens,
-        "rounds": args.rounds,
-    }
-    floor = subprocess.Popen(
-        [sys.executable, __file__, "--floor-server"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        port = int(floor.stdout.readline())
-        load(port, floor.pid, args.streams, args.tokens, args.rounds)  # warm-up
-        results["floor"] = summarize(
-            [
-                load(port, floor.pid, args.streams, args.tokens, args.rounds)
-                for _ in range(args.runs)
-            ]
+    def __init__(self, pace_ms: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--floor-server", str(pace_ms)],
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=child_preexec(),
         )
-    finally:
-        floor.kill()
-        floor.wait()
+        self.endpoint = f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}"
+
+    def __enter__(self) -> Floor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+# --------------------------------------------------------------------------- load
+
+
+# Each run draws its own random prompts, so the response cache never replays one.
+_SEEDS = itertools.count(time.time_ns() % 1_000_000)
+
+
+QUIET_WAIT_S = 20.0  # before a measured run, wait up to this long for other load to go away
+
+
+def measure(
+    endpoint: str, pid: int, opts: dict, detailed: bool = False, warmup: bool = False
+) -> dict:
+    """One bench run; the report plus the server's CPU per output token, in all and in its main
+    thread (the event loop: sockets, frames, metrics; the rest is the engine thread), and the
+    share of the machine other processes used meanwhile."""
+    if not warmup:
+        wait_quiet(QUIET_WAIT_S)
+    cpu0, main0 = cpu_seconds(pid), cpu_seconds(pid, pid)
+    options = BenchOptions(
+        endpoint=endpoint, text_deltas=False, detailed=detailed, seed=next(_SEEDS), **opts
+    )
+    with ForeignLoad((pid,)) as foreign:
+        report = asyncio.run(run(options))
+    cpu, main = cpu_seconds(pid) - cpu0, cpu_seconds(pid, pid) - main0
+    report["foreign_load"] = foreign.share
+    expected = opts["num_requests"] * int(opts["output_len"])
+    if report["response_cache_hits"]:
+        raise SystemExit(f"{endpoint}: {report['response_cache_hits']} response-cache replays")
+    if report["failed"] or report["total_output_tokens"] != expected:
+        raise SystemExit(
+            f"{endpoint}: {report['failed']} failed ({report['errors_by_kind']}), "
+            f"{report['total_output_tokens']} of {expected} tokens"
+        )
+    report["server_cpu_us_per_token"] = cpu / report["total_output_tokens"] * 1e6
+    report["loop_cpu_us_per_token"] = main / report["total_output_tokens"] * 1e6
+    return report
+
+
+KEYS = (
+    "foreign_load",
+    "server_cpu_us_per_token",
+    "loop_cpu_us_per_token",
+    "output_throughput",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "client_cpu_us_per_token",
+    "duration",
+)
+
+
+def median_of(reports: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in reports) for k in KEYS}
+    # Flat out, most per-token gaps are 0 (many tokens per read): no ratio then.
+    ratios = [r["p99_itl_ms"] / r["median_itl_ms"] for r in reports if r["median_itl_ms"]]
+    out["itl_p99_over_p50"] = statistics.median(ratios) if ratios else None
+    return out
+
+
+def flat_out(args) -> dict:
+    load = {
+        "concurrency": args.streams,
+        "num_requests": args.streams * args.rounds,
+        "input_len": "4",
+        "output_len": str(args.tokens),
+        "connections": 1,
+    }
     base = {
         "ENGINE__BACKEND": "synthetic",
         "ENGINE__MAX_BATCH_SIZE": str(args.streams),
         "ENGINE__MAX_CONTEXT": str(max(2048, args.tokens + 16)),
-        "ENGINE__SYNTHETIC_VOCAB_SIZE": "100000",
+        "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
     }
+    results: dict = {"load": load}
+    with Floor(0) as floor:
+        measure(floor.endpoint, floor.proc.pid, load, warmup=True)
+        runs = [measure(floor.endpoint, floor.proc.pid, load) for _ in range(args.runs)]
+        results["floor"] = median_of(runs)
     variants = {
         # The default configuration: metrics, rate-limit hook, response cache recording every
         # greedy stream (ids and text) so it can be replayed.
@@ -258,56 +266,376 @@ def main() -> None:
     }
     for name, env in variants.items():
         with Daemon(env) as d:
-            load(d.port, d.proc.pid, args.streams, args.tokens, args.rounds)  # warm-up
-            results[name] = summarize(
-                [
-                    load(d.port, d.proc.pid, args.streams, args.tokens, args.rounds)
-                    for _ in range(args.runs)
-                ]
-            )
+            measure(d.endpoint, d.proc.pid, load, warmup=True)
+            runs = [measure(d.endpoint, d.proc.pid, load) for _ in range(args.runs)]
+            results[name] = median_of(runs)
             d.terminate()
-    floor_cpu = results["floor"]["cpu_us_per_token"]
-    ratio = results["zerolayer"]["cpu_us_per_token"] / floor_cpu
-    results["ratio_cpu_per_token"] = ratio
-    results["ratio_cpu_per_token_cache_off"] = (
-        results["zerolayer_cache_off"]["cpu_us_per_token"] / floor_cpu
+    floor_cpu = results["floor"]["server_cpu_us_per_token"]
+    for name in variants:
+        results[name]["cpu_vs_floor"] = results[name]["server_cpu_us_per_token"] / floor_cpu
+    return results
+
+
+def cover_steps(n: int, prompt_len: int, step_tokens: int, chunk: int) -> list[int]:
+    """For a burst of n equal prompts into an idle engine: the 1-based step in which the prefill
+    budget (step_tokens minus one per decode row, at most ``chunk`` per prompt per step) could
+    first have finished each request's prompt, in arrival order."""
+    left = [prompt_len] * n
+    decoding, step, done_at = 0, 0, [0] * n
+    i = 0
+    while i < n:
+        step += 1
+        budget = step_tokens - decoding
+        finished = 0
+        j = i
+        while j < n and budget > 0:
+            take = min(left[j], chunk, budget)
+            left[j] -= take
+            budget -= take
+            if left[j] == 0:
+                done_at[j] = step
+                finished += 1
+                j += 1
+            else:
+                break
+        i += finished
+        decoding += finished
+    return done_at
+
+
+def paced(args, plots: Path | None) -> dict:
+    streams, conns, tokens, prompt_len = 256, 16, 150, args.paced_prompt_len
+    load = {
+        "concurrency": streams,
+        "num_requests": streams,
+        "input_len": str(prompt_len),
+        "output_len": str(tokens),
+        "connections": conns,
+    }
+    env = {
+        "ENGINE__BACKEND": "synthetic",
+        "ENGINE__MAX_BATCH_SIZE": str(streams),
+        "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
+        "ENGINE__SYNTHETIC_STEP_MS": str(args.step_ms),
+        "ENGINE__SYNTHETIC_PREFILL_US_PER_TOKEN": str(args.prefill_us_per_token),
+    }
+    step_tokens, chunk = 512, 256  # the engine defaults (gateway/config.py)
+    results: dict = {
+        "load": load,
+        "step_ms": args.step_ms,
+        "prefill_us_per_token": args.prefill_us_per_token,
+        "prompt_len": prompt_len,
+    }
+    reports: dict[str, list[dict]] = {}
+    with Floor(args.step_ms) as floor:
+        measure(floor.endpoint, floor.proc.pid, load, warmup=True)
+        reports["pump"] = [
+            measure(floor.endpoint, floor.proc.pid, load, detailed=True)
+            for _ in range(args.paced_runs)
+        ]
+    # A step budget that covers the whole burst's prompts (plus a row per stream) at once: how
+    # much of the TTFT tail is the admission ramp of the default budget.
+    wide = streams * prompt_len + streams
+    variants = {
+        "zerolayer": env,
+        "zerolayer_cache_off": {**env, "CACHE__ENABLED": "false"},
+        "zerolayer_wide_budget": {**env, "ENGINE__MAX_STEP_TOKENS": str(wide)},
+    }
+    for name, variant in variants.items():
+        with Daemon(variant) as d:
+            measure(d.endpoint, d.proc.pid, load, warmup=True)
+            reports[name] = [
+                measure(d.endpoint, d.proc.pid, load, detailed=True) for _ in range(args.paced_runs)
+            ]
+            d.terminate()
+    for name, runs in reports.items():
+        results[name] = median_of(runs)
+    # A step lasts the pause plus the engine's own work: its length is the variant's median ITL.
+    for key, budget in (("", step_tokens), ("_wide_budget", wide)):
+        steps = cover_steps(streams, prompt_len, budget, chunk)
+        p99_step = sorted(steps)[math.ceil(0.99 * len(steps)) - 1]
+        step_len = results[f"zerolayer{key}"]["median_itl_ms"]
+        results[f"ttft_p99_bound_ms{key}"] = (p99_step + 2) * step_len
+        results[f"cover_step_p99{key}"] = p99_step
+    results["wide_budget"] = wide
+    z, f = results["zerolayer"], results["pump"]
+    results["aims"] = {
+        "itl_ratio": z["itl_p99_over_p50"],
+        "itl_ratio_vs_pump": z["itl_p99_over_p50"] / f["itl_p99_over_p50"],
+        "cpu_vs_pump": z["server_cpu_us_per_token"] / f["server_cpu_us_per_token"],
+        "ttft_p99_ms": z["p99_ttft_ms"],
+        "ttft_p99_ms_wide_budget": results["zerolayer_wide_budget"]["p99_ttft_ms"],
+    }
+    if plots is not None:
+        from gateway.bench.plot import plot
+
+        for name in ("pump", "zerolayer"):
+            reports[name][0]["label"] = f"{name}, paced {args.step_ms:g} ms"
+            plot(reports[name][0], plots / f"paced-{name}")
+    return results
+
+
+OTHER_LOAD = (
+    "Other load: the share of the machine's cores that other processes used during the run "
+    "(median over runs; each measured run first waits up to 20 s for it to fall under 0.10). "
+    "Short runs on a shared VM vary by tens of percent from run to run; compare the rows of one "
+    "run."
+)
+
+
+def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> dict:
+    """The engine thread's CPU per step for one burst, with outputs dropped (no server)."""
+    import threading
+
+    import numpy as np
+
+    from gateway.engine.engine import Engine, Sequence
+    from gateway.engine.synthetic import SyntheticBackend
+    from gateway.engine.types import SamplingRow
+    from gateway.tokenizer import ByteTokenizer
+
+    finished = threading.Event()
+    ended = [0]
+
+    def deliver(outputs, column) -> None:  # noqa: ANN001
+        ended[0] += sum(1 for o in outputs if o[3] >= 0)
+        if ended[0] >= streams:
+            finished.set()
+
+    backend = SyntheticBackend(streams, VOCAB, 2048, step_ms=step_ms)
+    engine = Engine(
+        backend,
+        ByteTokenizer(VOCAB),
+        deliver,
+        max_queue=4 * streams,
+        max_step_tokens=512,
+        prefill_chunk=256,
     )
+    engine.start()
+    try:
+        time.sleep(0.1)
+        tid = engine._compute.thread.native_id  # type: ignore[union-attr]
+        rng = np.random.default_rng(next(_SEEDS))
+        cpu0, steps0 = cpu_seconds(os.getpid(), tid), engine.steps
+        for i in range(streams):
+            prompt = rng.integers(0, VOCAB, 16).astype(np.int32)
+            engine.submit(Sequence(i, prompt, tokens, SamplingRow()))
+        finished.wait(120)
+        cpu, steps = cpu_seconds(os.getpid(), tid) - cpu0, engine.steps - steps0
+    finally:
+        engine.stop()
+    return {"step_ms": step_ms, "steps": steps, "cpu_us_per_step": cpu / max(steps, 1) * 1e6}
+
+
+def engine_step(args) -> dict:
+    runs = {ms: [engine_step_cost(ms) for _ in range(args.runs)] for ms in (0.0, 1.0, 5.0, 20.0)}
+    return {
+        str(ms): {
+            "steps": statistics.median(r["steps"] for r in rs),
+            "cpu_us_per_step": statistics.median(r["cpu_us_per_step"] for r in rs),
+        }
+        for ms, rs in runs.items()
+    }
+
+
+def engine_step_md(r: dict, args) -> str:
+    rows = [
+        [f"{float(ms):g}", f"{v['steps']:.0f}", f"{v['cpu_us_per_step']:.0f}"]
+        for ms, v in r.items()
+    ]
+    return (
+        "## Engine thread CPU per step, back to back and paced (diagnostic)\n\n"
+        "`python benchmarks/serving.py --scenario engine-step` — the engine and the synthetic "
+        "backend in the benchmark's process on their own thread, no server (outputs dropped), "
+        "one burst of 256 streams x 150 tokens with 16-id prompts; CPU of the engine thread "
+        f"(schedstat) per step, median of {args.runs} runs. The work per step is the same at "
+        "every step time; what changes is the pause before it.\n\n"
+        + table(["step time ms", "steps", "engine thread CPU µs / step"], rows)
+    )
+
+
+def flat_md(r: dict, args) -> str:
     labels = (
         ("floor (no-logic uvloop server)", "floor"),
         ("zerolayer, default config (synthetic backend)", "zerolayer"),
         ("zerolayer, response cache off", "zerolayer_cache_off"),
     )
+    floor_cpu = r["floor"]["server_cpu_us_per_token"]
     rows = [
         [
             label,
-            f"{results[key]['cpu_us_per_token']:.2f}",
-            f"{results[key]['cpu_us_per_token'] / floor_cpu:.2f}x",
-            f"{results[key]['tokens_per_s']:,.0f}",
-            f"{results[key]['wall_s']:.3f}",
+            f"{r[k]['server_cpu_us_per_token']:.2f}",
+            f"{r[k]['server_cpu_us_per_token'] / floor_cpu:.2f}x",
+            f"{r[k]['output_throughput']:,.0f}",
+            f"{r[k]['client_cpu_us_per_token']:.2f}",
+            f"{r[k]['foreign_load']:.2f}",
         ]
-        for label, key in labels
+        for label, k in labels
     ]
-    md = (
-        "## Serving layer: server CPU per streamed token\n\n"
-        f"`python benchmarks/serving.py` — {args.rounds} rounds of {args.streams} concurrent "
-        f"streams x {args.tokens} tokens on one loopback connection, client in its own process, "
-        "median of "
-        f"{args.runs} runs after a warm-up. Server CPU = user + system time of the server "
-        "process during the load.\n\n"
-        + table(["server", "CPU µs / token", "vs floor", "tokens / s", "wall s"], rows)
+    return (
+        "## Serving layer: server CPU per streamed token (flat out)\n\n"
+        f"`python benchmarks/serving.py --scenario flat` — a closed loop of {args.streams} "
+        f"concurrent streams x {args.tokens} tokens on one loopback connection, "
+        f"{args.streams * args.rounds} requests per run (4-id prompts, no text), driven by "
+        "`gateway.bench` in the benchmark's process; median of "
+        f"{args.runs} runs after a warm-up. Synthetic backend with no step time, so the engine "
+        "runs ahead and frames carry many tokens. Server CPU = run time of the server's threads "
+        "during the load (schedstat, ns).\n\n"
+        + table(
+            [
+                "server",
+                "CPU µs / token",
+                "vs floor",
+                "tokens / s",
+                "client CPU µs / token",
+                "other load",
+            ],
+            rows,
+        )
         + "\n\nZeroLayer's CPU includes its engine thread (scheduling, stop checks, the "
-        "hand-off to the event loop) as well as the loop (framing, writes, metrics). The "
-        "synthetic backend stands in for the model and is kept cheap on purpose (it hashes the "
-        "tokens of several coming steps at once while a batch keeps its rows); the floor has no "
-        "model at all. Every prompt is unique, so the response cache only records (never "
-        "replays). Metrics are on in both zerolayer runs. Short runs on a shared VM vary by "
-        "tens of percent from run to run; compare the rows of one run.\n\n"
-        + machine_line(results["machine"])
+        "hand-off to the event loop) as well as the loop (framing, writes, metrics). Every "
+        "prompt is unique, so the response cache only records (never replays). " + OTHER_LOAD
     )
-    print(md)
-    if not args.no_write:
-        write_json("serving", results)
-        write_section("serving", md)
+
+
+def paced_md(r: dict, args) -> str:
+    z, f, a = r["zerolayer"], r["pump"], r["aims"]
+    servers = (
+        ("uvloop pump (floor)", f),
+        ("zerolayer (synthetic, paced)", z),
+        ("zerolayer, response cache off", r["zerolayer_cache_off"]),
+        (f"zerolayer, max_step_tokens {r['wide_budget']}", r["zerolayer_wide_budget"]),
+    )
+    rows = [
+        [
+            name,
+            f"{x['server_cpu_us_per_token']:.2f}",
+            f"{x['loop_cpu_us_per_token']:.2f}",
+            f"{x['server_cpu_us_per_token'] - x['loop_cpu_us_per_token']:.2f}",
+            f"{x['median_itl_ms']:.1f}",
+            f"{x['p99_itl_ms']:.1f}",
+            f"{x['itl_p99_over_p50']:.2f}",
+            f"{x['median_ttft_ms']:.1f}",
+            f"{x['p99_ttft_ms']:.1f}",
+            f"{x['output_throughput']:,.0f}",
+            f"{x['foreign_load']:.2f}",
+        ]
+        for name, x in servers
+    ]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "not met"
+
+    aims = [
+        [
+            "ITL P99/P50 ≤ 1.3",
+            f"{a['itl_ratio']:.2f} (pump {f['itl_p99_over_p50']:.2f})",
+            verdict(a["itl_ratio"] <= 1.3),
+        ],
+        [
+            "ITL P99/P50 ≤ 1.2x the pump's",
+            f"{a['itl_ratio_vs_pump']:.2f}x",
+            verdict(a["itl_ratio_vs_pump"] <= 1.2),
+        ],
+        [
+            "server CPU / token ≤ 1.25x the pump",
+            f"{a['cpu_vs_pump']:.2f}x",
+            verdict(a["cpu_vs_pump"] <= 1.25),
+        ],
+        [
+            f"TTFT P99 ≤ {r['ttft_p99_bound_ms']:.0f} ms (step {r['cover_step_p99']} + 2)",
+            f"{a['ttft_p99_ms']:.0f} ms",
+            verdict(a["ttft_p99_ms"] <= r["ttft_p99_bound_ms"]),
+        ],
+        [
+            f"the same with max_step_tokens {r['wide_budget']}: "
+            f"≤ {r['ttft_p99_bound_ms_wide_budget']:.0f} ms "
+            f"(step {r['cover_step_p99_wide_budget']} + 2)",
+            f"{a['ttft_p99_ms_wide_budget']:.0f} ms",
+            verdict(a["ttft_p99_ms_wide_budget"] <= r["ttft_p99_bound_ms_wide_budget"]),
+        ],
+    ]
+    load = r["load"]
+    return (
+        "## Serving layer at a model's pace (paced)\n\n"
+        f"`python benchmarks/serving.py --scenario paced` — synthetic step time {r['step_ms']:g} "
+        f"ms per engine step (+{r['prefill_us_per_token']:g} µs per prefill token), "
+        f"{load['concurrency']} concurrent streams over "
+        f"{load['connections']} connections x {load['output_len']} tokens, {r['prompt_len']}-id "
+        "prompts, each run one burst of "
+        f"{load['num_requests']} requests into an idle server (closed loop, token ids, no text); "
+        f"median of {args.paced_runs} runs after a warm-up. The pump is a no-logic uvloop server "
+        "paced the same way (a tick every step: one TOKEN frame per active stream, one write per "
+        "connection). ITL is per token at the client, TTFT from send to first TOKEN frame. "
+        + OTHER_LOAD
+        + "\n\n"
+        + table(
+            [
+                "server",
+                "CPU µs / token",
+                "event loop",
+                "other threads",
+                "ITL P50 ms",
+                "ITL P99 ms",
+                "P99/P50",
+                "TTFT P50 ms",
+                "TTFT P99 ms",
+                "tokens / s",
+                "other load",
+            ],
+            rows,
+        )
+        + "\n\nAims (issue 13):\n\n"
+        + table(["aim", "measured", ""], aims)
+        + "\n\nThe TTFT bound: with the engine defaults (max_step_tokens 512, prefill_chunk "
+        "256) and one budget token per decode row, the step in which the prefill budget could "
+        f"first have finished the P99 request of the burst is step {r['cover_step_p99']}; the "
+        "bound is two steps later, a step lasting the variant's median ITL (the pause plus the "
+        "engine's own work). "
+        "Plots of the first run of each: `benchmarks/results/plots/paced-*`."
+    )
+
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--scenario", choices=("both", "flat", "paced", "engine-step"), default="both")
+    ap.add_argument("--streams", type=int, default=64, help="flat: concurrent streams")
+    ap.add_argument("--tokens", type=int, default=256, help="flat: tokens per stream")
+    ap.add_argument("--runs", type=int, default=3, help="flat: measured runs")
+    ap.add_argument("--rounds", type=int, default=30, help="flat: requests = streams x rounds")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="paced: engine step time")
+    ap.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="paced: added to a step's pause per prefill token (the pump has no prefill)",
+    )
+    ap.add_argument("--paced-runs", type=int, default=3)
+    ap.add_argument("--paced-prompt-len", type=int, default=16)
+    ap.add_argument("--floor-server", type=float, help=argparse_suppress())
+    args = ap.parse_args()
+    if args.floor_server is not None:
+        return run_floor_server(args.floor_server)
+    results: dict = {"machine": machine()}
+    sections = []
+    if args.scenario in ("both", "flat"):
+        results["flat"] = flat_out(args)
+        sections.append(flat_md(results["flat"], args))
+    if args.scenario == "engine-step":
+        results["engine_step"] = engine_step(args)
+        sections.append(engine_step_md(results["engine_step"], args))
+    if args.scenario in ("both", "paced"):
+        plots = RESULTS / "plots" if args.write else None
+        results["paced"] = paced(args, plots)
+        sections.append(paced_md(results["paced"], args))
+    md = "\n\n".join(sections) + "\n\n" + machine_line(results["machine"])
+    publish(args, "serving" if args.scenario == "both" else f"serving-{args.scenario}", results, md)
+
+
+def argparse_suppress() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from gateway.bench import add_bench_subparser
 from gateway.client import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
 from gateway.codes import FinishReason
 from gateway.config import DEBUG_ENV, ConfigError, load_settings
@@ -26,9 +27,14 @@ zerolayer serve [--config FILE]                   run the daemon (default config
 zerolayer generate [OPTIONS] PROMPT               stream a completion (chat template unless --raw)
     [--endpoint tcp://H:P] [--raw] [--system TEXT] [--prompt-id N] [--max-tokens N]
     [--temperature T] [--seed N] [--api-key KEY] [--json] [-v] [--timeout S]
-zerolayer keys add NAME [--rpm N] [--tpm N] | keys list | keys revoke NAME
+    [--endpoint tls://H:P --tls-ca CA [--tls-cert CERT --tls-key KEY]]
+zerolayer keys add NAME [--rpm N] [--tpm N] [--cert-name CN] | keys list | keys revoke NAME
 zerolayer compile-check [FILE|-] [--config FILE]  validate system prompts for precompilation
 zerolayer config [--config FILE]                  print the effective configuration
+zerolayer bench [OPTIONS]                         load-test a daemon or an OpenAI-compatible server
+    [--endpoint URL] [--protocol P] [--concurrency N | --request-rate R] [--num-requests N]
+    [--input FILE | --input-len L --output-len L] [--output FILE] [--plot DIR]
+zerolayer bench compare A.json B.json             two bench reports side by side with ratios
 zerolayer --debug COMMAND ...                     tracebacks instead of one-line errors"""
 
 
@@ -43,6 +49,7 @@ _USER_ERRORS = (
     ("gateway.models.loader", "ModelLoadError"),
     ("gateway.models.hf_tokenizer", "TokenizerLoadError"),
     ("gateway.prompts", "PromptConfigError"),
+    ("gateway.ops.tls", "TLSConfigError"),
 )
 
 
@@ -98,9 +105,20 @@ def _finish_name(reason: int) -> str:
         return str(reason)
 
 
+def _tls(args: argparse.Namespace):  # noqa: ANN202 - ssl.SSLContext | None
+    """The client TLS context for a ``tls://`` endpoint from --tls-ca/--tls-cert/--tls-key."""
+    if not args.endpoint.startswith("tls://"):
+        return None
+    from gateway.ops.tls import client_context
+
+    return client_context(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 async def _generate(args: argparse.Namespace) -> int:
     # HELLO always (an empty key when auth is off): its WELCOME proves this is a frame port.
-    client = await Client.connect(args.endpoint, args.api_key or "", timeout=args.timeout)
+    client = await Client.connect(
+        args.endpoint, args.api_key or "", timeout=args.timeout, ssl=_tls(args)
+    )
     async with client:
         stream = await client.generate_json(generate_request(args))
         escape = sys.stdout.isatty()
@@ -201,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON object (text, finish_reason, usage, timings) instead of the text",
     )
     gen.add_argument("-v", "--verbose", action="store_true", help="print the DONE fields to stderr")
+    gen.add_argument("--tls-ca", default=None, help="CA file for a tls:// endpoint (else system)")
+    gen.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
+    gen.add_argument("--tls-key", default=None, help="client certificate's key")
     gen.add_argument(
         "--timeout",
         type=float,
@@ -212,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_subparser(sub)
     add_compile_check_subparser(sub)
+    add_bench_subparser(sub)
 
     cfg = sub.add_parser("config", help="print the effective configuration and exit")
     cfg.add_argument("--config", default=None, help="TOML file (default as for serve)")

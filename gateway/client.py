@@ -18,6 +18,7 @@ import asyncio
 import codecs
 import contextlib
 import os
+import ssl as _ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -26,6 +27,7 @@ import numpy as np
 
 from gateway import protocol as p
 from gateway.codes import ErrorCode
+from gateway.ops.tls import client_context
 from gateway.protocol import FrameType
 from gateway.wrong_door import sniff
 
@@ -255,23 +257,40 @@ class Client:
         api_key: str | bytes | None = None,
         *,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        ssl: _ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> Client:
         """Open a connection; with ``api_key`` (b"" when auth is off) send HELLO and wait for
         WELCOME, which proves the endpoint speaks the frame protocol. ``timeout`` bounds the
-        connect and the wait for WELCOME each; EndpointError says what went wrong."""
+        connect and the wait for WELCOME each; EndpointError says what went wrong.
+
+        ``tls://HOST:PORT`` connects with TLS: ``ssl`` is the client context (see
+        gateway.ops.tls.client_context for a CA, a client certificate and its key; default: the
+        system CAs); the server's certificate must name ``server_hostname`` (default HOST). A
+        failed handshake is an EndpointError whose ``__cause__`` is the ssl error."""
         url = urlparse(endpoint if "://" in endpoint else f"tcp://{endpoint}")
         try:
             port = url.port
         except ValueError:
             port = None
-        if url.scheme != "tcp" or not url.hostname or not port:
-            raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {endpoint!r}")
+        if url.scheme not in ("tcp", "tls") or not url.hostname or not port:
+            raise ValueError(
+                f"endpoint must look like tcp://HOST:PORT or tls://HOST:PORT, got {endpoint!r}"
+            )
+        tls: dict = {}
+        if url.scheme == "tls":
+            tls = {
+                "ssl": ssl or client_context(),
+                "server_hostname": server_hostname or url.hostname,
+            }
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(url.hostname, port), timeout
+                asyncio.open_connection(url.hostname, port, **tls), timeout
             )
         except asyncio.TimeoutError:
             raise EndpointError(f"{endpoint}: no TCP connection within {timeout:g} s") from None
+        except _ssl.SSLError as exc:  # before OSError: its subclass
+            raise EndpointError(f"TLS handshake with {endpoint} failed: {exc}") from exc
         except OSError as exc:
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
             raise EndpointError(f"cannot connect to {endpoint}: {reason}") from exc

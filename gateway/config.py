@@ -84,6 +84,7 @@ class EngineConfig(_Section):
     prefill_chunk: int = Field(256, ge=1)
     max_context: int = Field(2048, ge=16)
     synthetic_step_ms: float = Field(0.0, ge=0)
+    synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default (one per core)
     # Automatic prefix reuse (docs/prefix-cache.md): on where the backend can save/load KV.
@@ -112,6 +113,22 @@ class AuthConfig(_Section):
     keys_file: str = "configs/keys.toml"
 
 
+class TLSConfig(_Section):
+    # TLS on the frame (and HTTP) listener when cert_file is set; the metrics port stays plain.
+    cert_file: str = ""  # PEM certificate chain; empty = plain TCP
+    key_file: str = ""  # PEM private key; empty = the key is in cert_file
+    client_ca_file: str = (
+        ""  # PEM CA bundle: when set, clients must present a certificate it signed
+    )
+    min_version: Literal["1.3", "1.2"] = "1.3"
+
+    @model_validator(mode="after")
+    def _needs_cert(self) -> TLSConfig:
+        if not self.cert_file and (self.key_file or self.client_ca_file):
+            raise ValueError("tls.key_file and tls.client_ca_file need tls.cert_file")
+        return self
+
+
 class MetricsConfig(_Section):
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -138,6 +155,7 @@ class Settings(BaseSettings):
     engine: EngineConfig = EngineConfig()
     model: ModelConfig = ModelConfig()
     auth: AuthConfig = AuthConfig()
+    tls: TLSConfig = TLSConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
     hooks: HooksConfig = HooksConfig()

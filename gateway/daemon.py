@@ -5,10 +5,10 @@ own binds here too) → health answers "503 starting: ..." → backend (loads th
 engine thread) → registered prompts → hook chain → engine loop → accept frames → ready, the
 "listening" line, READY=1 to systemd. Binding first means a port in use fails in a second, named
 (``StartupError``), not after minutes of loading. SIGTERM/SIGINT drain (GOAWAY, finish streams in
-flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file, and re-reads the config
-file only to warn about each changed setting (none applies without a restart). With
-``server.workers = N`` the parent starts N worker processes sharing the port through SO_REUSEPORT
-and forwards signals.
+flight up to drain_timeout_s) and exit 0; SIGHUP re-reads the keys file and the TLS certificate
+files, and re-reads the config file only to warn about each changed setting (none applies
+without a restart). With ``server.workers = N`` the parent starts N worker processes sharing the
+port through SO_REUSEPORT and forwards signals.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from gateway.ops.neuron_monitor import start_neuron_monitor
 from gateway.ops.notify import Notifier
 from gateway.ops.readiness import Health, StorePing
 from gateway.ops.sockets import make_listen_socket
+from gateway.ops.tls import ALPN_FRAME, ServerTLS, server_tls
 from gateway.prompts import PromptRegistry
 from gateway.server import Server
 
@@ -134,8 +135,12 @@ def _wrong_door(first: bytes, **ports: int | None) -> bytes | None:
     return reply
 
 
-def _on_sighup(chain: Chain, settings: Settings, config_path: str | None) -> None:
+def _on_sighup(
+    chain: Chain, tls: ServerTLS | None, settings: Settings, config_path: str | None
+) -> None:
     chain.reload()
+    if tls is not None:
+        tls.reload()  # the same files, re-read: new connections get the new certificate
     try:
         current = load_settings(config_path)
     except ConfigError as exc:
@@ -152,7 +157,9 @@ async def _serve(settings: Settings, config_path: str | None = None) -> None:
     health.starting("binding ports")
     listeners = bind_listeners(settings, metrics, health)
     try:
-        await _start_and_serve(settings, config_path, loop, metrics, health, listeners)
+        # Certificates load before the model, so a bad file fails the start at once (named).
+        tls = server_tls(settings.tls, [ALPN_FRAME])
+        await _start_and_serve(settings, config_path, loop, metrics, health, listeners, tls)
     finally:
         listeners.close()
 
@@ -164,6 +171,7 @@ async def _start_and_serve(
     metrics: Metrics,
     health: Health,
     listeners: Listeners,
+    tls: ServerTLS | None,
 ) -> None:
     health.starting("loading model")
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
@@ -237,7 +245,7 @@ async def _start_and_serve(
 
     engine.start(compute)
     cfg = settings.server
-    await server.start(listeners.frame)
+    await server.start(listeners.frame, ssl=tls.context if tls else None)
     if http is not None:
         http.prompts = prompts.describe
     monitor = start_neuron_monitor(
@@ -250,7 +258,7 @@ async def _start_and_serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, settings, config_path)
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, tls, settings, config_path)
     health.serving()
     info = backend.info
     # One machine-readable line, whatever the log level: tests and scripts wait for it to learn
@@ -263,6 +271,7 @@ async def _start_and_serve(
         model=info.name,
         backend=settings.engine.backend,
         hooks=",".join(chain.names),
+        tls="on" if tls else "off",
     )
     # Everything built so far lives as long as the process: keep the cyclic garbage collector
     # from scanning it again and again while tokens stream.

@@ -129,11 +129,16 @@ class FrameDecoder:
         return self._end - self._start
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Free space to receive into. Invalidates payload views returned earlier."""
+        """Free space to receive into. Invalidates payload views returned earlier. The buffer
+        grows (doubling) only when it is full of an unfinished frame: memory follows the bytes
+        that arrived, never what a header announced."""
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._buf) - self._end < HEADER_SIZE or self._start > len(self._buf) // 2:
             self._compact()
+        cap = self._max + HEADER_SIZE  # one whole frame: the most an unfinished frame needs
+        if self._end == len(self._buf) and len(self._buf) < cap:
+            self._grow(min(2 * len(self._buf), cap))
         return self._view[self._end :]
 
     def shrink(self) -> None:
@@ -194,11 +199,8 @@ class FrameDecoder:
         self._check_header(ftype, flags, reserved, stream)
         total = HEADER_SIZE + length
         if avail < total:
-            # Make room for the whole frame so the next receive can complete it.
-            if total > len(self._buf):
-                self._grow(total)
-            elif self._start + total > len(self._buf):
-                self._compact()
+            if self._start and self._start + total > len(self._buf):
+                self._compact()  # the frame continues at the buffer's start
             return None
         begin = self._start + HEADER_SIZE
         self._start += total

@@ -30,6 +30,7 @@ from gateway.hooks import HookError, Principal
 from gateway.lifecycle import RequestPath, Stream
 from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options
+from gateway.ops.tls import peer_names
 from gateway.protocol import FrameType, ProtocolError
 from gateway.wrong_door import SNIFF_BYTES
 
@@ -76,7 +77,8 @@ class Server:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, sock=None) -> None:  # noqa: ANN001 - a bound socket.socket
+    async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
+        """Listen on ``sock`` (or bind host:port); with ``ssl`` speak TLS only."""
         self.loop = asyncio.get_running_loop()
         if sock is None:
             self._server = await self.loop.create_server(
@@ -86,10 +88,11 @@ class Server:
                 backlog=self.cfg.backlog,
                 reuse_address=True,
                 reuse_port=self.cfg.reuse_port or None,
+                ssl=ssl,
             )
         else:
             self._server = await self.loop.create_server(
-                lambda: Connection(self), sock=sock, backlog=self.cfg.backlog
+                lambda: Connection(self), sock=sock, backlog=self.cfg.backlog, ssl=ssl
             )
         self._sweeper = self.loop.create_task(self._sweep_idle())
 
@@ -162,6 +165,9 @@ class Server:
         if not self.connections:
             self._all_closed.set()
 
+    def uncount_principal(self, name: str) -> None:
+        self._uncount(self.per_principal, name)
+
     @staticmethod
     def _uncount(counter: collections.Counter[str], key: str) -> None:
         counter[key] -= 1
@@ -203,6 +209,7 @@ class Connection(asyncio.BufferedProtocol):
         self.first_frame = True
         chain = server.path.chain
         self.principal: Principal | None = None if chain.auth_required else chain.anonymous()
+        self.cert_principal: Principal | None = None  # a verified mTLS certificate's key
         self.closing = False
         self.slow = False
         self.dirty = False
@@ -227,11 +234,24 @@ class Connection(asyncio.BufferedProtocol):
         if sock is not None:
             apply_socket_options(sock, self.cfg)
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
-        refusal = server.admit(self)
+        refusal = server.admit(self) or self._certificate(transport)
         if refusal is not None:
             self.connection_error(*refusal, retry_after_ms=1000)
         elif server.draining:
             self.goaway("server is draining")
+
+    def _certificate(self, transport: asyncio.BaseTransport) -> tuple[ErrorCode, str] | None:
+        """A verified client certificate that maps to a key stands for that key (counted like a
+        HELLO's); returns a refusal when that principal has too many connections."""
+        names = peer_names(transport)  # () unless TLS verified a client certificate
+        principal = self.path.chain.on_certificate(names) if names else None
+        if principal is None:
+            return None
+        self.cert_principal = self.principal = principal
+        self.counted_principal = principal.name
+        if not self.server.count_principal(self, principal.name):
+            return ErrorCode.OVERLOADED, f"too many connections for principal {principal.name!r}"
+        return None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
@@ -339,11 +359,16 @@ class Connection(asyncio.BufferedProtocol):
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"protocol version {version} not supported (this server speaks {p.VERSION})",
             )
+        if not key and self.cert_principal is not None:  # the certificate stands for the key
+            self._queue_frame(self.server.welcome, "WELCOME")
+            return
         try:
             principal = self.path.authenticate(key)
         except HookError as exc:
             self.connection_error(exc.code, exc.message, exc.retry_after_ms)
             return
+        if self.counted_principal is not None:  # the certificate's principal, replaced
+            self.server.uncount_principal(self.counted_principal)
         self.counted_principal = principal.name
         if not self.server.count_principal(self, principal.name):
             self.connection_error(

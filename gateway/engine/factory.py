@@ -23,6 +23,7 @@ def build_backend(settings: Settings) -> tuple[Backend, Tokenizer]:
             vocab_size=engine.synthetic_vocab_size,
             max_context=engine.max_context,
             step_ms=engine.synthetic_step_ms,
+            prefill_us_per_token=engine.synthetic_prefill_us_per_token,
         )
         return backend, ByteTokenizer(engine.synthetic_vocab_size)
     if engine.backend == "cpu":

@@ -1,4 +1,4 @@
-"""The synthetic backend: no model, deterministic tokens, optional fixed step time.
+"""The synthetic backend: no model, deterministic tokens, optional step time.
 
 It runs through the same scheduler as a real model so the whole serving layer can be tested and
 measured alone. Each slot keeps a 64-bit digest of its prompt (and seed); the token at position p
@@ -9,13 +9,23 @@ It never emits EOS: streams end on max_tokens, stop ids, stop sequences or cance
 Its "KV cache" is the running digest at every prompt position of every slot (uint64 [slots,
 max_context]): a chunk continues from the digest of the position before it, so a range saved from
 one slot and loaded into another (``save_kv`` / ``load_kv``, the prefix store) gives exactly the
-digest, and so the tokens, that prefilling those ids would. The cost it models is per call
-(``step_ms``), not per token: reuse saves time here only where it saves prefill steps.
+digest, and so the tokens, that prefilling those ids would. Reused positions are never sent to
+``prefill``, so with a per-token cost (``prefill_us_per_token``) they cost nothing, as on a model.
 
 Hashing costs about as much per step as the rest of the engine, and this backend stands in for a
 model in the serving benchmark, so while a batch keeps its rows (the engine passes the same
 ``slots`` array, its positions one further each step) decode computes the tokens of several
 coming steps at once and hands them out step by step: the same tokens, hashed in fewer calls.
+
+Pacing (``step_ms``, ``prefill_us_per_token``) imitates a model: one pause per engine step,
+whether the step carries prefill chunks, decode rows or both, plus a cost per prefill token. An
+engine step calls ``prefill`` (if it has chunks) and then ``decode`` (if it has decode rows), so
+``prefill`` pays the step's pause (and its tokens' cost), and a ``decode`` that directly follows
+a ``prefill`` skips its own pause when it belongs to the same step. It does unless its batch holds
+a slot that prefill just finished: the engine decodes a sequence from the step after the one that
+finished its prompt, so such a decode opens the next step. (A decode right after a prefill is in
+the next step only when that step had no decode rows, and then every row it decodes is one the
+prefill just finished.)
 """
 
 from __future__ import annotations
@@ -58,13 +68,21 @@ class SyntheticBackend(Backend):
     supports_prefix = True
 
     def __init__(
-        self, num_slots: int, vocab_size: int, max_context: int, step_ms: float = 0.0
+        self,
+        num_slots: int,
+        vocab_size: int,
+        max_context: int,
+        step_ms: float = 0.0,
+        prefill_us_per_token: float = 0.0,
     ) -> None:
         self.num_slots = num_slots
         self.info = ModelInfo(
             name="synthetic", vocab_size=vocab_size, eos_token_id=257, max_context=max_context
         )
         self._step_s = step_ms / 1000.0
+        self._prefill_token_s = prefill_us_per_token / 1e6
+        # Slots whose prompt the last call (a prefill) finished; None after a decode.
+        self._just_prefilled: set[int] | None = None
         self._digest = np.zeros(num_slots, _U64)  # what decode hashes: the prompt's, seeded
         self._kv = np.zeros((num_slots, max_context), _U64)  # unseeded digest after position p
         # Tokens of coming decode steps for one batch of rows: the slots array they are for,
@@ -76,12 +94,23 @@ class SyntheticBackend(Backend):
         self._block_next = 0
         self._block_size = _MIN_BLOCK
 
-    def _sleep(self) -> None:
+    def _pause_prefill(self, chunks: list[PrefillChunk]) -> None:
+        pause = self._step_s + self._prefill_token_s * sum(len(c.tokens) for c in chunks)
+        if pause:
+            time.sleep(pause)
+        self._just_prefilled = {c.slot for c in chunks if c.last}
+
+    def _pause_decode(self, batch: DecodeBatch) -> None:
+        """The step's pause, unless a prefill of the same step paid it (module docstring)."""
+        after = self._just_prefilled
+        self._just_prefilled = None
+        if after is not None and after.isdisjoint(batch.slots.tolist()):
+            return
         if self._step_s:
             time.sleep(self._step_s)
 
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
-        self._sleep()
+        self._pause_prefill(chunks)
         self._forget_block()
         slots = [chunk.slot for chunk in chunks]
         if len(set(slots)) < len(slots):  # a slot's chunks chain: one after the other
@@ -121,7 +150,7 @@ class SyntheticBackend(Backend):
         return out
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
-        self._sleep()
+        self._pause_decode(batch)
         if batch.slots is not self._block_slots:  # new rows: one step, and remember them
             self._forget_block()
             self._block_slots = batch.slots

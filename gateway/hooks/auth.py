@@ -4,6 +4,9 @@ HELLO's key is hashed once and compared, in constant time, with every stored dig
 exit, so the time depends only on how many keys exist). Per request, the principal is re-checked
 against the live table with one dict lookup: after a SIGHUP reload a revoked key stops working
 and changed limits apply, on connections that are already open.
+
+A verified mTLS client certificate stands for the key whose ``cert_names`` list its subject CN or a
+SAN (``on_certificate``); such a client needs no key in HELLO and is rate-limited as that key.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Auth:
         self.enabled = bool(auth is not None and auth.enabled)
         self._entries: tuple[tuple[bytes, Principal], ...] = ()
         self._by_id: dict[str, Principal] = {}
+        self._by_cert: dict[str, Principal] = {}
         if not self.enabled:
             return
         self.path = Path(auth.keys_file)
@@ -47,6 +51,11 @@ class Auth:
         )
         # One assignment each: the event loop never sees a half-built table.
         self._by_id = {p.key_id: p for _, p in table}
+        self._by_cert = {
+            cn: principal
+            for e, (_, principal) in zip(entries, table, strict=True)
+            for cn in e.cert_names
+        }
         self._entries = table
 
     def on_hello(self, key: bytes) -> Principal | None:
@@ -58,6 +67,13 @@ class Auth:
             if hmac.compare_digest(digest, stored):
                 found = principal
         return found
+
+    def on_certificate(self, names: tuple[str, ...]) -> Principal | None:
+        for name in names:
+            principal = self._by_cert.get(name)
+            if principal is not None:
+                return principal
+        return None
 
     def on_request(self, ctx: Any) -> None:
         key_id = ctx.principal.key_id

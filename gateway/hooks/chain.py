@@ -96,8 +96,8 @@ def _check_signature(fn: Callable[..., Any], stage: str, label: str) -> bool:
     except ValueError:
         pass  # builtins without a signature: trust them
     is_async = inspect.iscoroutinefunction(fn)
-    if is_async and stage == "on_hello":
-        raise HookConfigError(f"hook {label}: on_hello hooks must be synchronous")
+    if is_async and stage in ("on_hello", "on_certificate"):
+        raise HookConfigError(f"hook {label}: {stage} hooks must be synchronous")
     return is_async
 
 
@@ -111,6 +111,7 @@ class Chain:
         self.names: tuple[str, ...] = ()  # hook labels in chain order, for logs and docs
         self._anonymous = Principal("anonymous")
         self._on_hello: tuple[Callable[[bytes], Principal | None], ...] = ()
+        self._on_certificate: tuple[Callable[[tuple[str, ...]], Principal | None], ...] = ()
         self._on_request: tuple[Callable[[Any], Any], ...] = ()
         self._on_request_flagged: tuple[tuple[Callable[[Any], Any], bool], ...] = ()
         self._on_refused: tuple[Callable[[Any, HookError], None], ...] = ()
@@ -158,6 +159,7 @@ class Chain:
             )
 
         chain._on_hello = tuple(fn for fn, _, _ in stages["on_hello"])
+        chain._on_certificate = tuple(fn for fn, _, _ in stages["on_certificate"])
         chain._on_request_flagged = tuple((fn, a) for fn, a, _ in stages["on_request"])
         chain.is_async = any(a for _, a in chain._on_request_flagged)
         chain._on_request = () if chain.is_async else tuple(f for f, _ in chain._on_request_flagged)
@@ -258,6 +260,18 @@ class Chain:
         if self.auth_required:
             raise HookError(UNAUTHENTICATED, "invalid API key" if key else "missing API key")
         return self._anonymous
+
+    def on_certificate(self, names: tuple[str, ...]) -> Principal | None:
+        """The principal a verified client certificate (its CN and SANs) stands for, or None."""
+        for fn in self._on_certificate:
+            try:
+                principal = fn(names)
+            except Exception:
+                log.exception("hook %s failed", self._labels.get(fn, fn))
+                return None
+            if principal is not None:
+                return principal
+        return None
 
     # ---- per request ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ creation time; the key itself is printed once by ``keys add`` and never stored::
     rpm = 60
     tpm = 100000
     created = "2026-05-09T07:35:25Z"
+    cert_names = ["alice.clients.example"]  # optional: mTLS client certificates that stand for it
 
 Writes are atomic (temp file + rename, mode 0600), so a daemon reloading on SIGHUP never reads a
 half-written file.
@@ -36,7 +37,8 @@ else:  # pragma: no cover
 KEY_PREFIX = "zl_"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-_FIELDS = {"name", "sha256", "rpm", "tpm", "created"}
+_FIELDS = {"name", "sha256", "rpm", "tpm", "created", "cert_names"}
+_CERT_NAME_RE = re.compile(r"[\x21-\x7e]{1,255}")  # printable ASCII, no spaces or quotes
 
 
 class KeysFileError(Exception):
@@ -50,6 +52,8 @@ class KeyEntry:
     rpm: int | None = None
     tpm: int | None = None
     created: str = ""
+    # Subject CNs / SANs of verified client certificates that authenticate as this key (mTLS).
+    cert_names: tuple[str, ...] = ()
 
 
 def new_key() -> str:
@@ -67,6 +71,17 @@ def _limit(value: object, what: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise KeysFileError(f"{what} must be a positive integer, got {value!r}")
     return value
+
+
+def _cert_names(value: object, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(v, str) and _CERT_NAME_RE.fullmatch(v) and '"' not in v and "\\" not in v
+        for v in value
+    ):
+        raise KeysFileError(f"{what} must be a list of certificate names (printable ASCII)")
+    return tuple(value)
 
 
 def load_keys(path: str | Path) -> list[KeyEntry]:
@@ -90,6 +105,7 @@ def load_keys(path: str | Path) -> list[KeyEntry]:
     entries: list[KeyEntry] = []
     names: set[str] = set()
     digests: set[str] = set()
+    cert_owner: dict[str, str] = {}
     for i, item in enumerate(raw):
         where = f"keys file {path}, entry {i + 1}"
         if not isinstance(item, dict):
@@ -109,6 +125,13 @@ def load_keys(path: str | Path) -> list[KeyEntry]:
             raise KeysFileError(f"{where}: duplicate sha256")
         names.add(name)
         digests.add(digest)
+        certs = _cert_names(item.get("cert_names"), f"{where}: cert_names")
+        for cn in certs:
+            if cn in cert_owner:
+                raise KeysFileError(
+                    f"{where}: cert name {cn!r} already belongs to {cert_owner[cn]!r}"
+                )
+            cert_owner[cn] = name
         created = item.get("created", "")
         if isinstance(created, datetime):
             created = created.isoformat()
@@ -119,6 +142,7 @@ def load_keys(path: str | Path) -> list[KeyEntry]:
                 _limit(item.get("rpm"), f"{where}: rpm"),
                 _limit(item.get("tpm"), f"{where}: tpm"),
                 str(created),
+                certs,
             )
         )
     return entries
@@ -139,6 +163,9 @@ def save_keys(path: str | Path, entries: list[KeyEntry]) -> None:
             lines.append(f"tpm = {int(e.tpm)}")
         if e.created:
             lines.append(f'created = "{e.created}"')
+        if e.cert_names:
+            _cert_names(list(e.cert_names), f"key {e.name!r}: cert_names")
+            lines.append("cert_names = [" + ", ".join(f'"{c}"' for c in e.cert_names) + "]")
     text = "\n".join(lines) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=path.parent)
@@ -154,7 +181,13 @@ def save_keys(path: str | Path, entries: list[KeyEntry]) -> None:
         raise
 
 
-def add_key(path: str | Path, name: str, rpm: int | None = None, tpm: int | None = None) -> str:
+def add_key(
+    path: str | Path,
+    name: str,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    cert_names: tuple[str, ...] = (),
+) -> str:
     """Create a key named ``name`` in the file (created if missing); returns the key itself."""
     if not NAME_RE.fullmatch(name):
         raise KeysFileError(
@@ -162,12 +195,17 @@ def add_key(path: str | Path, name: str, rpm: int | None = None, tpm: int | None
         )
     _limit(rpm, "rpm")
     _limit(tpm, "tpm")
+    _cert_names(list(cert_names), "cert names")
     entries = load_keys(path) if Path(path).exists() else []
     if any(e.name == name for e in entries):
         raise KeysFileError(f"a key named {name!r} already exists in {path}; revoke it first")
+    for e in entries:
+        taken = set(e.cert_names) & set(cert_names)
+        if taken:
+            raise KeysFileError(f"cert name {sorted(taken)[0]!r} already belongs to {e.name!r}")
     key = new_key()
     created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    entries.append(KeyEntry(name, key_digest(key), rpm, tpm, created))
+    entries.append(KeyEntry(name, key_digest(key), rpm, tpm, created, tuple(cert_names)))
     save_keys(path, entries)
     return key
 
@@ -204,7 +242,7 @@ def _run(args: argparse.Namespace, action: Callable[[str], int]) -> int:
 
 def _cmd_add(args: argparse.Namespace) -> int:
     def action(path: str) -> int:
-        key = add_key(path, args.name, args.rpm, args.tpm)
+        key = add_key(path, args.name, args.rpm, args.tpm, tuple(args.cert_name))
         print(key)
         print(
             f"added key {args.name!r} to {path}; it is shown only this once. "
@@ -268,6 +306,12 @@ def add_keys_subparser(subparsers: argparse._SubParsersAction) -> None:
     add.add_argument("name", help="the key's name (unique)")
     add.add_argument("--rpm", type=positive_int, default=None, help="requests per minute")
     add.add_argument("--tpm", type=positive_int, default=None, help="tokens per minute")
+    add.add_argument(
+        "--cert-name",
+        action="append",
+        default=[],
+        help="a client certificate subject CN or SAN that authenticates as this key (mTLS); repeat",
+    )
     add.set_defaults(func=_cmd_add)
 
     lst = with_file(sub.add_parser("list", help="list keys (names, digest prefixes, limits)"))

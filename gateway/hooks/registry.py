@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 # Stage name -> number of positional arguments the chain passes.
-STAGES: dict[str, int] = {"on_hello": 1, "on_request": 1, "on_refused": 2, "on_done": 2}
+STAGES: dict[str, int] = {
+    "on_hello": 1,
+    "on_certificate": 1,
+    "on_request": 1,
+    "on_refused": 2,
+    "on_done": 2,
+}
 
 T = TypeVar("T")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -11,10 +12,32 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"zerolayer: listening frame=([\d.]+):(\d+)")
+
+
+_PR_SET_PDEATHSIG = 1
+try:  # looked up here, not in the forked child (dlopen there could deadlock on another thread)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the parent's own cleanup has to do
+    _prctl = None
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn``: the kernel SIGKILLs the child when the thread that started it exits, so
+    a test run or benchmark killed without cleaning up leaves no daemon behind (Linux only).
+    Use it from the main thread only (``child_preexec``): another thread may end first."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def child_preexec() -> Callable[[], None] | None:
+    """``die_with_parent`` when called on the main thread (which lives as long as the process),
+    else None: a child started from a short-lived thread must outlive that thread."""
+    return die_with_parent if threading.current_thread() is threading.main_thread() else None
 
 
 def free_port() -> int:
@@ -63,7 +86,14 @@ class Daemon:
         cmd = [sys.executable, "-m", "gateway.cli", "serve"]
         if config:
             cmd += ["--config", config]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=full_env,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=child_preexec(),
+        )
         self.lines: list[str] = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -91,6 +121,14 @@ class Daemon:
                 self.lines.append(line)
         except (ValueError, OSError):  # the pipe was closed by __exit__
             pass
+
+    def rss_mb(self) -> float:
+        """The daemon's resident memory (VmRSS), in MiB."""
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS line in /proc/PID/status")
 
     @property
     def log(self) -> str:

@@ -80,6 +80,11 @@ def connect(server: Server, peer: str = "127.0.0.1") -> tuple[Connection, FakeTr
 
 
 def send(conn: Connection, data: bytes) -> None:
-    buf = conn.get_buffer(len(data))
-    buf[: len(data)] = data
-    conn.buffer_updated(len(data))
+    """Deliver ``data`` as the event loop would: into get_buffer() pieces, buffer_updated each."""
+    view = memoryview(data)
+    while len(view) and not conn.closing:
+        buf = conn.get_buffer(len(view))
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        conn.buffer_updated(n)
+        view = view[n:]

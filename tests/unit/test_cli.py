@@ -105,7 +105,7 @@ def test_terminal_output_escapes_control_characters() -> None:
             ["generate", "--endpoint", "http://127.0.0.1:8080/v1", "hi"],
             {},
             1,
-            "zerolayer: endpoint must look like tcp://HOST:PORT, got 'http://127.0.0.1:8080/v1'",
+            "zerolayer: endpoint must look like tcp://HOST:PORT or tls://HOST:PORT, got 'http://127.0.0.1:8080/v1'",
         ),
     ],
 )

@@ -85,7 +85,7 @@ def test_missing_and_unparsable_files(tmp_path):
 @pytest.mark.parametrize(
     ("name", "section"),
     [
-        ("ZEROLAYER_TLS__CERT_FILE", "tls"),  # a section this build does not have
+        ("ZEROLAYER_QUIC__PORT", "quic"),  # a section this build does not have
         ("ZEROLAYER_SERVRE__PORT", "servre"),  # a typo in a real one
         ("ZEROLAYER_SERVER_PORT", "server_port"),  # one underscore where two were meant
     ],

@@ -1,6 +1,7 @@
 """Property tests of the frame codec: any valid frame survives encode -> FrameDecoder (fed in any
-chunking) -> parse, and arbitrary bytes make the decoder and every payload parser raise nothing but
-``ProtocolError``."""
+chunking) -> parse, arbitrary bytes make the decoder and every payload parser raise nothing but
+``ProtocolError``, what the parser accepts fits the engine's columns, and the fuzz corpus
+decodes safely."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ import json
 import struct
 from typing import Any
 
+import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway import protocol as p
 from gateway.codes import DONE_REASONS
+from gateway.engine.backend import ModelInfo
+from gateway.engine.types import SamplingRow
+from gateway.inputs import InputProcessor, RequestRefused
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
+from gateway.tokenizer import ByteTokenizer
+from tests.support.fuzzframes import corpus_files, read_corpus
 
 MAX = 1 << 20
 U16 = 2**16 - 1
@@ -477,3 +485,65 @@ def _find_all(text: str, needle: str) -> list[int]:
         out.append(i)
         i = text.find(needle, i + 1)
     return out
+
+
+# ------------------------------------------------- what the request path accepts, the engine holds
+
+# The engine keeps each running request's sampling in fixed-width columns (float32 temperature
+# and top_p, int32 top_k, uint64 seed). Whatever the parser and the input processor accept must
+# fit them: a value that did not failed the engine step for every stream in flight and leaked a
+# slot (found by benchmarks/fuzz.py: top_k >= 2**31; fixed in gateway/inputs.py).
+INFO = ModelInfo("m", 259, 257, 4096)
+
+
+def _engine_columns(sampling: SamplingRow) -> None:
+    """Store a row the way the engine does; numpy raises on an int out of range."""
+    with np.errstate(over="raise"):
+        np.zeros(1, np.float32)[0] = sampling.temperature
+        np.ones(1, np.float32)[0] = sampling.top_p
+    np.zeros(1, np.int32)[0] = sampling.top_k
+    np.zeros(1, np.uint64)[0] = sampling.seed
+
+
+@FUZZ
+@given(
+    top_k=st.integers(0, U32),
+    temperature=st.floats(min_value=0, allow_nan=False, allow_infinity=False),
+    top_p=st.floats(min_value=0, max_value=1, exclude_min=True),
+    seed=st.none() | st.integers(0, U64),
+    json_door=st.booleans(),
+)
+def test_what_the_request_path_accepts_fits_the_engine_columns(
+    top_k: int, temperature: float, top_p: float, seed: int | None, json_door: bool
+) -> None:
+    if json_door:
+        obj = {"max_tokens": 1, "prompt": "x", "top_k": top_k, "temperature": temperature}
+        obj["top_p"] = top_p
+        if seed is not None:
+            obj["seed"] = seed
+        payload, flags = json.dumps(obj).encode(), p.FLAG_JSON
+    else:
+        t32, p32 = struct.unpack("<ff", struct.pack("<ff", min(temperature, 3e38), top_p))
+        options = 4 if seed is not None else 0
+        fixed = p.REQUEST_FIXED.pack(1, t32, p32, top_k, seed or 0, 0, 0, options)
+        payload, flags = fixed + b"\x01\x00\x00\x00", 0
+    try:
+        req = p.parse_request(1, flags, memoryview(payload))
+        prepared = InputProcessor(ByteTokenizer(), INFO).prepare(req)
+    except (ProtocolError, RequestRefused) as exc:
+        assert exc.code == ErrorCode.INVALID_REQUEST
+    else:
+        _engine_columns(prepared.sampling)
+
+
+# ---------------------------------------------------------------- the fuzz corpus, frame by frame
+
+
+@pytest.mark.parametrize("path", corpus_files(), ids=lambda path: path.stem)
+def test_corpus_inputs_raise_only_protocol_error(path) -> None:
+    """Every kept input (tests/fixtures/fuzz-corpus; replayed against a daemon in tests/e2e),
+    fed to the server's decoder in one piece and byte by byte, raises only ProtocolError."""
+    comment, data = read_corpus(path)
+    assert "expect: " in comment, f"{path.name} does not say what the server must answer"
+    drain("server", [data], MAX)
+    drain("server", [data[i : i + 1] for i in range(min(len(data), 4096))], MAX)

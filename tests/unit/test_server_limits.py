@@ -29,14 +29,16 @@ def big_request(stream: int) -> bytes:
     return p.encode_request(stream, ids, 2)
 
 
-def test_a_large_frame_grows_the_buffer_only_while_it_is_in_transit() -> None:
+def test_receive_memory_follows_the_bytes_that_arrived_and_is_given_back() -> None:
     server, _ = make_server(max_frame_bytes=1 << 20)
     conn, transport = connect(server)
     data = big_request(1)
-    send(conn, data[:20])  # the header announces BIG bytes: room is made for the frame
-    assert conn.decoder.capacity >= BIG and server.rx_excess > 0
-    for i in range(20, len(data), 65536):
-        send(conn, data[i : i + 65536])
+    send(conn, data[:20])  # the header announces BIG bytes: nothing is allocated for them yet
+    assert conn.decoder.capacity == server.cfg.read_buffer_bytes and server.rx_excess == 0
+    half = len(data) // 2
+    send(conn, data[20:half])  # (in get_buffer() pieces, as the loop delivers them)
+    assert conn.decoder.capacity >= half and server.rx_excess > 0
+    send(conn, data[half:])
     # Processed (the request was refused: too long for this model's context) and given back.
     assert [f[0] for f in frames_of(transport.data)] == [FrameType.ERROR]
     assert conn.decoder.capacity == server.cfg.read_buffer_bytes
@@ -49,10 +51,10 @@ def test_frames_in_transit_are_bounded_daemon_wide() -> None:
     server, _ = make_server(max_frame_bytes=1 << 20, max_pending_frame_bytes=1_500_000)
     a, ta = connect(server)
     b, tb = connect(server)
-    header = struct.pack("<IBBHI", BIG, FrameType.REQUEST, 0, 0, 1)
-    send(a, header)  # a 600 kB frame in transit (its buffer doubles to 1 MiB): under the bound
+    header = struct.pack("<IBBHI", 1_000_000, FrameType.REQUEST, 0, 0, 1)
+    send(a, header + bytes(400_000))  # still in transit: a's buffer doubles to 512 KiB
     assert not ta.closed and server.rx_excess > 0
-    send(b, header)  # another would pass 1.5 MB: refused, its memory given back
+    send(b, header + bytes(900_000))  # b's 1 MiB more would pass 1.5 MB: refused, given back
     assert tb.closed
     ((ftype, stream, payload),) = frames_of(tb.data)
     assert (ftype, stream) == (FrameType.ERROR, 0)

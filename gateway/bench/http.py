@@ -1,0 +1,315 @@
+"""The HTTP target: OpenAI chat, OpenAI completions and Anthropic messages APIs, streamed as SSE.
+
+A small asyncio HTTP/1.1 client with keep-alive (a pool of idle connections reused across
+requests; one request in flight per connection, as HTTP/1.1 has it), chunked and content-length
+bodies, and an SSE parser. Each SSE event is stamped with the arrival time of the bytes that
+completed it. An event carrying text is a chunk; how many tokens it carried is known exactly when
+the server sends per-token logprobs, and otherwise taken as one; when the stream's final usage
+reports a different completion-token count, the difference is spread over the chunks in
+proportion to their text length (so ITL stays per token even when a server batches tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator, Callable
+
+from gateway.bench.endpoint import Endpoint
+from gateway.bench.frames import TargetError
+from gateway.bench.stats import RequestRecord
+from gateway.bench.workload import WorkItem
+
+
+class _StreamEnded(Exception):
+    """The body ended before the protocol's final event."""
+
+
+def _messages(item: WorkItem) -> list[dict]:
+    if item.messages is not None:
+        return item.messages
+    return [{"role": "user", "content": item.prompt or ""}]
+
+
+def build_body(protocol: str, item: WorkItem, model: str, ignore_eos: bool) -> dict:
+    """The JSON body of one streamed request in ``protocol``."""
+    if item.prompt_ids is not None:
+        raise ValueError("HTTP requests carry text: token-id prompts are for tcp:// only")
+    if protocol == "anthropic":
+        body: dict = {"model": model, "max_tokens": item.max_tokens, "stream": True}
+        body["messages"] = _messages(item)
+        if item.system is not None:
+            body["system"] = item.system
+        return body
+    body = {
+        "model": model,
+        "max_tokens": item.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extension; other servers ignore or refuse it
+    if protocol == "openai-chat":
+        system = [{"role": "system", "content": item.system}] if item.system is not None else []
+        body["messages"] = system + _messages(item)
+    else:
+        text = (
+            item.prompt
+            if item.prompt is not None
+            else "\n".join(m["content"] for m in _messages(item))
+        )
+        body["prompt"] = (item.system + "\n" if item.system else "") + text
+    return body
+
+
+class SseState:
+    """Reads one protocol's events into a RequestRecord: chunks, usage, finish, errors."""
+
+    def __init__(self, protocol: str, rec: RequestRecord) -> None:
+        self.protocol = protocol
+        self.rec = rec
+        self.text_lens: list[int] = []
+        self.completion_tokens: int | None = None
+        self.finished = False
+
+    def on_event(self, now: float, event: str, data: str) -> None:
+        if self.protocol == "anthropic":
+            self._anthropic(now, event, data)
+        elif data.strip() == "[DONE]":
+            self.finished = True
+        else:
+            self._openai(now, data)
+
+    def _chunk(self, now: float, text: str, k: int = 1) -> None:
+        self.rec.chunk_t.append(now)
+        self.rec.chunk_k.append(k)
+        self.text_lens.append(len(text))
+
+    def _openai(self, now: float, data: str) -> None:
+        obj = json.loads(data)
+        if "error" in obj:
+            self.rec.error = "stream_error"
+            self.finished = True
+            return
+        usage = obj.get("usage")
+        if usage:
+            self.rec.prompt_tokens = usage.get("prompt_tokens") or self.rec.prompt_tokens
+            self.completion_tokens = usage.get("completion_tokens")
+        for choice in obj.get("choices") or ():
+            text = (
+                choice.get("text")
+                if "text" in choice
+                else (choice.get("delta") or {}).get("content")
+            )
+            if text:
+                # per-token logprobs: chat's "content" list, completions' "tokens" list
+                logprobs = choice.get("logprobs") or {}
+                per_token = logprobs.get("content") or logprobs.get("tokens")
+                self._chunk(now, text, len(per_token) if per_token else 1)
+            if choice.get("finish_reason"):
+                self.rec.finish = choice["finish_reason"]
+
+    def _anthropic(self, now: float, event: str, data: str) -> None:
+        obj = json.loads(data)
+        kind = obj.get("type", event)
+        if kind == "message_start":
+            usage = (obj.get("message") or {}).get("usage") or {}
+            self.rec.prompt_tokens = usage.get("input_tokens", 0)
+        elif kind == "content_block_delta":
+            text = (obj.get("delta") or {}).get("text")
+            if text:
+                self._chunk(now, text)
+        elif kind == "message_delta":
+            self.completion_tokens = (obj.get("usage") or {}).get("output_tokens")
+            self.rec.finish = (obj.get("delta") or {}).get("stop_reason") or self.rec.finish
+        elif kind == "message_stop":
+            self.finished = True
+        elif kind == "error":
+            self.rec.error = "stream_error"
+            self.finished = True
+
+    def settle(self) -> None:
+        """Spread a usage count that differs from the chunk count over the chunks by text
+        length (largest remainder), each chunk keeping at least one token."""
+        k = self.rec.chunk_k
+        n, have = self.completion_tokens, sum(k)
+        if n is None or n <= have or not k:
+            return
+        extra = n - have
+        total = sum(self.text_lens) or len(k)
+        weights = self.text_lens if sum(self.text_lens) else [1] * len(k)
+        shares = [extra * w / total for w in weights]
+        add = [int(s) for s in shares]
+        order = sorted(range(len(k)), key=lambda i: shares[i] - add[i], reverse=True)
+        for i in order[: extra - sum(add)]:
+            add[i] += 1
+        self.rec.chunk_k = [a + b for a, b in zip(k, add, strict=True)]
+
+
+async def _read_headers(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    status_line = await reader.readuntil(b"\r\n")
+    parts = status_line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        raise _StreamEnded(f"not an HTTP/1.x response: {status_line[:60]!r}")
+    headers = {}
+    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(parts[1]), headers
+
+
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The response body as it arrives (chunked, content-length or until close)."""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                    pass
+                return
+            yield await reader.readexactly(size)
+            await reader.readexactly(2)
+    elif "content-length" in headers:
+        left = int(headers["content-length"])
+        while left:
+            data = await reader.read(min(left, 65536))
+            if not data:
+                raise _StreamEnded("body shorter than its content-length")
+            left -= len(data)
+            yield data
+    else:
+        while data := await reader.read(65536):
+            yield data
+
+
+class HttpTarget:
+    """Sends WorkItems as streamed HTTP requests; keeps finished connections for reuse."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        api_key: str = "",
+        model: str | None = None,
+        ignore_eos: bool = False,
+        clock: Callable[[], float],
+    ) -> None:
+        self.endpoint = endpoint
+        self._api_key = api_key
+        self.model = model
+        self._ignore_eos = ignore_eos
+        self._clock = clock
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._ssl = ssl.create_default_context() if endpoint.tls else None
+
+    def _headers(self, method: str, path: str, body: bytes) -> bytes:
+        e = self.endpoint
+        lines = [
+            f"{method} {path} HTTP/1.1",
+            f"Host: {e.host}:{e.port}",
+            "Accept: text/event-stream" if body else "Accept: application/json",
+            "Connection: keep-alive",
+        ]
+        if body:
+            lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        if self._api_key:
+            if e.protocol == "anthropic":
+                lines.append(f"x-api-key: {self._api_key}")
+            else:
+                lines.append(f"Authorization: Bearer {self._api_key}")
+        if e.protocol == "anthropic":
+            lines.append("anthropic-version: 2023-06-01")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._idle:
+            return self._idle.pop()
+        return await asyncio.open_connection(
+            self.endpoint.host, self.endpoint.port, ssl=self._ssl, limit=1 << 20
+        )
+
+    async def open(self, timeout: float = 10.0) -> dict:
+        """Check the server answers; without ``model``, take the first of GET /v1/models."""
+        if self.model is None:
+            path = self.endpoint.path.rsplit("/v1/", 1)[0] + "/v1/models"
+            try:
+                status, body = await asyncio.wait_for(self._get(path), timeout)
+            except (OSError, asyncio.TimeoutError, _StreamEnded) as exc:
+                raise TargetError(f"cannot reach {self.endpoint}: {exc}") from None
+            models = json.loads(body).get("data") if status == 200 else None
+            if not models:
+                raise TargetError(f"GET {path} answered {status} with no model: pass --model")
+            self.model = models[0]["id"]
+        return {"model_id": self.model}
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        reader, writer = await self._connect()
+        writer.write(self._headers("GET", path, b""))
+        status, headers = await _read_headers(reader)
+        body = b"".join([piece async for piece in _body(reader, headers)])
+        self._release(reader, writer, headers)
+        return status, body
+
+    def _release(self, reader, writer, headers: dict[str, str]) -> None:
+        if headers.get("connection", "").lower() == "close" or reader.at_eof():
+            writer.close()
+        else:
+            self._idle.append((reader, writer))
+
+    async def request(self, item: WorkItem, rec: RequestRecord) -> None:
+        assert self.model is not None
+        body = json.dumps(build_body(self.endpoint.protocol, item, self.model, self._ignore_eos))
+        state = SseState(self.endpoint.protocol, rec)
+        rec.t_send = self._clock()
+        try:
+            reader, writer = await self._connect()
+        except OSError:
+            rec.t_end, rec.error = self._clock(), "connect_error"
+            return
+        try:
+            writer.write(self._headers("POST", self.endpoint.path, body.encode()))
+            status, headers = await _read_headers(reader)
+            if status != 200:
+                async for _ in _body(reader, headers):
+                    pass
+                rec.error = f"http_{status}"
+                self._release(reader, writer, headers)
+                return
+            await self._read_events(reader, headers, state)
+            if not state.finished and rec.error is None:
+                rec.error = "connection_closed"
+            state.settle()
+            self._release(reader, writer, headers)
+        except (OSError, asyncio.IncompleteReadError, _StreamEnded, ValueError):
+            writer.close()
+            rec.error = rec.error or "connection_closed"
+        except asyncio.CancelledError:
+            writer.close()
+            raise
+        finally:
+            rec.t_end = self._clock()
+
+    async def _read_events(self, reader, headers: dict[str, str], state: SseState) -> None:
+        pending = b""
+        event, data = "", []
+        async for piece in _body(reader, headers):
+            now = self._clock()
+            pending += piece
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.rstrip(b"\r").decode("utf-8", "replace")
+                if not line:
+                    if data:
+                        state.on_event(now, event, "\n".join(data))
+                    event, data = "", []
+                elif line.startswith("data:"):
+                    data.append(line[5:].removeprefix(" "))
+                elif line.startswith("event:"):
+                    event = line[6:].strip()
+
+    async def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
