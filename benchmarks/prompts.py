@@ -1,7 +1,9 @@
 """Precompiled system prompts: time to first token, registered versus inline.
 
 One real daemon (CPU backend) with a 1,000-token system prompt registered through a temporary
-config file ([[prompts]]). Each request is that system prompt plus a short user turn, greedy,
+config file ([[prompts]]), and for the inline baseline a second one with nothing registered and
+``engine.prefix_cache = false`` (the first would reuse the pinned prompt for any request with its
+ids, docs/prefix-cache.md). Each request is that system prompt plus a short user turn, greedy,
 MAX_TOKENS tokens. Two checkpoints (``--size``):
 - ``medium`` (default): the 124M-parameter random-weight Llama of benchmarks/engine.py (hidden
   1024, word-level tokenizer). The English text is written in its vocabulary, one token per word
@@ -13,8 +15,8 @@ MAX_TOKENS tokens. Two checkpoints (``--size``):
   token per byte makes the 1,000-token system prompt only ~1,000 characters while the user turn
   is ~70 tokens, and the tiny hidden size makes attention over the prefix a large share of the
   user turn's cost: a pessimistic case. Three ways to send the same tokens, interleaved
-round by round on one connection so they share the machine's state:
-- inline: binary REQUEST with the full prompt as token ids (the registry is not consulted);
+round by round, so they share the machine's state:
+- inline: binary REQUEST with the full prompt as token ids, to the daemon without reuse;
 - registered (prompt_id): binary REQUEST with prompt_id and the user turn's ids;
 - registered (JSON system): JSON chat request whose ``system`` equals the registered text.
 At 1 stream (requests one after another) and 16 concurrent streams. TTFT is the daemon's own
@@ -181,7 +183,10 @@ def config_file(directory: Path, text: str, model: dict[str, str]) -> str:
     return str(path)
 
 
-async def one_request(client: Client, work: Workload, mode: str, system: str, n: int) -> dict:
+async def one_request(
+    clients: dict[str, Client], work: Workload, mode: str, system: str, n: int
+) -> dict:
+    client = clients["inline" if mode == "inline" else "registered"]
     tok = work.tok
     messages = [{"role": "user", "content": work.user_turn(n)}]
     chat_ids = tok.encode_prompt(tok.render_chat(messages, system))
@@ -210,23 +215,27 @@ async def one_request(client: Client, work: Workload, mode: str, system: str, n:
     }
 
 
-async def measure(endpoint: str, work: Workload, system: str, rounds: int) -> dict:
+async def measure(endpoints: dict[str, str], work: Workload, system: str, rounds: int) -> dict:
     samples: dict[int, dict[str, list[dict]]] = {c: {m: [] for m in MODES} for c in CONCURRENCY}
-    async with await Client.connect(endpoint) as client:
+    clients = {name: await Client.connect(ep) for name, ep in endpoints.items()}
+    try:
         for mode in MODES:  # warm-up: first allocations, first kernels
-            await one_request(client, work, mode, system, 0)
+            await one_request(clients, work, mode, system, 0)
         n = 1
         for _ in range(rounds):
             for concurrency in CONCURRENCY:
                 for mode in MODES:  # the same user turns in every mode
                     batch = [
-                        one_request(client, work, mode, system, n + i) for i in range(concurrency)
+                        one_request(clients, work, mode, system, n + i) for i in range(concurrency)
                     ]
                     if concurrency == 1:
                         samples[1][mode].append(await batch[0])
                     else:
                         samples[concurrency][mode] += await asyncio.gather(*batch)
                 n += concurrency
+    finally:
+        for client in clients.values():
+            await client.close()
     return samples
 
 
@@ -298,7 +307,8 @@ def markdown(result: dict, m: dict, args: argparse.Namespace) -> str:
             f"{result['system_prompt_tokens']}-token system prompt plus a short user turn "
             f"({users} tokens with its chat-template markers), greedy, {MAX_TOKENS} tokens per "
             f"request; CPU backend, {result['model']}, {args.dtype}, default engine settings "
-            "(torch threads: one per core). The same tokens are sent inline (token ids), by "
+            "(torch threads: one per core). The same tokens are sent inline (token ids, to a "
+            "second daemon with nothing registered and `engine.prefix_cache = false`), by "
             "`prompt_id`, and as a JSON chat whose `system` is the registered text, interleaved "
             f"round by round after a warm-up; {args.rounds} rounds at each concurrency. TTFT is "
             "the daemon's DONE `ttft_us` (request received to first TOKEN written); client TTFT "
@@ -357,9 +367,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         config = config_file(Path(tmp), system, model)
         env = {"LOGGING__LEVEL": "warning", "ENGINE__BACKEND": "cpu"}
-        with Daemon(env, config=config) as daemon:
-            samples = asyncio.run(measure(daemon.endpoint, work, system, args.rounds))
-            daemon.terminate()
+        # The inline baseline: the same engine settings as config_file's, nothing reused.
+        plain = {**env, "ENGINE__PREFIX_CACHE": "false", "SERVER__IDLE_TIMEOUT_S": "600",
+                 "ENGINE__MAX_BATCH_SIZE": "16", "ENGINE__MAX_CONTEXT": "2048",
+                 "CACHE__ENABLED": "false"}  # fmt: skip
+        plain.update({f"MODEL__{k.upper()}": v for k, v in model.items()})
+        env["SERVER__IDLE_TIMEOUT_S"] = "600"  # a connection waits while the other daemon works
+        with Daemon(env, config=config) as daemon, Daemon(plain) as inline:
+            endpoints = {"registered": daemon.endpoint, "inline": inline.endpoint}
+            samples = asyncio.run(measure(endpoints, work, system, args.rounds))
     result = summarise(samples, work, system)
     result["model"] = name if params is None else f"{name} ({params / 1e6:.0f}M parameters)"
     m = machine()

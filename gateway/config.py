@@ -98,7 +98,10 @@ class EngineConfig(_Section):
     synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default (one per core)
-    # Precompiled system prompts (docs/prompts.md)
+    # Automatic prefix reuse (docs/prefix-cache.md): on where the backend can save/load KV.
+    prefix_cache: bool = True
+    prefix_cache_bytes: int = Field(1024 * 1024 * 1024, ge=0)  # unpinned blocks, LRU
+    # Precompiled system prompts (docs/prompts.md): pinned blocks of the same store
     max_prefix_tokens: int = Field(1024, ge=1)
     prefix_budget_bytes: int = Field(256 * 1024 * 1024, ge=0)
     # Neuron backend (docs/neuron.md)

@@ -35,7 +35,7 @@ from gateway import wrong_door
 from gateway.config import ConfigError, Settings, changed_keys, load_settings, with_values
 from gateway.engine.compute import ComputeThread
 from gateway.engine.engine import Engine, Output, TokenColumn
-from gateway.engine.factory import build_backend
+from gateway.engine.factory import build_backend, build_prefix_store
 from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
 from gateway.http.door import HttpApi
@@ -210,7 +210,8 @@ async def _start_and_serve(
     compute = ComputeThread()
     backend, tokenizer = compute.call(build_backend, settings)
     # Validate, tokenize and prefill every registered prompt once, in slot 0, before the engine
-    # loop owns the backend. An invalid prompt stops start-up, named (PromptConfigError).
+    # loop owns the backend; its KV is pinned in the prefix store. An invalid prompt stops
+    # start-up, named (PromptConfigError).
     health.starting("compiling prompts")
     prompts = PromptRegistry.build(
         settings.prompts,
@@ -218,9 +219,10 @@ async def _start_and_serve(
         max_prefix_tokens=settings.engine.max_prefix_tokens,
         budget_bytes=settings.engine.prefix_budget_bytes,
     )
+    store = build_prefix_store(settings, backend, metrics, registered=len(prompts))
     compute.call(
         lambda: prompts.compile(
-            backend, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
+            store, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
         )
     )
     health.starting("starting hooks")
@@ -248,8 +250,9 @@ async def _start_and_serve(
         max_step_tokens=settings.engine.max_step_tokens,
         prefill_chunk=settings.engine.prefill_chunk,
         on_step=metrics.engine_step,
+        prefix_store=store,
     )
-    inputs = InputProcessor(tokenizer, backend.info, prompts, metrics)
+    inputs = InputProcessor(tokenizer, backend.info, prompts)
     path = RequestPath(engine, inputs, chain, metrics)
     outbox.attach(loop, path.outputs.deliver)
     server = Server(settings.server, path, backend.info, metrics)

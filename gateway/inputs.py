@@ -1,9 +1,10 @@
 """The input processor: a parsed request (from any door) → what the engine runs, or a refusal.
 
-Validates every field against what the model and the engine can hold, renders the chat template,
-tokenizes, and splits off a precompiled system prompt when the ids extend it token for token.
-Pure apart from the prefix query metric: no server, connection or hook is involved, so request
-validation is tested on its own (tests/unit/test_inputs.py).
+Validates every field against what the model and the engine can hold, renders the chat template
+(a registered prompt named by ``prompt_id`` supplies the system text) and tokenizes. Reusing KV
+of a prompt's beginning is the engine's prefix store's business, not this module's: a request's
+ids are the same whether or not anything is reused. Pure: no server, connection or hook is
+involved, so request validation is tested on its own (tests/unit/test_inputs.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from gateway import protocol as p
 from gateway.codes import ErrorCode
 from gateway.engine.backend import ModelInfo
 from gateway.engine.types import SamplingRow
-from gateway.ops.metrics import Metrics
-from gateway.prompts import PromptRegistry, split_prompt
+from gateway.prompts import CompiledPrompt, PromptRegistry
 from gateway.tokenizer import Detokenizer, Tokenizer
 
 INT32_MAX = 2**31 - 1
@@ -40,14 +40,9 @@ def _invalid(message: str) -> RequestRefused:
 
 @dataclass(slots=True)
 class Prepared:
-    """A validated request: the ids to prefill after an optional precompiled prefix, and how to
-    sample and stop. ``full_ids`` is the whole prompt (prefix included) as the hooks see it."""
+    """A validated request: its prompt ids, and how to sample and stop."""
 
-    prompt: np.ndarray  # int32: the ids after the prefix
-    full_ids: np.ndarray  # int32: the whole prompt
-    prefix: object | None
-    prefix_len: int
-    cache_bits: int
+    prompt: np.ndarray  # int32: the whole prompt, a registered prompt's ids included
     sampling: SamplingRow
     max_tokens: int
     stop_ids: frozenset[int]
@@ -65,16 +60,10 @@ class InputProcessor:
         tokenizer: Tokenizer,
         info: ModelInfo,
         prompts: PromptRegistry | None = None,
-        metrics: Metrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.prompts = prompts
-        self.metrics = metrics
-
-    def _prefix_query(self, hit: bool) -> None:
-        if self.metrics is not None:
-            self.metrics.prefix_query(hit)
 
     def prepare(self, req: p.Request) -> Prepared:
         self._check_sampling(req)
@@ -95,21 +84,9 @@ class InputProcessor:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max(max_tokens, 1)}) exceeds "
                 f"max_context {max_context}",
             )
-        prompt, prefix, prefix_len, cache_bits = ids, None, 0, 0
-        if compiled is not None:
-            # Reuse the prefix only when the ids extend it token for token; else prefill inline.
-            rest = split_prompt(compiled, ids)
-            if rest is not None:
-                prompt, prefix, prefix_len = rest, compiled.prefix, compiled.prefix_len
-                cache_bits = p.CACHE_PROMPT
-            self._prefix_query(rest is not None)
         wants_detok = req.want_text or bool(req.stop_sequences)
         return Prepared(
-            prompt=np.ascontiguousarray(prompt, dtype=np.int32),
-            full_ids=np.ascontiguousarray(ids, dtype=np.int32),
-            prefix=prefix,
-            prefix_len=prefix_len,
-            cache_bits=cache_bits,
+            prompt=np.ascontiguousarray(ids, dtype=np.int32),
             sampling=SamplingRow(
                 temperature=req.temperature,
                 top_p=req.top_p,
@@ -132,7 +109,8 @@ class InputProcessor:
         return len(self._prompt_ids(req, compiled, system))
 
     def _prompt_ids(self, req: p.Request, compiled, system: str | None) -> np.ndarray:  # noqa: ANN001
-        """The full prompt ids, exactly as without the registry (the prefix is split later)."""
+        """The full prompt ids (a registered prompt's ids first; the engine's prefix store finds
+        their KV)."""
         if req.prompt_ids is not None:
             ids = req.prompt_ids
             vocab = self.info.vocab_size
@@ -165,13 +143,12 @@ class InputProcessor:
         if req.max_tokens < 1:
             raise _invalid("max_tokens must be >= 1")
 
-    def _registered(self, req: p.Request):  # noqa: ANN202 - (CompiledPrompt | None, str | None)
-        """The registered prompt the request names or whose system text it repeats."""
+    def _registered(self, req: p.Request) -> tuple[CompiledPrompt | None, str | None]:
+        """The registered prompt the request names, and the system text to render."""
         system = req.system
         if req.prompt_id:
             compiled = self.prompts.by_id(req.prompt_id) if self.prompts is not None else None
             if compiled is None:
-                self._prefix_query(False)
                 raise RequestRefused(
                     ErrorCode.UNKNOWN_PROMPT, f"no precompiled prompt {req.prompt_id}"
                 )
@@ -180,6 +157,4 @@ class InputProcessor:
                     f"system differs from the text of prompt {req.prompt_id}; send one of them"
                 )
             return compiled, compiled.text
-        if system and self.prompts is not None:
-            return self.prompts.by_system(system), system  # O(1), by a digest of the text
         return None, system

@@ -107,7 +107,7 @@ class Stream:
         self.want_text = want_text
         self.rec_ids: list[int] | None = None  # the stream, recorded for the response cache
         self.rec_text: list[str] | None = None
-        self.full_ids: np.ndarray | None = None  # the whole prompt, precompiled prefix included
+        self.full_ids: np.ndarray | None = None  # the whole prompt, a registered one's ids included
         self.finish = FinishReason.ERROR  # how it ended, once ENDED
         self.from_cache = False
         self.state: object = None  # the door's own per-stream data
@@ -229,9 +229,8 @@ class RequestPath:
 
     def _prepare(self, st: Stream, req: p.Request) -> None:
         prep = self.inputs.prepare(req)
-        st.full_ids = prep.full_ids
-        st.prompt_tokens = len(prep.full_ids)
-        st.cache_bits = prep.cache_bits
+        st.full_ids = prep.prompt
+        st.prompt_tokens = len(prep.prompt)
         st.want_text = req.want_text
         # Deterministic requests are recorded when a hook caches responses: their ids, and the
         # text deltas when the engine produces them anyway; otherwise the text is decoded once
@@ -247,8 +246,6 @@ class RequestPath:
             stop_ids=prep.stop_ids,
             stop_sequences=prep.stop_sequences,
             detokenizer=prep.detokenizer,
-            prefix=prep.prefix,
-            prefix_len=prep.prefix_len,
             ignore_eos=prep.ignore_eos,
         )
 
@@ -373,6 +370,8 @@ class RequestPath:
                            "detail": message},
                 )  # fmt: skip
         elif written:
+            if in_engine and st.seq.reused:  # type: ignore[union-attr]
+                st.cache_bits |= p.CACHE_PROMPT  # the prefix store supplied part of its KV
             door.write_done(st, finish, (queue_s, ttft_s, total_s))
             self._count_finished(st, finish, queue_s, ttft_s, total_s, now)
         if st.ctx is not None and not hooks_running:
@@ -399,6 +398,7 @@ class RequestPath:
                     "prompt_tokens": st.prompt_tokens,
                     "completion_tokens": st.n_ids,
                     "cache": st.cache_bits,
+                    "reused_tokens": st.seq.reused if st.seq is not None else 0,
                     "ttft_ms": round(ttft_s * 1000, 3),
                     "total_ms": round(total_s * 1000, 3),
                 },

@@ -2,14 +2,15 @@
 
 A prompt registered in the config (``[[prompts]]``) is validated and tokenized as the model's
 chat-template system part at start-up, then prefilled once into slot 0 of the backend before the
-engine thread starts; the backend's copy of that KV (its "prefix handle") is kept for the life of
-the process. A request that names the prompt starts from that KV instead of prefilling it again.
+engine thread starts, and its KV is pinned in the engine's prefix store (never evicted). Reuse is
+then the store's one mechanism, the same as for any prefix it has seen: a request whose ids
+start with the prompt's ids (by ``prompt_id``, by the same ``system`` text, or by sending the
+same ids) has that KV copied into its slot instead of prefilled again.
 
-The prefix saved is every prompt token but the last: the request re-feeds the last one as the
-first token of its own prefill, so the backend samples the first output token from a real
-forward pass at the right position, exactly as it does inline. ``split_prompt`` is the one rule
-the server applies per request; it only reuses the prefix when the request's full token ids
-(computed exactly as without the registry) start with the prompt's ids, so output is identical.
+The KV pinned is every prompt token but the last, as full blocks plus a partial tail block (so a
+prompt is reused up to its last token, not only to its last block boundary): a request always
+prefills at least one token itself, and a request of just the prompt then still reuses it all
+but that token.
 
 Validation is shared by start-up (``PromptRegistry.build``) and ``zerolayer compile-check``.
 """
@@ -17,7 +18,6 @@ Validation is shared by start-up (``PromptRegistry.build``) and ``zerolayer comp
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import re
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gateway.engine.prefix_store import PrefixStore
 from gateway.engine.types import PrefillChunk, SamplingRow
 from gateway.tokenizer import Tokenizer
 
@@ -49,7 +50,6 @@ __all__ = [
     "add_compile_check_subparser",
     "dynamic_variable",
     "resolve_prompt_files",
-    "split_prompt",
     "system_ids",
     "text_problems",
 ]
@@ -140,7 +140,7 @@ def token_problems(n_tokens: int, max_prefix_tokens: int) -> list[str]:
             "(engine.max_prefix_tokens)"
         ]
     if n_tokens < 2:
-        # The prefix is every token but the last; with one token there is nothing to reuse.
+        # The KV kept is every token but the last; with one token there is nothing to reuse.
         return [f"the chat template renders this prompt to {n_tokens} token(s); nothing to compile"]
     return []
 
@@ -199,7 +199,7 @@ def check_entries(
         if entry.name in seen_name:
             problems.append(f'name "{entry.name}" is also used by prompt {seen_name[entry.name]}')
         if text and text in seen_text:
-            # A JSON request's system text must resolve to one prompt.
+            # Two registrations of one text are a mistake in the config.
             problems.append(f"same text as prompt {seen_text[text]}")
         seen_id.setdefault(entry.id, entry.label)
         seen_name.setdefault(entry.name, entry.label)
@@ -227,44 +227,34 @@ def resolve_prompt_files(data: dict[str, Any], base_dir: str | Path) -> None:
 
 @dataclass(slots=True)
 class CompiledPrompt:
-    """A registered prompt. ``prefix`` (the backend's KV of ids[:-1]) is set by compile()."""
+    """A registered prompt; ``kv_bytes`` (its pinned KV) is set by compile()."""
 
     id: int
     name: str
     text: str
     ids: np.ndarray  # int32, the full system part (read-only)
-    prefix: object | None
-    prefix_len: int  # len(ids) - 1: positions the saved KV covers
-    last_token: int  # ids[-1]: re-fed as the first token of every request's own prefill
-    kv_bytes: int
+    kv_bytes: int = 0
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Positions whose KV is pinned: every token but the last."""
+        return len(self.ids) - 1
 
 
-def split_prompt(compiled: CompiledPrompt, full_ids: np.ndarray) -> np.ndarray | None:
-    """The ids a request prefills after loading ``compiled``'s prefix, or None to prefill
-    ``full_ids`` inline. ``full_ids`` is the request's prompt computed exactly as without the
-    registry; the prefix is reused only when it starts with the prompt's ids (a tokenizer may
-    merge the system text with what follows, and then the KV would differ)."""
-    n = len(compiled.ids)
-    if len(full_ids) < n or not np.array_equal(full_ids[:n], compiled.ids):
-        return None
-    return full_ids[compiled.prefix_len :]
-
-
-def _text_key(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+def extends(ids: np.ndarray, prefix: np.ndarray) -> bool:
+    """Whether ``ids`` start with ``prefix``, token for token."""
+    n = len(prefix)
+    return len(ids) >= n and bool(np.array_equal(ids[:n], prefix))
 
 
 class PromptRegistry:
-    """The registered prompts, looked up by id or by exact system text in O(1)."""
+    """The registered prompts, looked up by id."""
 
     def __init__(
         self, prompts: Sequence[CompiledPrompt], budget_bytes: int = DEFAULT_PREFIX_BUDGET_BYTES
     ) -> None:
         self.budget_bytes = budget_bytes
         self._by_id = {c.id: c for c in prompts}
-        # Keyed by a digest of the exact text: a request's system string is hashed once, and a
-        # digest match is confirmed by comparing the text, so a collision can never mis-route.
-        self._by_text = {_text_key(c.text): c for c in prompts}
         self.compiled = not prompts  # an empty registry needs no compile step
 
     @classmethod
@@ -299,18 +289,7 @@ class PromptRegistry:
         for c in checked:
             assert c.ids is not None
             c.ids.setflags(write=False)
-            prompts.append(
-                CompiledPrompt(
-                    id=c.entry.id,
-                    name=c.entry.name,
-                    text=c.text,
-                    ids=c.ids,
-                    prefix=None,
-                    prefix_len=len(c.ids) - 1,
-                    last_token=int(c.ids[-1]),
-                    kv_bytes=0,
-                )
-            )
+            prompts.append(CompiledPrompt(c.entry.id, c.entry.name, c.text, c.ids))
             _warn_if_chat_splits(tokenizer, prompts[-1])
         return cls(prompts, budget_bytes)
 
@@ -322,24 +301,26 @@ class PromptRegistry:
         return sum(c.kv_bytes for c in self._by_id.values())
 
     def compile(
-        self, backend: Any, *, chunk: int = 256, backend_name: str = ""
+        self, store: PrefixStore | None, *, chunk: int = 256, backend_name: str = ""
     ) -> list[dict[str, Any]]:
-        """Prefill every prompt once into slot 0 and keep the backend's copy of its KV.
+        """Prefill every prompt once into slot 0 and pin its KV in ``store``.
 
         Call before the engine thread starts (slot 0 is borrowed). ``chunk`` should be the
-        engine's prefill_chunk: the prefix is then chunked exactly as an inline prompt is, so the
-        saved KV is computed with the same shapes. Returns one fact dict per prompt (as logged).
+        engine's prefill_chunk: the prompt is then chunked exactly as an inline prompt is, so the
+        pinned KV is computed with the same shapes. ``store`` is None when the backend cannot
+        save KV. Returns one fact dict per prompt (as logged).
         """
         if not self._by_id:
             self.compiled = True
             return []
-        name = backend_name or type(backend).__name__
-        if not backend.supports_prefix:
+        if store is None:
+            name = backend_name or "this"
             raise PromptConfigError(f"precompiled prompts are not supported by the {name} backend")
         if chunk < 1:
             raise ValueError("chunk must be >= 1")
+        backend = store.backend
         max_context = backend.info.max_context
-        total = 0
+        pinned = store.pinned_bytes
         facts = []
         for c in self._by_id.values():
             label = f'{c.id} "{c.name}"'
@@ -352,25 +333,22 @@ class PromptRegistry:
             for start in range(0, len(body), chunk):
                 piece = body[start : start + chunk]
                 backend.prefill([PrefillChunk(0, piece, start, False, SamplingRow())])
-            handle = backend.save_prefix(0, len(body))
+            c.kv_bytes, _ = store.pin(body, 0)
             backend.free(0)
-            nbytes = int(backend.prefix_nbytes(handle))
-            total += nbytes
+            total = store.pinned_bytes - pinned
             if total > self.budget_bytes:
                 raise PromptConfigError(
-                    f"prompt {label}: its KV needs {nbytes} bytes, {total} bytes with the prompts "
-                    f"before it, over the prefix budget of {self.budget_bytes} bytes "
+                    f"prompt {label}: its KV needs {c.kv_bytes} bytes, {total} bytes with the "
+                    f"prompts before it, over the prefix budget of {self.budget_bytes} bytes "
                     "(engine.prefix_budget_bytes)"
                 )
-            c.prefix = handle
-            c.kv_bytes = nbytes
-            fact = {"id": c.id, "name": c.name, "tokens": len(c.ids), "kv_bytes": nbytes}
+            fact = {"id": c.id, "name": c.name, "tokens": len(c.ids), "kv_bytes": c.kv_bytes}
             facts.append(fact)
-            log.info("precompiled prompt %s: %d tokens, %d KV bytes", label, len(c.ids), nbytes)
+            log.info("precompiled prompt %s: %d tokens, %d KV bytes", label, len(c.ids), c.kv_bytes)
         log.info(
             "precompiled %d prompts: %d of %d prefix budget bytes",
             len(facts),
-            total,
+            store.pinned_bytes - pinned,
             self.budget_bytes,
         )
         self.compiled = True
@@ -378,11 +356,6 @@ class PromptRegistry:
 
     def by_id(self, prompt_id: int) -> CompiledPrompt | None:
         return self._by_id.get(prompt_id)
-
-    def by_system(self, text: str) -> CompiledPrompt | None:
-        """The prompt registered with exactly this text, or None."""
-        found = self._by_text.get(_text_key(text))
-        return found if found is not None and found.text == text else None
 
     def describe(self) -> list[dict[str, Any]]:
         """For GET /prompts: id, name, tokens and KV bytes of each prompt, by id."""
@@ -403,17 +376,17 @@ def _pydantic_reasons(exc: ValidationError) -> str:
 
 def _warn_if_chat_splits(tokenizer: Tokenizer, c: CompiledPrompt) -> None:
     # A chat template or tokenizer that does not extend the system part token for token makes
-    # every JSON chat request with this prompt fall back to inline prefill: say so at start-up.
+    # every JSON chat request with this prompt miss its pinned KV: say so at start-up.
     try:
         chat = tokenizer.encode_prompt(
             tokenizer.render_chat([{"role": "user", "content": "Hello"}], c.text)
         )
     except Exception:  # a template may refuse a probe conversation; the request will tell
         return
-    if split_prompt(c, chat) is None:
+    if not extends(chat, c.ids[: c.pinned_tokens]):
         log.warning(
             'prompt %d "%s": the chat template does not extend its system part token for token; '
-            "JSON chat requests naming it will be prefilled inline",
+            "JSON chat requests naming it will not reuse its precompiled KV",
             c.id,
             c.name,
         )

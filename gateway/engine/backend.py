@@ -5,8 +5,9 @@ assigns slots, feeds prompt chunks (``prefill``) and runs batched ``decode`` ste
 ``free`` when a sequence ends. Implementations: ``synthetic`` (no model), ``cpu`` (kernels/ on
 torch), ``neuron`` (transformers-neuronx on NeuronCores).
 
-Prefix KV (precompiled prompts) is optional: a backend that can save a slot's leading KV and
-copy it into another slot sets ``supports_prefix`` and implements the three prefix methods.
+KV ranges (the prefix store, gateway/engine/prefix_store.py) are optional: a backend that can
+copy the KV of a range of a slot's positions out and back into a slot at the same positions sets
+``supports_prefix`` and implements ``save_kv``, ``load_kv`` and ``kv_nbytes``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Backend(ABC):
 
     info: ModelInfo
     num_slots: int
-    supports_prefix: bool = False  # save_prefix / load_prefix / prefix_nbytes are implemented
+    supports_prefix: bool = False  # save_kv / load_kv / kv_nbytes are implemented
 
     @abstractmethod
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
@@ -52,16 +53,18 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027
         """Release devices and threads at shutdown."""
 
-    # ---- prefix KV (only when ``supports_prefix``) ----------------------------------------
+    # ---- KV ranges (only when ``supports_prefix``) -----------------------------------------
 
-    def save_prefix(self, slot: int, length: int) -> object:
-        """A copy of the KV of positions ``0 .. length - 1`` of ``slot`` (an opaque handle)."""
-        raise NotImplementedError(f"{type(self).__name__} has no prefix KV support")
+    def save_kv(self, slot: int, start: int, end: int) -> object:
+        """A copy of the KV of positions ``start .. end - 1`` of ``slot`` (an opaque handle that
+        stays valid after the slot is reused)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot save KV")
 
-    def load_prefix(self, prefix: object, slot: int) -> None:
-        """Copy a saved prefix into ``slot``; its prefill then starts after the prefix."""
-        raise NotImplementedError(f"{type(self).__name__} has no prefix KV support")
+    def load_kv(self, handle: object, slot: int, start: int) -> None:
+        """Copy a saved range into ``slot`` from position ``start`` on (the positions it was
+        saved from: KV holds position information)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load KV")
 
-    def prefix_nbytes(self, prefix: object) -> int:
-        """Memory held by a saved prefix."""
-        raise NotImplementedError(f"{type(self).__name__} has no prefix KV support")
+    def kv_nbytes(self, handle: object) -> int:
+        """Memory held by a saved range."""
+        raise NotImplementedError(f"{type(self).__name__} cannot save KV")

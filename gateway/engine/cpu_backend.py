@@ -4,8 +4,8 @@ One ``CpuBackend`` owns the loaded model, the KV cache (allocated once, ``num_sl
 ``engine.max_batch_size``) and a ``Sampler``. The prefill chunks of one call run as a few batched
 forwards (``plan_prefill_groups`` decides which chunks share one); decode runs all active slots
 in one step. ``free`` has nothing to clear: every attention masks positions past the sequence's
-own, and a new prompt overwrites the slot from 0. It also saves and restores a slot's leading KV
-positions, for precompiled system prompts.
+own, and a new prompt overwrites the slot from 0. It also copies ranges of a slot's KV positions
+out and back in, for the prefix store.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ log = logging.getLogger("zerolayer.engine")
 
 
 @dataclass(frozen=True)
-class KVPrefix:
-    """A copy of one slot's cache for positions [0, length): k and v are
+class KVRange:
+    """A copy of one slot's cache for ``length`` consecutive positions: k and v are
     [layers, kv_heads, length, head_dim]."""
 
     k: torch.Tensor
@@ -202,24 +202,26 @@ class CpuBackend(Backend):
         self._check_slot(slot)
 
     @torch.inference_mode()
-    def save_prefix(self, slot: int, length: int) -> KVPrefix:
-        """A copy of ``slot``'s cache for positions [0, length)."""
+    def save_kv(self, slot: int, start: int, end: int) -> KVRange:
+        """A copy of ``slot``'s cache for positions [start, end)."""
         self._check_slot(slot)
-        if not 0 < length <= self.info.max_context:
-            raise ValueError(f"prefix length {length} outside (0, {self.info.max_context}]")
-        return KVPrefix(
-            self.cache.k[:, slot, :, :length].clone(), self.cache.v[:, slot, :, :length].clone()
-        )
+        if not 0 <= start < end <= self.info.max_context:
+            raise ValueError(f"KV range {start}..{end} outside [0, {self.info.max_context}]")
+        k, v = self.cache.k[:, slot, :, start:end], self.cache.v[:, slot, :, start:end]
+        return KVRange(k.clone(), v.clone())
 
     @torch.inference_mode()
-    def load_prefix(self, prefix: KVPrefix, slot: int) -> None:
-        """Copy a saved prefix into ``slot``'s positions [0, prefix.length)."""
+    def load_kv(self, handle: KVRange, slot: int, start: int) -> None:
+        """Copy a saved range into ``slot``'s positions [start, start + handle.length)."""
         self._check_slot(slot)
-        self.cache.k[:, slot, :, : prefix.length] = prefix.k
-        self.cache.v[:, slot, :, : prefix.length] = prefix.v
+        end = start + handle.length
+        if not 0 <= start < end <= self.info.max_context:
+            raise ValueError(f"KV range {start}..{end} outside [0, {self.info.max_context}]")
+        self.cache.k[:, slot, :, start:end] = handle.k
+        self.cache.v[:, slot, :, start:end] = handle.v
 
-    def prefix_nbytes(self, prefix: KVPrefix) -> int:
-        return sum(t.numel() * t.element_size() for t in (prefix.k, prefix.v))
+    def kv_nbytes(self, handle: KVRange) -> int:
+        return sum(t.numel() * t.element_size() for t in (handle.k, handle.v))
 
     def close(self) -> None:
         self.cache = KVCache(torch.empty(0), torch.empty(0))

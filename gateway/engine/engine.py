@@ -2,13 +2,15 @@
 
 A step is schedule → execute → update (``step_columns``):
 - **schedule** takes in new sequences and cancellations, admits waiting sequences into free KV
-  slots, and returns a ``StepPlan``: prompt chunks for sequences still in prefill (within
+  slots (loading the longest prompt prefix the prefix store knows, so prefill starts after it),
+  and returns a ``StepPlan``: prompt chunks for sequences still in prefill (within
   ``max_step_tokens``) and the decode batch of every decoding sequence. A plain dataclass that
   tests can inspect.
 - **execute** runs the backend on the plan (nothing else); a failing batched call is retried row
   by row so that a failure ends only the sequence that caused it.
-- **update** turns sampled ids into outputs (stop checks, UTF-8-safe text, stop sequences) and
-  frees the slots of finished sequences; the caller hands the step's outputs on in ONE call.
+- **update** turns sampled ids into outputs (stop checks, UTF-8-safe text, stop sequences),
+  offers the blocks of prompts whose prefill just completed to the prefix store, and frees the
+  slots of finished sequences; the caller hands the step's outputs on in ONE call.
 The waiting queue is bounded: ``submit`` refuses when it is full.
 
 Steady-state decode steps take a columnar path: while the decode rows are unchanged, the "plain"
@@ -38,6 +40,7 @@ import numpy as np
 from gateway.codes import FinishReason
 from gateway.engine.backend import Backend
 from gateway.engine.compute import ComputeThread
+from gateway.engine.prefix_store import PrefixStore
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.tokenizer import Detokenizer, Tokenizer
 
@@ -72,8 +75,7 @@ class Sequence:
         "stop_ids",
         "stop_sequences",
         "detok",
-        "prefix",
-        "prefix_len",
+        "reused",
         "slot",
         "prefilled",
         "generated",
@@ -96,24 +98,21 @@ class Sequence:
         stop_ids: frozenset[int] = frozenset(),
         stop_sequences: tuple[str, ...] = (),
         detokenizer: Detokenizer | None = None,
-        prefix: object | None = None,
-        prefix_len: int = 0,
         ignore_eos: bool = False,
         fair_key: object = None,
     ) -> None:
         self.owner = owner
-        self.prompt = prompt  # int32 [n]: the ids after the (optional) precompiled prefix
+        self.prompt = prompt  # int32 [n]: the whole prompt
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.stop_ids = stop_ids
         self.stop_sequences = stop_sequences
         self.detok = detokenizer  # None = no text wanted and no stop sequences
-        self.prefix = prefix  # backend prefix handle copied into the slot before prefill
-        self.prefix_len = prefix_len
+        self.reused = 0  # leading prompt positions whose KV came from the prefix store
         self.slot = -1
-        self.prefilled = 0  # prompt ids written to the cache so far
+        self.prefilled = 0  # prompt ids in the cache so far (the reused ones included)
         self.generated = 0
-        self.position = prefix_len + len(prompt)  # where the next sampled token will be written
+        self.position = len(prompt)  # where the next sampled token will be written
         self.last_token = -1
         self.held = ""  # text withheld because it may start a stop sequence
         self.cancelled = False
@@ -226,6 +225,7 @@ class Engine:
         max_step_tokens: int,
         prefill_chunk: int,
         on_step: Callable[[str, float, int], None] | None = None,
+        prefix_store: PrefixStore | None = None,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -234,6 +234,7 @@ class Engine:
         self._max_step_tokens = max_step_tokens
         self._prefill_chunk = prefill_chunk
         self._on_step = on_step
+        self._store = prefix_store  # consulted at admission, fed at prefill completion
         self._inbox: collections.deque[Sequence] = collections.deque()
         # Waiting sequences by fairness key (Sequence.fair_key), in round-robin order: admission
         # takes the head of the first key's queue and moves that key to the end, so a client
@@ -295,7 +296,7 @@ class Engine:
         return not (self._inbox or self._waiting or self._running)
 
     def submit(self, seq: Sequence) -> None:
-        if not len(seq.prompt):  # the server never sends one: a precompiled prefix keeps a token
+        if not len(seq.prompt):  # the input processor never sends one
             raise ValueError("a sequence needs at least one prompt token to prefill")
         with self._lock:
             if not self._accepting:
@@ -408,7 +409,7 @@ class Engine:
                 PrefillChunk(
                     slot=seq.slot,
                     tokens=seq.prompt[start : start + n],
-                    start=seq.prefix_len + start,
+                    start=start,
                     last=start + n == len(seq.prompt),
                     sampling=seq.sampling,
                 )
@@ -446,8 +447,9 @@ class Engine:
                 self._top_k[slot] = sp.top_k
                 self._seeds[slot] = sp.seed
                 self._seeded[slot] = sp.seeded
-                if seq.prefix is not None:
-                    self.backend.load_prefix(seq.prefix, slot)
+                if self._store is not None:
+                    # The longest known prefix's KV into the slot; prefill starts after it.
+                    seq.prefilled = seq.reused = self._store.load(seq.prompt, slot)
             except Exception:  # this sequence alone cannot run: it ends, the others go on
                 log.exception("admitting a sequence failed; ending it")
                 outputs.append(self._end(seq, NO_TOKEN, FINISH_ERROR))
@@ -586,6 +588,8 @@ class Engine:
                     completed.append(seq)
                     self._accept_token(seq, token, outputs, finished)
             if completed:  # they decode from the next step on
+                if self._store is not None:
+                    self._offer(completed)
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
                 self._set_decoding((*self._decoding, *completed))
         column = None
@@ -764,6 +768,18 @@ class Engine:
         self._decoding = rows
         self._versions += 1
         self._rows_version = self._versions
+
+    def _offer(self, completed: list[Sequence]) -> None:
+        """Prompts just prefilled: their full blocks go to the prefix store, copied out now,
+        while the slots still hold them. A failure here costs reuse, never a sequence."""
+        assert self._store is not None
+        for seq in completed:
+            if seq.slot < 0:
+                continue
+            try:
+                self._store.offer(seq.prompt, seq.slot)
+            except Exception:
+                log.exception("saving a prompt's KV blocks failed; they will be recomputed")
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot >= 0:

@@ -1,10 +1,16 @@
-"""Builds the configured backend and its tokenizer. Heavy imports happen only for the chosen one."""
+"""Builds the configured backend and its tokenizer (heavy imports happen only for the chosen
+one), and the engine's prefix store for it."""
 
 from __future__ import annotations
 
+import logging
+
 from gateway.config import Settings
 from gateway.engine.backend import Backend
+from gateway.engine.prefix_store import PrefixMetrics, PrefixStore
 from gateway.tokenizer import ByteTokenizer, Tokenizer
+
+log = logging.getLogger("zerolayer.engine")
 
 
 def build_backend(settings: Settings) -> tuple[Backend, Tokenizer]:
@@ -27,3 +33,20 @@ def build_backend(settings: Settings) -> tuple[Backend, Tokenizer]:
     from gateway.engine.neuron_backend import create_neuron_backend
 
     return create_neuron_backend(settings.model, engine)
+
+
+def build_prefix_store(
+    settings: Settings, backend: Backend, metrics: PrefixMetrics | None, registered: int
+) -> PrefixStore | None:
+    """The engine's prefix store, or None when nothing would be reused: the backend cannot save
+    and load KV (said once at start-up), or ``engine.prefix_cache`` is off and no prompt is
+    registered. With the cache off, registered prompts still get their pinned blocks."""
+    cfg = settings.engine
+    if not backend.supports_prefix:
+        if cfg.prefix_cache:
+            log.info("prefix cache off: the %s backend cannot load KV into a slot", cfg.backend)
+        return None
+    if not cfg.prefix_cache and not registered:
+        return None
+    capacity = cfg.prefix_cache_bytes if cfg.prefix_cache else 0
+    return PrefixStore(backend, capacity, metrics)

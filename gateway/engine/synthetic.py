@@ -6,6 +6,12 @@ is a hash of (digest, p) mapped onto lowercase letters and spaces of the byte-le
 text deltas are readable and a request's output is a pure function of prompt, seed and position.
 It never emits EOS: streams end on max_tokens, stop ids, stop sequences or cancel.
 
+Its "KV cache" is the running digest at every prompt position of every slot (uint64 [slots,
+max_context]): a chunk continues from the digest of the position before it, so a range saved from
+one slot and loaded into another (``save_kv`` / ``load_kv``, the prefix store) gives exactly the
+digest, and so the tokens, that prefilling those ids would. Reused positions are never sent to
+``prefill``, so with a per-token cost (``prefill_us_per_token``) they cost nothing, as on a model.
+
 Hashing costs about as much per step as the rest of the engine, and this backend stands in for a
 model in the serving benchmark, so while a batch keeps its rows (the engine passes the same
 ``slots`` array, its positions one further each step) decode computes the tokens of several
@@ -77,7 +83,8 @@ class SyntheticBackend(Backend):
         self._prefill_token_s = prefill_us_per_token / 1e6
         # Slots whose prompt the last call (a prefill) finished; None after a decode.
         self._just_prefilled: set[int] | None = None
-        self._digest = np.zeros(num_slots, _U64)
+        self._digest = np.zeros(num_slots, _U64)  # what decode hashes: the prompt's, seeded
+        self._kv = np.zeros((num_slots, max_context), _U64)  # unseeded digest after position p
         # Tokens of coming decode steps for one batch of rows: the slots array they are for,
         # the positions each step's batch will carry (int32 [k, b]), the tokens (int32 [k, b]),
         # the next step to hand out, and the size of the next block.
@@ -114,17 +121,22 @@ class SyntheticBackend(Backend):
         """Each chunk's ids fold into its slot's digest in order; the chunks (distinct slots)
         fold side by side, one id position at a time."""
         n = len(chunks)
-        digests = np.array([0 if c.start == 0 else self._digest[c.slot] for c in chunks], _U64)
+        kv = self._kv
+        digests = np.array([0 if c.start == 0 else kv[c.slot, c.start - 1] for c in chunks], _U64)
         lengths = np.array([len(c.tokens) for c in chunks])
         ids = np.zeros((n, int(lengths.max(initial=0))), _U64)
         for i, chunk in enumerate(chunks):
             ids[i, : len(chunk.tokens)] = chunk.tokens.astype(_U64)
+        history = np.empty_like(ids)  # the digest after each id: the chunk's "KV"
         for j in range(ids.shape[1]):
             live = lengths > j
             if live.all():
                 digests = _mix(digests ^ ids[:, j])
             else:
                 digests[live] = _mix(digests[live] ^ ids[live, j])
+            history[:, j] = digests
+        for i, chunk in enumerate(chunks):
+            kv[chunk.slot, chunk.start : chunk.start + lengths[i]] = history[i, : lengths[i]]
         last = np.array([c.last for c in chunks], np.bool_)
         seeded = np.array([c.last and c.sampling.seeded for c in chunks], np.bool_)
         if seeded.any():
@@ -168,12 +180,12 @@ class SyntheticBackend(Backend):
         self._forget_block()
         self._digest[slot] = 0
 
-    def save_prefix(self, slot: int, length: int) -> object:
-        return int(self._digest[slot])
+    def save_kv(self, slot: int, start: int, end: int) -> np.ndarray:
+        return self._kv[slot, start:end].copy()
 
-    def load_prefix(self, prefix: object, slot: int) -> None:
+    def load_kv(self, handle: np.ndarray, slot: int, start: int) -> None:
         self._forget_block()
-        self._digest[slot] = _U64(prefix)  # type: ignore[arg-type]
+        self._kv[slot, start : start + len(handle)] = handle
 
-    def prefix_nbytes(self, prefix: object) -> int:
-        return 8
+    def kv_nbytes(self, handle: np.ndarray) -> int:
+        return int(handle.nbytes)

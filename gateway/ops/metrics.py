@@ -128,13 +128,23 @@ class Metrics:
             p + "kv_slots_used_ratio", "Fraction of KV-cache slots in use (0..1).", registry=r
         )
         self.prefix_queries = Counter(
-            p + "prefix_cache_queries", "Requests that asked for a precompiled prompt.", registry=r
+            p + "prefix_cache_queries",
+            "Prompt tokens of requests looked up in the prefix store.",
+            registry=r,
         )
         self.prefix_hits = Counter(
             p + "prefix_cache_hits",
-            "Requests whose precompiled prompt KV was reused.",
+            "Prompt tokens whose KV was copied from the prefix store instead of prefilled.",
             registry=r,
         )
+        prefix_bytes = Gauge(
+            p + "prefix_cache_bytes",
+            "KV bytes held by the prefix store: pinned (registered prompts) and cached (LRU).",
+            ["kind"],
+            registry=r,
+        )
+        self._prefix_pinned = prefix_bytes.labels("pinned")
+        self._prefix_cached = prefix_bytes.labels("cached")
         self.response_cache_hits = Counter(
             p + "response_cache_hits", "Requests answered from the response cache.", registry=r
         )
@@ -243,11 +253,17 @@ class Metrics:
         hist._sum.inc(each * n)
         hist._buckets[bisect.bisect_left(hist._upper_bounds, each)].inc(n)
 
-    def prefix_query(self, hit: bool) -> None:
-        """A request named a precompiled prompt; ``hit`` when its KV was reused."""
-        self.prefix_queries.inc()
+    def prefix_lookup(self, queried: int, hit: int) -> None:
+        """The prefix store was asked for a ``queried``-token prompt and supplied ``hit`` tokens
+        of KV (engine thread, once per admitted request)."""
+        self.prefix_queries.inc(queried)
         if hit:
-            self.prefix_hits.inc()
+            self.prefix_hits.inc(hit)
+
+    def prefix_bytes(self, pinned: int, cached: int) -> None:
+        """What the prefix store holds now."""
+        self._prefix_pinned.set(pinned)
+        self._prefix_cached.set(cached)
 
     def response_cache_hit(self) -> None:
         self.response_cache_hits.inc()

@@ -8,7 +8,6 @@ import pytest
 from gateway import protocol as p
 from gateway.codes import ErrorCode
 from gateway.engine.backend import ModelInfo
-from gateway.engine.synthetic import SyntheticBackend
 from gateway.inputs import InputProcessor, RequestRefused
 from gateway.prompts import PromptRegistry
 from gateway.tokenizer import ByteTokenizer
@@ -32,8 +31,8 @@ def refused(**kw) -> RequestRefused:
 
 def test_text_prompt_is_tokenized_and_sampling_carried() -> None:
     prep = prepare(prompt_text="abc", temperature=0.5, top_k=3, seed=9, want_text=True)
-    assert prep.full_ids.tolist() == TOK.encode_prompt("abc").tolist()
-    assert prep.prompt.dtype == np.int32 and prep.prefix is None and prep.cache_bits == 0
+    assert prep.prompt.tolist() == TOK.encode_prompt("abc").tolist()
+    assert prep.prompt.dtype == np.int32
     assert (prep.sampling.temperature, prep.sampling.top_k, prep.sampling.seed) == (0.5, 3, 9)
     assert prep.sampling.seeded and prep.deterministic and prep.detokenizer is not None
     assert not prepare(temperature=0.7).deterministic
@@ -59,18 +58,20 @@ def test_refusals_name_the_field(kw: dict, code: ErrorCode, needle: str) -> None
     assert err.code == code and needle in err.message
 
 
-def test_registered_prompt_is_split_off_only_when_the_ids_extend_it() -> None:
+def test_registered_prompt_supplies_the_system_part_and_nothing_is_split_off() -> None:
+    """prompt_id selects the text; the ids are the same as sending that text (reuse is the
+    engine's prefix store's business)."""
     reg = PromptRegistry.build([{"id": 1, "name": "s", "text": "Be brief."}], TOK)
-    reg.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=64))
-    prefix_len = reg.by_id(1).prefix_len
     by_id = prepare(reg, prompt_id=1, prompt_text="hi")
     by_text = prepare(reg, system="Be brief.", prompt_text="hi")
-    for prep in (by_id, by_text):
-        assert prep.prefix is not None and prep.prefix_len == prefix_len
-        assert prep.cache_bits == p.CACHE_PROMPT
-        assert len(prep.prompt) + prefix_len == len(prep.full_ids)
+    assert by_id.prompt.tolist() == by_text.prompt.tolist()
+    rendered = TOK.encode_prompt(TOK.render_system("Be brief.") + "hi")
+    assert by_id.prompt.tolist() == rendered.tolist()
+    ids = prepare(reg, prompt_id=1, prompt_ids=np.array([104, 105], np.int32))
+    assert ids.prompt.tolist() == reg.by_id(1).ids.tolist() + [104, 105]
     err = refused_with(reg, prompt_id=1, system="Something else.")
     assert err.code == ErrorCode.INVALID_REQUEST and "differs" in err.message
+    assert refused_with(reg, prompt_id=2, prompt_text="hi").code == ErrorCode.UNKNOWN_PROMPT
 
 
 def refused_with(reg: PromptRegistry, **kw) -> RequestRefused:

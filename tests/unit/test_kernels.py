@@ -228,20 +228,22 @@ def test_backend_seeded_decode_independent_of_batch() -> None:
         assert backend2.decode(batch)[-1] == alone[0]
 
 
-def test_prefix_save_load_equals_reprefill() -> None:
+def test_kv_range_save_load_equals_reprefill() -> None:
     backend = make_backend()
     system = tokens(24, 5).numpy()
     user = tokens(9, 6).numpy()
     full = np.concatenate([system, user])
     expected = backend.prefill([greedy_chunk(0, full)])
     backend.prefill([greedy_chunk(1, system, last=False)])
-    prefix = backend.save_prefix(1, len(system))
+    # Saved as two ranges, as the prefix store keeps blocks.
+    head, tail = backend.save_kv(1, 0, 16), backend.save_kv(1, 16, 24)
     assert (
-        backend.prefix_nbytes(prefix)
-        == 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * 24 * CFG.head_dim * 4
+        backend.kv_nbytes(tail)
+        == 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * 8 * CFG.head_dim * 4
     )
     backend.prefill([greedy_chunk(3, tokens(40, 7).numpy())])  # slot 3 holds something else
-    backend.load_prefix(prefix, 3)
+    backend.load_kv(head, 3, 0)
+    backend.load_kv(tail, 3, 16)
     got = backend.prefill([greedy_chunk(3, user, start=len(system))])
     assert got.tolist() == expected.tolist()
     torch.testing.assert_close(

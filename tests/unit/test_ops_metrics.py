@@ -99,14 +99,17 @@ def test_engine_step_and_queue(m: Metrics) -> None:
 
 
 def test_caches_and_limits(m: Metrics) -> None:
-    m.prefix_query(hit=True)
-    m.prefix_query(hit=False)
-    m.prefix_query(hit=True)
+    m.prefix_lookup(100, 96)
+    m.prefix_lookup(40, 0)
+    m.prefix_lookup(20, 16)
+    m.prefix_bytes(pinned=4096, cached=8192)
     m.response_cache_hit()
     m.rate_limited()
     m.rate_limited()
-    assert v(m, "zerolayer_prefix_cache_queries_total") == 3
-    assert v(m, "zerolayer_prefix_cache_hits_total") == 2
+    assert v(m, "zerolayer_prefix_cache_queries_total") == 160  # tokens, as vLLM counts
+    assert v(m, "zerolayer_prefix_cache_hits_total") == 112
+    assert v(m, "zerolayer_prefix_cache_bytes", kind="pinned") == 4096
+    assert v(m, "zerolayer_prefix_cache_bytes", kind="cached") == 8192
     assert v(m, "zerolayer_response_cache_hits_total") == 1
     assert v(m, "zerolayer_rate_limited_total") == 2
 
@@ -150,6 +153,7 @@ def test_render_lists_every_family(m: Metrics) -> None:
         "zerolayer_kv_slots_used_ratio",
         "zerolayer_prefix_cache_queries",
         "zerolayer_prefix_cache_hits",
+        "zerolayer_prefix_cache_bytes",
         "zerolayer_response_cache_hits",
         "zerolayer_rate_limited",
         "zerolayer_connections",

@@ -1,6 +1,7 @@
-"""Precompiled system prompts: validation, the registry, compile() on real backends, and the
-correctness guarantee (registered prefix + user turn == the same text inline, token for token)
-on the built-in model and on a transformers-made checkpoint, through the real Engine."""
+"""Precompiled system prompts: validation, the registry, compile() into pinned prefix-store
+entries on real backends, and the correctness guarantee (a request reusing a registered prompt's
+KV == the same ids prefilled without any store, token for token) on the built-in model and on a
+transformers-made checkpoint, through the real Engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from gateway.config import BUILTIN_MODEL, EngineConfig, ModelConfig
 from gateway.engine.backend import Backend, ModelInfo
-from gateway.engine.engine import FINISH, NOT_FINISHED, OWNER, TOKEN, Engine, Output, Sequence
+from gateway.engine.engine import Sequence
+from gateway.engine.prefix_store import BLOCK_TOKENS, PrefixStore
 from gateway.engine.synthetic import SyntheticBackend
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.prompts import (
@@ -23,13 +25,14 @@ from gateway.prompts import (
     PromptEntry,
     PromptRegistry,
     dynamic_variable,
+    extends,
     resolve_prompt_files,
-    split_prompt,
     system_ids,
     text_problems,
 )
 from gateway.tokenizer import ByteTokenizer, Tokenizer
-from tests.support.checkpoint import SPECIAL, write_checkpoint
+from tests.support.checkpoint import SPECIAL, checkpoint_backend
+from tests.support.engine_run import run_engine
 
 TOK = ByteTokenizer()
 SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise."
@@ -210,62 +213,52 @@ def test_resolve_prompt_files_anchors_relative_paths_at_the_config(tmp_path: Pat
     assert "file" not in data["prompts"][2]
 
 
-def test_lookup_by_id_and_by_exact_system_text() -> None:
+def test_lookup_by_id() -> None:
     reg = build([{"id": 5, "name": "terse", "text": SYSTEM}, {"id": 9, "name": "b", "text": "B."}])
     c = reg.by_id(5)
     assert c is not None and c.name == "terse"
-    assert reg.by_id(6) is None
-    assert reg.by_system(SYSTEM) is c
-    assert reg.by_system(SYSTEM + " ") is None
-    assert reg.by_system(SYSTEM.lower()) is None
-    assert reg.by_system("B.").id == 9
-    assert c.prefix_len == len(c.ids) - 1
-    assert c.last_token == c.ids[-1]
+    assert reg.by_id(6) is None and reg.by_id(9).text == "B."
+    assert c.pinned_tokens == len(c.ids) - 1
     assert not c.ids.flags.writeable
 
 
-# --------------------------------------------------------------------------- split_prompt
-
-
-def _compiled(ids: list[int]) -> CompiledPrompt:
-    a = np.array(ids, np.int32)
-    return CompiledPrompt(1, "p", "p", a, object(), len(a) - 1, int(a[-1]), 0)
-
-
-def test_split_prompt_reuses_the_prefix_only_when_ids_extend_it() -> None:
-    c = _compiled([256, 10, 11, 12])
-    full = np.array([256, 10, 11, 12, 20, 21], np.int32)
-    rest = split_prompt(c, full)
-    assert rest is not None and rest.tolist() == [12, 20, 21]  # starts with the last token
-    assert split_prompt(c, full[:4]).tolist() == [12]  # the prompt alone
-    # The tokenizer merged across the boundary, a shorter prompt, a different prompt: inline.
-    assert split_prompt(c, np.array([256, 10, 11, 99, 20], np.int32)) is None
-    assert split_prompt(c, np.array([256, 10, 11], np.int32)) is None
-    assert split_prompt(c, np.array([256, 10, 12, 12, 20], np.int32)) is None
+def test_extends_is_token_for_token() -> None:
+    prefix = np.array([256, 10, 11], np.int32)
+    assert extends(np.array([256, 10, 11, 12], np.int32), prefix)
+    assert extends(prefix, prefix)
+    assert not extends(np.array([256, 10], np.int32), prefix)
+    assert not extends(np.array([256, 10, 12, 12], np.int32), prefix)
 
 
 # --------------------------------------------------------------------------- compile()
 
 
+def synthetic_store(slots: int = 2, max_context: int = 512, capacity: int = 0) -> PrefixStore:
+    return PrefixStore(SyntheticBackend(slots, vocab_size=259, max_context=max_context), capacity)
+
+
 def test_compile_on_synthetic_backend_and_its_budget() -> None:
     reg = build([{"id": 1, "name": "a", "text": SYSTEM}, {"id": 2, "name": "b", "text": "B."}])
-    backend = SyntheticBackend(num_slots=2, vocab_size=259, max_context=512)
-    facts = reg.compile(backend, chunk=16)
+    store = synthetic_store()
+    facts = reg.compile(store, chunk=16)
+    # The synthetic backend keeps 8 bytes per position; every token but the last is pinned.
+    n1, n2 = len(reg.by_id(1).ids), len(reg.by_id(2).ids)
     assert facts == [
-        {"id": 1, "name": "a", "tokens": len(reg.by_id(1).ids), "kv_bytes": 8},
-        {"id": 2, "name": "b", "tokens": len(reg.by_id(2).ids), "kv_bytes": 8},
+        {"id": 1, "name": "a", "tokens": n1, "kv_bytes": 8 * (n1 - 1)},
+        {"id": 2, "name": "b", "tokens": n2, "kv_bytes": 8 * (n2 - 1)},
     ]
     assert reg.compiled and reg.describe() == facts
+    assert store.pinned_bytes == 8 * (n1 - 1 + n2 - 1) and store.cached_bytes == 0
 
     small = build(
         [{"id": 1, "name": "a", "text": SYSTEM}, {"id": 2, "name": "b", "text": "B."}],
-        budget_bytes=15,
+        budget_bytes=8 * (n1 - 1) + 7,
     )
     with pytest.raises(PromptConfigError) as err:
-        small.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=512))
-    assert 'prompt 2 "b": its KV needs 8 bytes, 16 bytes with the prompts before it' in str(
-        err.value
-    )
+        small.compile(synthetic_store())
+    total = 8 * (n1 - 1 + n2 - 1)
+    needs = f'prompt 2 "b": its KV needs {8 * (n2 - 1)} bytes, {total} bytes with the prompts'
+    assert needs in str(err.value)
     assert "(engine.prefix_budget_bytes)" in str(err.value)
 
 
@@ -284,21 +277,22 @@ class NoPrefixBackend(Backend):
 
 
 def test_backend_without_prefix_support_is_refused_only_with_prompts() -> None:
+    # A backend that cannot save KV gets no store (gateway.engine.factory.build_prefix_store).
     with pytest.raises(
         PromptConfigError, match="precompiled prompts are not supported by the neuron backend"
     ):
-        build([{"id": 1, "name": "a", "text": SYSTEM}]).compile(
-            NoPrefixBackend(), backend_name="neuron"
-        )
+        build([{"id": 1, "name": "a", "text": SYSTEM}]).compile(None, backend_name="neuron")
+    with pytest.raises(ValueError, match="cannot save and load KV"):
+        PrefixStore(NoPrefixBackend(), 1024)
     empty = build([])
-    assert empty.compile(NoPrefixBackend(), backend_name="neuron") == []
+    assert empty.compile(None, backend_name="neuron") == []
     assert empty.compiled and len(empty) == 0
 
 
 def test_prompt_longer_than_the_context_is_refused() -> None:
     reg = build([{"id": 1, "name": "a", "text": SYSTEM}])
     with pytest.raises(PromptConfigError, match="leave no room in the context of 32"):
-        reg.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=32))
+        reg.compile(synthetic_store(1, max_context=32))
 
 
 @pytest.fixture(scope="module")
@@ -319,90 +313,58 @@ def builtin(builtin_dir: Path):
     )
 
 
-def test_compile_on_cpu_backend_saves_the_kv_of_all_but_the_last_token(builtin) -> None:
+def test_compile_on_cpu_backend_pins_the_kv_of_all_but_the_last_token(builtin) -> None:
     backend, tok = builtin
     reg = PromptRegistry.build(
         [{"id": 3, "name": "terse", "text": SYSTEM}], tok, budget_bytes=10**9
     )
-    facts = reg.compile(backend, chunk=16)
+    store = PrefixStore(backend, 0)
+    facts = reg.compile(store, chunk=16)
     c = reg.by_id(3)
-    layers, kv_heads, _, head_dim = c.prefix.k.shape
-    assert c.prefix.length == c.prefix_len == len(c.ids) - 1
-    assert c.kv_bytes == 2 * layers * kv_heads * c.prefix_len * head_dim * 4  # float32 k and v
+    assert c.pinned_tokens % BLOCK_TOKENS, "this prompt ends mid-block: a pinned tail"
+    layers, _, kv_heads, _, head_dim = backend.cache.k.shape
+    assert c.kv_bytes == 2 * layers * kv_heads * c.pinned_tokens * head_dim * 4  # float32 k, v
     assert facts == [{"id": 3, "name": "terse", "tokens": len(c.ids), "kv_bytes": c.kv_bytes}]
-    # The saved KV equals a straight prefill of the same ids in one chunk in another slot.
+    # The pinned KV equals a straight prefill of the same ids in one chunk in another slot.
     backend.prefill([PrefillChunk(1, c.ids[:-1], 0, False, SamplingRow())])
-    k = backend.cache.k[:, 1, :, : c.prefix_len]
-    assert np.allclose(k.numpy(), c.prefix.k.numpy(), atol=1e-5)
+    assert store.load(np.concatenate([c.ids, [65]]).astype(np.int32), 0) == c.pinned_tokens
+    n = c.pinned_tokens
+    for kv in (backend.cache.k, backend.cache.v):
+        assert np.allclose(kv[:, 0, :, :n].numpy(), kv[:, 1, :, :n].numpy(), atol=1e-5)
     # One byte under what the prompt needs: refused, naming the prompt.
     tight = PromptRegistry.build(
         [{"id": 3, "name": "terse", "text": SYSTEM}], tok, budget_bytes=c.kv_bytes - 1
     )
     with pytest.raises(PromptConfigError, match='prompt 3 "terse": its KV needs'):
-        tight.compile(backend, chunk=16)
+        tight.compile(PrefixStore(backend, 0), chunk=16)
 
 
 # --------------------------------------------------------------------------- correctness
 
 
-def scramble(backend: Backend) -> None:
-    cache = getattr(backend, "cache", None)
-    if cache is not None:
-        import torch
-
-        gen = torch.Generator().manual_seed(0)
-        for t in (cache.k, cache.v):
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
-
-
-def run_engine(backend: Backend, tok: Tokenizer, seqs: list[Sequence]) -> dict[int, list]:
-    """Drive a real Engine step by step until every sequence finished; tokens per owner.
-
-    The KV cache is filled with noise first, so nothing a previous run (or compile) left in a
-    slot can stand in for the prefix the engine is supposed to load."""
-    scramble(backend)
-    outputs: list[Output] = []
-    engine = Engine(
-        backend, tok, outputs.extend, max_queue=16, max_step_tokens=64, prefill_chunk=16
-    )
-    for s in seqs:
-        engine.submit(s)
-    got: dict[int, list] = {s.owner: [] for s in seqs}  # type: ignore[misc]
-    done: set = set()
-    for _ in range(1000):
-        outputs.extend(engine.step())
-        for out in outputs:
-            if out[TOKEN] >= 0:
-                got[out[OWNER]].append(out[TOKEN])
-            if out[FINISH] != NOT_FINISHED:
-                got[out[OWNER]].append(("end", int(out[FINISH])))
-                done.add(out[OWNER])
-        outputs.clear()
-        if len(done) == len(seqs):
-            return got
-    raise AssertionError("engine did not finish")
-
-
 def registered_and_inline(
-    backend: Backend,
+    store: PrefixStore,
     tok: Tokenizer,
     c: CompiledPrompt,
     full: np.ndarray,
     max_tokens: int,
     sampling: SamplingRow | None = None,
 ) -> tuple[list, list]:
-    """Outputs of (registered prefix + rest) and of ``full`` inline, greedy unless given."""
-    rest = split_prompt(c, full)
-    assert rest is not None, "the prompt's ids must prefix the request's"
+    """Outputs of ``full`` with the store holding the registered prompt (and nothing else: its
+    LRU capacity is 0) and without any store, greedy unless given."""
+    assert extends(full, c.ids), "the prompt's ids must prefix the request's"
+    backend = store.backend
     row = sampling or SamplingRow()
 
     def registered() -> Sequence:
-        return Sequence(1, rest, max_tokens, row, prefix=c.prefix, prefix_len=c.prefix_len)
+        return Sequence(1, full, max_tokens, row)
 
     # Alone, then side by side in one batch (different slots, shared steps).
-    alone = run_engine(backend, tok, [registered()])[1]
+    seq = registered()
+    alone = run_engine(backend, tok, [seq], store)[1]
+    assert seq.reused == c.pinned_tokens
     inline = run_engine(backend, tok, [Sequence(2, full, max_tokens, row)])[2]
-    together = run_engine(backend, tok, [Sequence(2, full, max_tokens, row), registered()])
+    together = run_engine(backend, tok, [Sequence(2, full, max_tokens, row), registered()], store)
     assert together[1] == alone and together[2] == inline
     return alone, inline
 
@@ -427,25 +389,26 @@ def test_registered_prompt_output_is_identical_to_inline_on_the_builtin_model(bu
     backend, tok = builtin
     text = SYSTEM + " " + "Keep every reply under twenty words. " * 3
     reg = PromptRegistry.build([{"id": 1, "name": "p", "text": text}], tok)
-    reg.compile(backend, chunk=16)
+    store = PrefixStore(backend, 0)
+    reg.compile(store, chunk=16)
     c = reg.by_id(1)
-    assert c.prefix_len > 3 * 16  # the prefix spans several chunks
+    assert c.pinned_tokens > 3 * 16  # the prefix spans several chunks
     for full in requests_for(tok, c):
-        registered, inline = registered_and_inline(backend, tok, c, full, max_tokens=24)
+        registered, inline = registered_and_inline(store, tok, c, full, max_tokens=24)
         assert len(registered) == 25 and registered[-1] == ("end", 1)  # max_tokens, no early EOS
         assert registered == inline
-        registered, inline = registered_and_inline(backend, tok, c, full, 24, SAMPLED)
+        registered, inline = registered_and_inline(store, tok, c, full, 24, SAMPLED)
         assert len(set(registered[:-1])) > 5  # a varied stream, not one repeated token
         assert registered == inline
 
 
 def test_registered_prompt_output_is_identical_to_inline_on_synthetic() -> None:
-    backend = SyntheticBackend(num_slots=2, vocab_size=259, max_context=512)
+    store = synthetic_store()
     reg = build([{"id": 1, "name": "p", "text": SYSTEM}])
-    reg.compile(backend, chunk=16)
+    reg.compile(store, chunk=16)
     c = reg.by_id(1)
     for full in requests_for(TOK, c):
-        registered, inline = registered_and_inline(backend, TOK, c, full, max_tokens=16)
+        registered, inline = registered_and_inline(store, TOK, c, full, max_tokens=16)
         assert registered == inline and len(registered) == 17
 
 
@@ -457,26 +420,21 @@ def test_registered_prompt_output_is_identical_to_inline_on_a_transformers_check
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("transformers")
-    from gateway.engine.cpu_backend import CpuBackend
-    from gateway.models import load_checkpoint
-
-    write_checkpoint(tmp_path)
-    loaded = load_checkpoint(tmp_path, max_context=256)
-    tok = loaded.tokenizer
-    backend = CpuBackend(loaded, num_slots=2, max_context=256)
+    backend, tok = checkpoint_backend(tmp_path)
     text = "you are a terse assistant w40 w41 w42 answer in one short sentence " * 4
     reg = PromptRegistry.build([{"id": 2, "name": "t", "text": text.strip()}], tok)
-    reg.compile(backend, chunk=16)
+    store = PrefixStore(backend, 0)
+    reg.compile(store, chunk=16)
     c = reg.by_id(2)
     # The template's system part: BOS, the role token, the words, the end token; no <unk>.
     assert c.ids[0] == 0 and c.ids[1] == SPECIAL.index("<|system|>")
-    assert c.last_token == SPECIAL.index("<|end|>") and 2 not in c.ids.tolist()
-    assert c.prefix_len > 2 * 16
+    assert c.ids[-1] == SPECIAL.index("<|end|>") and 2 not in c.ids.tolist()
+    assert c.pinned_tokens > 2 * 16
     for full in requests_for(tok, c):
-        registered, inline = registered_and_inline(backend, tok, c, full, max_tokens=20)
+        registered, inline = registered_and_inline(store, tok, c, full, max_tokens=20)
         assert len(registered) >= 2
         assert registered == inline
-        registered, inline = registered_and_inline(backend, tok, c, full, 20, SAMPLED)
+        registered, inline = registered_and_inline(store, tok, c, full, 20, SAMPLED)
         assert registered == inline
 
 
@@ -489,18 +447,19 @@ def test_prompts_are_listed_on_the_metrics_port() -> None:
     from gateway.ops.readiness import Health
 
     reg = build([{"id": 9, "name": "b", "text": "B."}, {"id": 4, "name": "a", "text": SYSTEM}])
-    reg.compile(SyntheticBackend(num_slots=1, vocab_size=259, max_context=512))
+    reg.compile(synthetic_store(1))
     handle = start_http_server("127.0.0.1", 0, Metrics(), Health(), reg.describe)
     plain = start_http_server("127.0.0.1", 0, Metrics(), Health())
     try:
+        ids4, ids9 = reg.by_id(4).ids, reg.by_id(9).ids
         url = f"http://127.0.0.1:{handle.port}/prompts"
         with urllib.request.urlopen(url, timeout=10) as resp:
             assert resp.headers["Content-Type"] == "application/json"
             body = json.loads(resp.read())
         assert body == {
             "prompts": [
-                {"id": 4, "name": "a", "tokens": len(reg.by_id(4).ids), "kv_bytes": 8},
-                {"id": 9, "name": "b", "tokens": len(reg.by_id(9).ids), "kv_bytes": 8},
+                {"id": 4, "name": "a", "tokens": len(ids4), "kv_bytes": 8 * (len(ids4) - 1)},
+                {"id": 9, "name": "b", "tokens": len(ids9), "kv_bytes": 8 * (len(ids9) - 1)},
             ]
         }
         with pytest.raises(urllib.error.HTTPError) as err:
