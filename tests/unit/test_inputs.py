@@ -95,6 +95,6 @@ def test_ignore_eos_is_carried_and_prompt_tokens_counted() -> None:
     assert prepare(ignore_eos=True).ignore_eos and not prepare().ignore_eos
     proc = InputProcessor(TOK, INFO)
     chat = p.Request(max_tokens=1, messages=[{"role": "user", "content": "hey"}], system="S")
-    assert proc.count_prompt_tokens(chat) == len(proc.prepare(chat).full_ids)
+    assert proc.count_prompt_tokens(chat) == len(proc.prepare(chat).prompt)
     long = p.Request(max_tokens=1, prompt_text="y" * 100)  # counted, though it would not fit
     assert proc.count_prompt_tokens(long) == 101
