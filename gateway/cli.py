@@ -17,9 +17,9 @@ import sys
 from gateway.bench import add_bench_subparser
 from gateway.client import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
 from gateway.codes import FinishReason
+from gateway.compile_check import add_compile_check_subparser
 from gateway.config import DEBUG_ENV, ConfigError, load_settings
 from gateway.hooks.keys import add_keys_subparser, positive_int
-from gateway.prompts import add_compile_check_subparser
 
 # One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
 COMMANDS = """\

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.compile_check import add_compile_check_subparser
 from gateway.config import Settings
-from gateway.prompts import add_compile_check_subparser, system_ids
+from gateway.prompts import system_ids
 from gateway.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,10 +234,10 @@ def run_command(module_args: list[str], stdin: bytes) -> subprocess.CompletedPro
 
 
 def test_process_exit_status_and_output_on_stdin() -> None:
-    bad = run_command(["gateway.prompts", "-"], DATED.encode())
+    bad = run_command(["gateway.compile_check", "-"], DATED.encode())
     assert bad.returncode == 1
     assert bad.stdout.decode().splitlines() == [DATED_ERROR]
-    good = run_command(["gateway.prompts", "-"], TERSE.encode())
+    good = run_command(["gateway.compile_check", "-"], TERSE.encode())
     assert good.returncode == 0, good.stderr
 
 
