@@ -43,8 +43,11 @@ class FinishReason(IntEnum):
     @property
     def label(self) -> str:
         """The lower-case name used in metrics, logs and the CLI ("eos", "max_tokens", ...)."""
-        return self.name.lower()
+        return FINISH_LABELS[self]
 
+
+#: FinishReason.label of each reason, computed once (it is read once per request).
+FINISH_LABELS: dict[int, str] = {r: r.name.lower() for r in FinishReason}
 
 #: The finish reasons a DONE frame can carry, in wire order.
 DONE_REASONS: tuple[FinishReason, ...] = (

@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from gateway import protocol as p
-from gateway.codes import COMPLETE_REASONS, ErrorCode, FinishReason
+from gateway.codes import COMPLETE_REASONS, FINISH_LABELS, ErrorCode, FinishReason
 from gateway.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
 from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
 from gateway.inputs import InputProcessor, RequestRefused
@@ -90,13 +90,14 @@ class Stream:
 
     __slots__ = ("door", "key", "api", "phase", "seq", "ctx", "t_recv", "t_first", "n_ids",
                  "prompt_tokens", "cache_bits", "want_text", "rec_ids", "rec_text", "full_ids",
-                 "finish", "from_cache", "state")  # fmt: skip
+                 "finish", "from_cache", "state", "ended")  # fmt: skip
 
     def __init__(self, door: Door, key: int, api: str, want_text: bool = False) -> None:
         self.door = door
         self.key = key  # the door's id for it (the frame stream id)
         self.api = api  # "frames", "openai", "anthropic": for metrics and logs
         self.phase = Phase.NEW
+        self.ended = False  # phase is ENDED: a plain flag for the output loop (set by _end only)
         self.seq: Sequence | None = None
         self.ctx: RequestContext | None = None  # while on_done is still owed to the hooks
         self.t_recv = _perf()
@@ -112,9 +113,6 @@ class Stream:
         self.from_cache = False
         self.state: object = None  # the door's own per-stream data
 
-    @property
-    def ended(self) -> bool:
-        return self.phase is Phase.ENDED
 
 
 def charged_prompt_tokens(st: Stream) -> int:
@@ -346,6 +344,7 @@ class RequestPath:
         hooks_running = st.phase is Phase.HOOKS
         in_engine = st.phase is Phase.ENGINE and st.seq is not None and not st.from_cache
         st.phase = Phase.ENDED
+        st.ended = True
         st.finish = finish
         self.outputs.stream_ended(st)  # settles st.n_ids / recordings, forgets cached plans
         if in_engine and not from_engine:
@@ -383,8 +382,9 @@ class RequestPath:
         now: float,
     ) -> None:  # fmt: skip
         metrics = self.metrics
+        label = FINISH_LABELS[finish]
         metrics.request_finished(
-            finish.label, st.prompt_tokens, st.n_ids, queue_s,
+            label, st.prompt_tokens, st.n_ids, queue_s,
             ttft_s if st.t_first else None, total_s, st.api,
         )  # fmt: skip
         if st.n_ids > 1:
@@ -394,7 +394,7 @@ class RequestPath:
                 "request finished",
                 extra={
                     "request_id": f"{st.door.label}:{st.key}",
-                    "finish": finish.label,
+                    "finish": label,
                     "prompt_tokens": st.prompt_tokens,
                     "completion_tokens": st.n_ids,
                     "cache": st.cache_bits,
