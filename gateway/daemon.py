@@ -49,7 +49,7 @@ from gateway.ops.neuron_monitor import start_neuron_monitor
 from gateway.ops.notify import Notifier
 from gateway.ops.readiness import Health, StorePing
 from gateway.ops.sockets import make_listen_socket
-from gateway.ops.tls import ALPN_FRAME, ServerTLS, server_tls
+from gateway.ops.tls import ALPN_FRAME, ALPN_HTTP, ServerTLS, server_tls
 from gateway.prompts import PromptRegistry
 from gateway.server import Server
 
@@ -153,14 +153,14 @@ def _wrong_door(first: bytes, **ports: int | None) -> bytes | None:
 
 
 def _on_sighup(
-    chain: Chain, tls: ServerTLS | None, running: list[Settings], config_path: str | None
+    chain: Chain, tls: list[ServerTLS], running: list[Settings], config_path: str | None
 ) -> None:
     """Re-read the keys file, the certificates and the config file; apply what can change live
     (the log level here; the hooks apply theirs, e.g. the rate-limit defaults) and name every
     other change as needing a restart. ``running[0]`` is what is in effect."""
     chain.reload()
-    if tls is not None:
-        tls.reload()  # the same files, re-read: new connections get the new certificate
+    for listener_tls in tls:
+        listener_tls.reload()  # the same files, re-read: new connections get the new certificate
     try:
         current = load_settings(config_path)
     except ConfigError as exc:
@@ -190,7 +190,10 @@ async def _serve(settings: Settings, config_path: str | None = None) -> None:
     try:
         # Certificates load before the model, so a bad file fails the start at once (named).
         tls = server_tls(settings.tls, [ALPN_FRAME])
-        await _start_and_serve(settings, config_path, loop, metrics, health, listeners, tls)
+        api_tls = server_tls(settings.tls, [ALPN_HTTP]) if listeners.api is not None else None
+        await _start_and_serve(
+            settings, config_path, loop, metrics, health, listeners, tls, api_tls
+        )
     finally:
         listeners.close()
 
@@ -203,6 +206,7 @@ async def _start_and_serve(
     health: Health,
     listeners: Listeners,
     tls: ServerTLS | None,
+    api_tls: ServerTLS | None = None,
 ) -> None:
     health.starting("loading model")
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
@@ -287,7 +291,7 @@ async def _start_and_serve(
     cfg = settings.server
     await server.start(listeners.frame, ssl=tls.context if tls else None)
     if api_server is not None:
-        await api_server.start(listeners.api)
+        await api_server.start(listeners.api, ssl=api_tls.context if api_tls else None)
     if http is not None:
         http.prompts = prompts.describe
     monitor = start_neuron_monitor(
@@ -300,7 +304,8 @@ async def _start_and_serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, tls, [settings], config_path)
+    reloadable = [t for t in (tls, api_tls) if t is not None]
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, reloadable, [settings], config_path)
     health.serving()
     info = backend.info
     # One machine-readable line, whatever the log level: tests and scripts wait for it to learn

@@ -114,7 +114,6 @@ class Stream:
         self.state: object = None  # the door's own per-stream data
 
 
-
 def charged_prompt_tokens(st: Stream) -> int:
     """The charging policy, in one place: a request pays for its prompt once its prefill started
     in the engine or it was answered from the response cache; refused, or cancelled or

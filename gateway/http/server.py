@@ -88,7 +88,8 @@ class HttpServer:
         self.socket_options: object = None  # ServerConfig for apply_socket_options, if any
         self._ids = 0
 
-    async def start(self, sock=None) -> None:
+    async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
+        """Listen (on ``sock`` when given); with ``ssl`` every connection speaks TLS only."""
         loop = asyncio.get_running_loop()
         if sock is None:
             self._server = await loop.create_server(
@@ -96,9 +97,12 @@ class HttpServer:
                 self.cfg.host,
                 self.cfg.port,
                 reuse_address=True,
+                ssl=ssl,
             )
         else:
-            self._server = await loop.create_server(lambda: self.make_connection(self), sock=sock)
+            self._server = await loop.create_server(
+                lambda: self.make_connection(self), sock=sock, ssl=ssl
+            )
         self._sweeper = loop.create_task(self._sweep())
 
     @property

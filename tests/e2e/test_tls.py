@@ -266,3 +266,41 @@ def test_generate_cli_over_mutual_tls(pki):
         no_cert = subprocess.run(base + tls, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert no_cert.returncode == 1
         assert "zerolayer:" in no_cert.stderr
+
+
+def test_the_http_api_port_speaks_tls_too(pki: PKI) -> None:
+    """With [tls] set, the HTTP port is TLS only as well: the openai SDK over https with the
+    server CA gets its answer, with ALPN http/1.1; a plain-HTTP client gets no answer; a client
+    without a certificate is refused when a client CA is set."""
+    import httpx2 as httpx  # the openai SDK's HTTP client package
+    import openai
+
+    with Daemon(pki.env(client_ca=False, **{"ENGINE__SYNTHETIC_STEP_MS": "1"})) as d:
+        assert d.extra.get("tls") == "on"
+        ctx = pki.client()
+        ctx.set_alpn_protocols(["http/1.1"])
+        client = openai.OpenAI(
+            base_url=f"https://127.0.0.1:{d.http_port}/v1",
+            api_key="unused",
+            http_client=httpx.Client(verify=ctx),
+            max_retries=0,
+        )
+        reply = client.chat.completions.create(
+            model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert reply.usage.completion_tokens == 4
+        plain = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{d.http_port}/v1", api_key="unused", max_retries=0,
+            timeout=10,
+        )  # fmt: skip
+        with pytest.raises(openai.APIConnectionError):
+            plain.models.list()
+    with Daemon(pki.env(client_ca=True)) as d:  # mutual TLS: a client certificate is required
+        anonymous = httpx.Client(verify=pki.client())
+        with pytest.raises(httpx.HTTPError):
+            anonymous.get(f"https://127.0.0.1:{d.http_port}/v1/models", timeout=10)
+        with_cert = httpx.Client(verify=pki.client(pki.alice))
+        assert (
+            with_cert.get(f"https://127.0.0.1:{d.http_port}/v1/models", timeout=10).status_code
+            == 200
+        )
