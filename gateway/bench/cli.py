@@ -94,6 +94,9 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
     opt.add_argument(
         "--connections", type=int, default=1, metavar="N", help="frame connections to share"
     )
+    opt.add_argument("--tls-ca", default=None, metavar="CA", help="tls:// / https://: server CA")
+    opt.add_argument("--tls-cert", default=None, metavar="CERT", help="client certificate (mTLS)")
+    opt.add_argument("--tls-key", default=None, metavar="KEY", help="client key (mTLS)")
     opt.add_argument("--ignore-eos", action="store_true", help="HTTP: ask to ignore EOS (vLLM)")
     opt.add_argument(
         "--metrics-url", default=None, metavar="URL", help="the daemon's Prometheus endpoint"
@@ -142,6 +145,9 @@ def _options(args: argparse.Namespace):
         system_file=args.system_file,
         api_key=args.api_key,
         connections=args.connections,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         ignore_eos=args.ignore_eos,
         metrics_url=args.metrics_url,
         slo=args.slo,

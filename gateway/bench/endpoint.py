@@ -1,9 +1,8 @@
 """Where a bench run sends its load: parsing ``--endpoint`` into a target address and protocol.
 
 ``tcp://H:P`` speaks the frame protocol; ``http://H:P[/prefix]`` and ``https://`` speak one of the
-HTTP APIs chosen by ``--protocol``. ``tls://H:P`` (frames over TLS) parses and is refused with a
-clear message until the daemon's frame port speaks TLS: its connection code is the tcp one with an
-``ssl`` context passed to ``create_connection``.
+HTTP APIs chosen by ``--protocol``. ``tls://H:P`` is frames over TLS and ``https://`` the APIs
+over TLS: the runner builds the client context from ``--tls-ca`` / ``--tls-cert`` / ``--tls-key``.
 """
 
 from __future__ import annotations
@@ -67,8 +66,6 @@ def parse_endpoint(text: str, protocol: str | None = None) -> Endpoint:
             raise EndpointError(
                 f"--protocol {protocol} is for http:// endpoints; {scheme}:// speaks frames"
             )
-        if scheme == "tls":
-            raise EndpointError("tls:// endpoints are not supported yet: use tcp://")
         return Endpoint(scheme, url.hostname, port, "frames")
     if protocol not in HTTP_PROTOCOLS:
         raise EndpointError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import ssl as ssl_module
 from collections.abc import Callable
 
 from gateway import protocol as p
@@ -123,6 +124,7 @@ class FrameTarget:
         self,
         endpoint: Endpoint,
         *,
+        ssl: ssl_module.SSLContext | None = None,
         connections: int = 1,
         api_key: str = "",
         text_deltas: bool = True,
@@ -130,6 +132,7 @@ class FrameTarget:
         clock: Callable[[], float],
     ) -> None:
         self.endpoint = endpoint
+        self._ssl = ssl
         self._n = max(1, connections)
         self._api_key = api_key
         self._text = text_deltas
@@ -146,7 +149,10 @@ class FrameTarget:
             try:
                 _, conn = await asyncio.wait_for(
                     loop.create_connection(
-                        lambda: _Conn(self._clock), self.endpoint.host, self.endpoint.port
+                        lambda: _Conn(self._clock),
+                        self.endpoint.host,
+                        self.endpoint.port,
+                        ssl=self._ssl,
                     ),
                     timeout,
                 )

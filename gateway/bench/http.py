@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
+import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable
 
 from gateway.bench.endpoint import Endpoint
@@ -191,6 +191,7 @@ class HttpTarget:
         self,
         endpoint: Endpoint,
         *,
+        ssl: ssl_module.SSLContext | None = None,
         api_key: str = "",
         model: str | None = None,
         ignore_eos: bool = False,
@@ -202,7 +203,9 @@ class HttpTarget:
         self._ignore_eos = ignore_eos
         self._clock = clock
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self._ssl = ssl.create_default_context() if endpoint.tls else None
+        if ssl is None and endpoint.tls:
+            ssl = ssl_module.create_default_context()
+        self._ssl = ssl
 
     def _headers(self, method: str, path: str, body: bytes) -> bytes:
         e = self.endpoint

@@ -35,6 +35,7 @@ from gateway.bench.workload import (
     parse_len,
     random_items,
 )
+from gateway.ops.tls import ALPN_FRAME, ALPN_HTTP, client_context
 
 DEFAULT_NUM_REQUESTS = 100
 
@@ -58,6 +59,9 @@ class BenchOptions:
     system_file: str | None = None
     api_key: str = ""
     connections: int = 1
+    tls_ca: str | None = None  # tls:// and https://: the CA to verify the server with
+    tls_cert: str | None = None  # ... and a client certificate and key, for mutual TLS
+    tls_key: str | None = None
     ignore_eos: bool = False
     metrics_url: str | None = None
     slo: str | None = None
@@ -232,9 +236,14 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
     """One bench run against ``opts.endpoint``; returns the report dict."""
     endpoint = parse_endpoint(opts.endpoint, opts.protocol)
     slo = parse_slo(opts.slo) if opts.slo else None
+    tls = None
+    if endpoint.tls:
+        alpn = [ALPN_HTTP] if endpoint.is_http else [ALPN_FRAME]
+        tls = client_context(opts.tls_ca, opts.tls_cert, opts.tls_key, alpn=alpn)
     if endpoint.is_http:
         target = HttpTarget(
             endpoint,
+            ssl=tls,
             api_key=opts.api_key,
             model=opts.model,
             ignore_eos=opts.ignore_eos,
@@ -243,6 +252,7 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
     else:
         target = FrameTarget(
             endpoint,
+            ssl=tls,
             connections=opts.connections,
             api_key=opts.api_key,
             text_deltas=opts.text_deltas,

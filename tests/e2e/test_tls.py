@@ -304,3 +304,26 @@ def test_the_http_api_port_speaks_tls_too(pki: PKI) -> None:
             with_cert.get(f"https://127.0.0.1:{d.http_port}/v1/models", timeout=10).status_code
             == 200
         )
+
+
+def test_bench_over_tls_frames_and_https(pki: PKI, tmp_path: Path) -> None:
+    """zerolayer bench reaches both TLS listeners with the CA and a client certificate."""
+    import json as json_module
+
+    with Daemon(pki.env(**{"ENGINE__SYNTHETIC_STEP_MS": "1"})) as d:
+        tls_opts = ["--tls-ca", str(pki.server_ca.path), "--tls-cert", str(pki.alice.cert),
+                    "--tls-key", str(pki.alice.key)]  # fmt: skip
+        for endpoint, extra in (
+            (f"tls://127.0.0.1:{d.port}", []),
+            (f"https://127.0.0.1:{d.http_port}", ["--protocol", "openai-chat"]),
+        ):
+            out = tmp_path / "r.json"
+            proc = subprocess.run(
+                [sys.executable, "-m", "gateway.cli", "bench", "--endpoint", endpoint,
+                 "--num-requests", "6", "--concurrency", "3", "--input-len", "8",
+                 "--output-len", "5", "--output", str(out), *tls_opts, *extra],
+                cwd=ROOT, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+            report = json_module.loads(out.read_text())
+            assert (report["completed"], report["failed"]) == (6, 0), endpoint

@@ -220,8 +220,7 @@ def test_endpoints():
     assert parse_endpoint("https://h:443", "anthropic").tls
     with pytest.raises(EndpointError, match="needs --protocol"):
         parse_endpoint("http://h:1")
-    with pytest.raises(EndpointError, match="not supported yet"):
-        parse_endpoint("tls://h:1")
+    assert parse_endpoint("tls://h:1").tls and parse_endpoint("tls://h:1").protocol == "frames"
     with pytest.raises(EndpointError, match="speaks frames"):
         parse_endpoint("tcp://h:1", "openai-chat")
     with pytest.raises(EndpointError, match="must be tcp"):
