@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/prompts.py --size medium --write
 	$(BIN)/python benchmarks/prompts.py --size builtin --write
 	$(BIN)/python benchmarks/prefix.py --write
+	$(BIN)/python benchmarks/prefix_chats.py --write
 	$(BIN)/python benchmarks/connections.py --write
 	$(BIN)/python benchmarks/fairness.py --write
 	$(BIN)/python benchmarks/tls.py --write
