@@ -6,8 +6,8 @@ assigns slots, feeds prompt chunks (``prefill``) and runs batched ``decode`` ste
 torch), ``neuron`` (transformers-neuronx on NeuronCores).
 
 KV ranges (the prefix store, gateway/engine/prefix_store.py) are optional: a backend that can
-copy the KV of a range of a slot's positions out and back into a slot at the same positions sets
-``supports_prefix`` and implements ``save_kv``, ``load_kv`` and ``kv_nbytes``.
+copy the KV of a range of a slot's positions out and back into a slot at the same positions also
+inherits ``PrefixKV`` (``save_kv``, ``load_kv``, ``kv_nbytes``); ``supports_prefix`` is derived.
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ class Backend(ABC):
 
     info: ModelInfo
     num_slots: int
-    supports_prefix: bool = False  # save_kv / load_kv / kv_nbytes are implemented
+
+    @property
+    def supports_prefix(self) -> bool:
+        """Whether KV ranges can be saved and loaded (the backend is also a PrefixKV)."""
+        return isinstance(self, PrefixKV)
 
     @abstractmethod
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
@@ -53,18 +57,21 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027
         """Release devices and threads at shutdown."""
 
-    # ---- KV ranges (only when ``supports_prefix``) -----------------------------------------
 
+class PrefixKV(ABC):
+    """The optional capability of a backend that can save ranges of a slot's KV and load them
+    into another slot (the prefix store's needs). A backend has it by inheriting it."""
+
+    @abstractmethod
     def save_kv(self, slot: int, start: int, end: int) -> object:
         """A copy of the KV of positions ``start .. end - 1`` of ``slot`` (an opaque handle that
         stays valid after the slot is reused)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot save KV")
 
+    @abstractmethod
     def load_kv(self, handle: object, slot: int, start: int) -> None:
         """Copy a saved range into ``slot`` from position ``start`` on (the positions it was
         saved from: KV holds position information)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot load KV")
 
+    @abstractmethod
     def kv_nbytes(self, handle: object) -> int:
         """Memory held by a saved range."""
-        raise NotImplementedError(f"{type(self).__name__} cannot save KV")

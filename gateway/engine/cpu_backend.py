@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gateway.config import EngineConfig, ModelConfig
-from gateway.engine.backend import Backend, ModelInfo
+from gateway.engine.backend import Backend, ModelInfo, PrefixKV
 from gateway.engine.types import DecodeBatch, PrefillChunk
 from gateway.models.loader import LoadedModel, load_model
 from gateway.tokenizer import Tokenizer
@@ -76,9 +76,7 @@ def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int)
     return groups
 
 
-class CpuBackend(Backend):
-    supports_prefix = True
-
+class CpuBackend(Backend, PrefixKV):
     def __init__(
         self,
         loaded: LoadedModel,

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from gateway.engine.backend import Backend, ModelInfo
+from gateway.engine.backend import Backend, ModelInfo, PrefixKV
 from gateway.engine.types import DecodeBatch, PrefillChunk
 
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8).astype(np.int32)
@@ -64,9 +64,7 @@ def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return _ALPHABET[(h % _U64(len(_ALPHABET))).astype(np.intp)]
 
 
-class SyntheticBackend(Backend):
-    supports_prefix = True
-
+class SyntheticBackend(Backend, PrefixKV):
     def __init__(
         self,
         num_slots: int,

@@ -11,6 +11,7 @@ field anything that would change the result and is not supported (``n`` > 1, ``l
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from datetime import datetime, timezone
 
 import numpy as np
@@ -229,8 +230,9 @@ class _OpenAIReply(Reply):
         out += encode_basestring(text).encode()
         out += self._post
 
+    @abstractmethod
     def _choice(self, text: str) -> dict:
-        raise NotImplementedError
+        """The choice object of a non-streaming answer (chat: a message; completions: text)."""
 
     def body(self, text: str, ending: Ending) -> bytes:
         choice = {

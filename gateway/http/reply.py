@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # the C escaper: "text" -> '"text"' (non-ASCII kept)
 
@@ -50,7 +51,7 @@ class Ending:
     stop_sequence: str | None = None  # the stop string that matched, when known
 
 
-class Reply:
+class Reply(ABC):
     """The answer to one request. ``stream`` picks SSE events or one JSON body."""
 
     __slots__ = ("req", "stream", "model")
@@ -63,20 +64,20 @@ class Reply:
         self.stream = stream
         self.model = model
 
-    def start(self, out: bytearray, prompt_tokens: int) -> None:
-        """The events before the first token (streaming)."""
+    def start(self, out: bytearray, prompt_tokens: int) -> None:  # noqa: B027 - optional
+        """The events before the first token (streaming); none by default."""
 
+    @abstractmethod
     def token(self, out: bytearray, text: str) -> None:
         """One text delta as an event (streaming); never called with empty text."""
-        raise NotImplementedError
 
+    @abstractmethod
     def end(self, out: bytearray, ending: Ending) -> None:
         """The closing events (streaming)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def body(self, text: str, ending: Ending) -> bytes:
         """The whole response object (non-streaming)."""
-        raise NotImplementedError
 
 
 FINISH_EOS = int(FinishReason.EOS)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gateway.config import EngineConfig, ModelConfig
-from gateway.engine.backend import Backend
+from gateway.engine.backend import Backend, ModelInfo
 from gateway.engine.engine import Sequence
 from gateway.engine.prefix_store import BLOCK_TOKENS, PrefixStore
 from gateway.engine.synthetic import SyntheticBackend
@@ -159,10 +159,18 @@ def test_a_pinned_prompt_is_reused_to_its_last_token_and_never_evicted() -> None
     assert store.pinned_bytes == total and store.cached_bytes <= store.capacity_bytes
 
 
-class NoKV(SyntheticBackend):
-    """A backend like neuron's: it cannot save or load KV."""
+class NoKV(Backend):
+    """A backend like neuron's: slots and steps, no KV ranges (it is not a PrefixKV)."""
 
-    supports_prefix = False
+    def __init__(self, num_slots: int, vocab_size: int, max_context: int) -> None:
+        self.num_slots = num_slots
+        self.info = ModelInfo("nokv", vocab_size, -1, max_context)
+
+    def prefill(self, chunks: list) -> np.ndarray:
+        return np.full(len(chunks), -1, np.int32)
+
+    def decode(self, batch) -> np.ndarray:  # noqa: ANN001
+        return np.zeros(batch.size, np.int32)
 
 
 def test_backend_without_kv_ranges_is_refused() -> None:
