@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import int4
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 MIN_ATTENTION_BUCKET = 16
 
@@ -185,6 +187,7 @@ class Rows:
     mask: torch.Tensor  # [B, 1, group * n, attn_len] bool, True = may attend (see Attention)
     packed: torch.Tensor | None  # [T] int64 or None (no padding)
     slot_start: int | None  # rows are slots slot_start, slot_start + 1, ...: read in place
+    int4: bool = False  # few enough tokens for the 4-bit weights (Llama.use_int4), if any
 
 
 class Attention(nn.Module):
@@ -200,6 +203,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias, **kw)
+        self.qkv_sizes = (self.n_heads * hd, self.n_kv * hd, self.n_kv * hd)
+        # 4-bit copies (Llama.use_int4): q, k and v stacked into one matmul, and o.
+        self.qkv_int4: int4.Int4Weight | None = None
+        self.o_int4: int4.Int4Weight | None = None
 
     def forward(
         self,
@@ -213,9 +220,13 @@ class Attention(nn.Module):
         B, _, group_n, attn_len = rows.mask.shape
         group = self.n_heads // self.n_kv
         n = group_n // group
-        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        if rows.int4 and self.qkv_int4 is not None:
+            q, k, v = self.qkv_int4(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
+        k = k.unflatten(-1, (self.n_kv, self.head_dim))
+        v = v.unflatten(-1, (self.n_kv, self.head_dim))
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -246,6 +257,8 @@ class Attention(nn.Module):
         out = out.view(B, self.n_heads, n, self.head_dim).transpose(1, 2).reshape(B, n, -1)
         if rows.packed is not None:
             out = out.view(B * n, -1).index_select(0, rows.packed)  # [T, heads * head_dim]
+        if rows.int4 and self.o_int4 is not None:
+            return self.o_int4(out)
         return self.o_proj(out)
 
 
@@ -256,9 +269,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        # 4-bit copies (Llama.use_int4): gate and up stacked into one matmul, and down.
+        self.gate_up_int4: int4.Int4Weight | None = None
+        self.down_int4: int4.Int4Weight | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, use_int4: bool = False) -> torch.Tensor:
+        if use_int4 and self.gate_up_int4 is not None:
+            gate, up = self.gate_up_int4(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        h = F.silu(gate) * up
+        if use_int4 and self.down_int4 is not None:
+            return self.down_int4(h)
+        return self.down_proj(h)
 
 
 class Block(nn.Module):
@@ -280,7 +303,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, rows, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), rows.int4)
 
 
 @dataclass
@@ -344,6 +367,48 @@ class Llama(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        # Forwards of at most this many tokens use the 4-bit weights; 0 until use_int4.
+        self.int4_max_rows = 0
+        self.head_int4: int4.Int4Weight | None = None
+
+    def use_int4(self, groups: dict[str, int4.Groups]) -> int:
+        """Give the matrices found in ``groups`` (under this model's parameter names) 4-bit
+        copies, which forwards of at most ``int4.MAX_ROWS`` tokens use (q/k/v and gate/up each
+        stacked into one matmul, when all of them are there); the dense weights stay for longer
+        forwards. bfloat16 models only. Returns how many matrices got a copy."""
+        if self.rope_cos.dtype != torch.bfloat16:
+            raise ValueError("4-bit weights need a bfloat16 model")
+        if self.cfg.attention_bias or self.cfg.mlp_bias:
+            return 0  # the 4-bit path has no bias terms
+
+        def packed(prefix: str, names: tuple[str, ...]) -> int4.Int4Weight | None:
+            keys = [f"{prefix}{name}.weight" for name in names]
+            if not all(key in groups for key in keys):
+                return None
+            for key in keys:
+                shape, g = self.get_parameter(key).shape, groups[key]
+                if (g.q.shape[0], g.in_features) != tuple(shape):
+                    raise ValueError(
+                        f"{key}: 4-bit groups of {g.q.shape[0]}x{g.in_features}, "
+                        f"weight of {shape[0]}x{shape[1]}"
+                    )
+            stacked = int4.Groups.stack([groups[key] for key in keys])
+            return stacked.pack() if stacked.packable else None
+
+        used = 0
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_int4 = packed(f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"))
+            attn.o_int4 = packed(f"layers.{i}.self_attn.", ("o_proj",))
+            mlp.gate_up_int4 = packed(f"layers.{i}.mlp.", ("gate_proj", "up_proj"))
+            mlp.down_int4 = packed(f"layers.{i}.mlp.", ("down_proj",))
+            counts = (3, 1, 2, 1)
+            parts = (attn.qkv_int4, attn.o_int4, mlp.gate_up_int4, mlp.down_int4)
+            used += sum(c for c, w in zip(counts, parts, strict=True) if w is not None)
+        self.head_int4 = packed("", ("embed_tokens" if self.lm_head is None else "lm_head",))
+        used += self.head_int4 is not None
+        self.int4_max_rows = int4.MAX_ROWS if used else 0
+        return used
 
     def forward(
         self,
@@ -370,8 +435,9 @@ class Llama(nn.Module):
         group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, n, attn_len]
         mask = mask[:, None].expand(B, group, n, attn_len).reshape(B, 1, group * n, attn_len)
+        use_int4 = tokens.numel() <= self.int4_max_rows
         if last_index is None:
-            rows = Rows(slots, slots[:, None], positions, mask, None, slot_start)
+            rows = Rows(slots, slots[:, None], positions, mask, None, slot_start, use_int4)
         else:
             if all_logits:
                 raise ValueError("all_logits cannot be combined with last_index")
@@ -380,7 +446,13 @@ class Llama(nn.Module):
             packed = real.flatten().nonzero().squeeze(1)  # [T], row-major: row 0's tokens first
             tokens, positions = tokens.flatten()[packed], positions.flatten()[packed]
             rows = Rows(
-                slots, slots.repeat_interleave(lengths), positions, mask, packed, slot_start
+                slots,
+                slots.repeat_interleave(lengths),
+                positions,
+                mask,
+                packed,
+                slot_start,
+                int(lengths.sum()) <= self.int4_max_rows,
             )
         x = self.embed_tokens(tokens)  # [B, n, hidden], or [T, hidden] when packed
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [..., head_dim]
@@ -391,6 +463,8 @@ class Llama(nn.Module):
         elif not all_logits:
             x = x[:, -1]
         x = self.norm(x)
+        if rows.int4 and self.head_int4 is not None:
+            return self.head_int4(x).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
 

@@ -5,9 +5,11 @@ The conversion reads the file with the ``gguf`` package (pure Python), dequantiz
 to float32, renames it to the Hugging Face name, un-permutes ``attn_q``/``attn_k`` (llama.cpp
 stores their rows permuted for its rope kernel, per head), and writes config.json,
 generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json (special
-tokens, chat template). The directory is keyed by the file's SHA-256 and this converter's version
-and is written into a temporary sibling then renamed into place, so a second start reuses it and
-a crash never leaves half a directory.
+tokens, chat template). Matrices in a block type that ``kernels.int4`` computes on (Q4_0, Q4_1,
+Q8_0) are also kept as the file's own blocks (``gateway.models.gguf_blocks``). The directory
+is keyed by the file's SHA-256 and this converter's version and is written into a temporary
+sibling then renamed into place, so a second start reuses it and a crash never leaves half a
+directory.
 
 The tokenizer is rebuilt from the GGUF vocabulary as llama.cpp defines it: a ``gpt2`` (byte-level
 BPE) model whose pre-tokenizer (``tokenizer.ggml.pre``) is one of ``PRE_TOKENIZERS``. ``smollm``
@@ -30,11 +32,13 @@ from typing import Any
 import numpy as np
 
 from gateway.models.cachedir import ensure_dir
+from gateway.models.gguf_blocks import BLOCK_BYTES, write_blocks
 
 log = logging.getLogger("zerolayer.models")
 
 # Bump when the output of the conversion changes, so old cache directories are not reused.
-CONVERTER_VERSION = 1
+# 2: the quantized blocks are kept too (blocks.safetensors).
+CONVERTER_VERSION = 2
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 # llama.cpp's pre-tokenizer names (src/llama-vocab.cpp) and whether each splits every digit
@@ -234,8 +238,12 @@ def supported_tensor_types() -> set[str]:
     )
 
 
-def read_tensors(reader: Any, path: Path, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32, under its Hugging Face name, q/k un-permuted."""
+def read_tensors(
+    reader: Any, path: Path, config: dict[str, Any]
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, np.ndarray]]]:
+    """Every tensor dequantized to float32, under its Hugging Face name, q/k un-permuted; and
+    the matrices of a type in ``BLOCK_BYTES`` as their block bytes (type name, [rows, bytes]),
+    rows un-permuted the same way."""
     from gguf import quants
 
     supported = supported_tensor_types()
@@ -250,6 +258,7 @@ def read_tensors(reader: Any, path: Path, config: dict[str, Any]) -> dict[str, n
             f"{', '.join(sorted(supported))}"
         )
     out: dict[str, np.ndarray] = {}
+    blocks: dict[str, tuple[str, np.ndarray]] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
@@ -258,12 +267,20 @@ def read_tensors(reader: Any, path: Path, config: dict[str, Any]) -> dict[str, n
         data = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         data = data.reshape(shape)
+        kind = tensor.tensor_type.name
+        raw = np.asarray(tensor.data) if kind in BLOCK_BYTES and len(shape) == 2 else None
+        heads = None
         if name.endswith("q_proj.weight"):
-            data = unpermute_rows(data, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif name.endswith("k_proj.weight"):
-            data = unpermute_rows(data, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            data = unpermute_rows(data, heads)
+            raw = None if raw is None else unpermute_rows(raw, heads)
         out[name] = data
-    return out
+        if raw is not None:
+            blocks[name] = (kind, np.array(raw, dtype=np.uint8))
+    return out, blocks
 
 
 def build_tokenizer(fields: _Fields, path: Path) -> tuple[Any, dict[str, Any]]:
@@ -328,7 +345,8 @@ def convert(path: Path, directory: Path) -> None:
     fields = _Fields(reader, path)
     config = read_config(fields, path, {t.name for t in reader.tensors})
     tokenizer, tok_cfg = build_tokenizer(fields, path)
-    tensors = read_tensors(reader, path, config)
+    tensors, blocks = read_tensors(reader, path, config)
+    write_blocks(directory, blocks)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(directory / "tokenizer.json"))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}

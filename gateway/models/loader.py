@@ -5,12 +5,15 @@ listed in model.safetensors.index.json), tokenizer.json and the optional tokeniz
 chat_template.jinja and generation_config.json. Every problem a user can cause (wrong path,
 missing file, other architecture, missing tensors) is a ``ModelLoadError`` naming the path and
 what is wrong. ``load_model`` is what the engine calls; ``resolve_source`` turns ``model.path``
-(a directory, a ``.gguf`` file, or a named model) into a checkpoint directory.
+(a directory, a ``.gguf`` file, or a named model) into a checkpoint directory. A bfloat16 model
+converted from a GGUF also gets 4-bit copies of its matrices from the file's own blocks
+(``model.quantized_decode``, ``kernels.int4``), used for decode steps of a few sequences.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,8 @@ import torch
 from gateway.config import BUILTIN_MODEL, ModelConfig
 from gateway.tokenizer import Tokenizer
 from kernels.llama import Llama, LlamaConfig
+
+log = logging.getLogger("zerolayer.models")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -128,8 +133,11 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     tokenizer: Tokenizer | None = None,
     name: str = "",
+    quantized: bool = False,
 ) -> LoadedModel:
-    """Load config, weights and (unless given) the tokenizer of a checkpoint directory."""
+    """Load config, weights and (unless given) the tokenizer of a checkpoint directory. With
+    ``quantized`` and ``dtype`` bfloat16, matrices whose GGUF blocks the directory keeps get
+    4-bit copies for small forwards (``Llama.use_int4``)."""
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
@@ -162,6 +170,8 @@ def load_checkpoint(
     except RuntimeError as exc:  # shape mismatches between config.json and the weights
         raise ModelLoadError(f"{directory}: weights do not match config.json: {exc}") from exc
     model.eval()
+    if quantized and dtype == torch.bfloat16:
+        attach_blocks(model, directory)
     return LoadedModel(
         name=name or directory.name,
         path=directory,
@@ -171,6 +181,27 @@ def load_checkpoint(
         dtype=dtype,
         max_context=context,
     )
+
+
+def attach_blocks(model: Llama, directory: Path) -> None:
+    """4-bit copies of the matrices whose GGUF blocks ``directory`` keeps (none for a
+    checkpoint that was not converted from a GGUF)."""
+    from gateway.models.gguf_blocks import read_blocks
+
+    try:
+        blocks = read_blocks(directory)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{directory}: cannot read its quantized blocks: {exc}") from exc
+    groups = {name.removeprefix("model."): g for name, g in blocks.items()}
+    used = model.use_int4(groups) if groups else 0
+    if used:
+        log.info(
+            "forwards of up to %d tokens compute on %d of the GGUF's quantized matrices",
+            model.int4_max_rows,
+            used,
+        )
+    else:
+        log.info("%s keeps no usable GGUF blocks: dense bfloat16 weights only", directory)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -259,5 +290,10 @@ def load_model(
     torch_dtype = resolve_dtype(dtype if dtype is not None else model_cfg.dtype)
     source = resolve_source(model_cfg)
     return load_checkpoint(
-        source.directory, max_context, torch_dtype, tokenizer=source.tokenizer, name=source.name
+        source.directory,
+        max_context,
+        torch_dtype,
+        tokenizer=source.tokenizer,
+        name=source.name,
+        quantized=model_cfg.quantized_decode,
     )

@@ -67,6 +67,7 @@ def test_second_start_reuses_the_cache_and_leaves_no_temp_dirs(
 ) -> None:
     first = ensure_converted(tiny[0], str(tmp_path))
     assert sorted(p.name for p in first.iterdir()) == [
+        "blocks.safetensors",
         "config.json",
         "generation_config.json",
         "model.safetensors",
