@@ -16,8 +16,8 @@ same weight stored densely in bfloat16 (``max_rounding_error``).
 
 The kernel reads a quarter of the bytes a dense bfloat16 matrix takes (half for 8-bit), and its
 time grows with the number of input rows, a dense matmul's hardly at all: on the 2-core machine
-of docs/benchmarks.md it is 3-5x faster at one row and slower from about 8 rows up, so callers
-use it for at most ``MAX_ROWS`` rows. In float32 the same op is several times slower than a dense
+of docs/benchmarks.md, per matrix of SmolLM2's shapes, it is 3-5x faster at one row and slower
+from 8-16 rows up; callers use it for at most ``MAX_ROWS`` rows. In float32 the same op is several times slower than a dense
 float32 matmul: it is for bfloat16 models only.
 """
 
@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32  # elements per block: llama.cpp's Q4_0/Q4_1/Q8_0 block size
-# Input rows up to which the int4 kernel beats a dense bfloat16 matmul on SmolLM2's shapes
-# (measured in docs/benchmarks.md; it loses from about 8 rows up).
-MAX_ROWS = 4
+# Input rows up to which models use the int4 kernel. Whole SmolLM2 decode steps on the 2-core
+# machine of docs/benchmarks.md, 4-bit against dense bfloat16: 8.6 vs 18.8 ms at 2 rows, 16.0 vs
+# 22.4 ms at 8, 22.7 vs 26.7 at 12, even at 16 (2 threads; 1 thread: 25.8 vs 32.8 ms at 8).
+MAX_ROWS = 8
 
 
 @dataclass(frozen=True)

@@ -152,9 +152,13 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv_freq
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, where rotate_half(x) = (-second half, first half): the
+    halves are swapped in one copy and the sign is in ``sin_signed`` = (-sin, sin) instead,
+    which gives bit for bit the same products. x [..., heads, head_dim]; cos, sin_signed
+    [..., 1, head_dim]."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin_signed
 
 
 class RMSNorm(nn.Module):
@@ -184,7 +188,10 @@ class Rows:
     slots: torch.Tensor  # [B] int64, the slot each row reads
     write_slots: torch.Tensor  # slot of each computed token: [B, 1] (broadcasts) or [T]
     write_positions: torch.Tensor  # cache position of each computed token: [B, n] or [T]
-    mask: torch.Tensor  # [B, 1, group * n, attn_len] bool, True = may attend (see Attention)
+    # [B, 1, group * n, attn_len] in the model dtype, added to the scores: 0 where a query may
+    # attend, -inf where not (see Attention). Made once per forward: a bool mask would be
+    # converted to this by every layer's attention call.
+    mask: torch.Tensor
     packed: torch.Tensor | None  # [T] int64 or None (no padding)
     slot_start: int | None  # rows are slots slot_start, slot_start + 1, ...: read in place
     int4: bool = False  # few enough tokens for the 4-bit weights (Llama.use_int4), if any
@@ -203,7 +210,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias, **kw)
-        self.qkv_sizes = (self.n_heads * hd, self.n_kv * hd, self.n_kv * hd)
         # 4-bit copies (Llama.use_int4): q, k and v stacked into one matmul, and o.
         self.qkv_int4: int4.Int4Weight | None = None
         self.o_int4: int4.Int4Weight | None = None
@@ -211,8 +217,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [*tokens, hidden]: [B, n, hidden], or [T, hidden] when packed
-        cos: torch.Tensor,  # [*tokens, head_dim]
-        sin: torch.Tensor,  # [*tokens, head_dim]
+        cos: torch.Tensor,  # [*tokens, 1, head_dim]
+        sin: torch.Tensor,  # [*tokens, 1, head_dim], signed (apply_rope)
         rows: Rows,
         k_cache: torch.Tensor,  # [num_slots, kv_heads, max_context, head_dim], this layer's
         v_cache: torch.Tensor,
@@ -221,15 +227,15 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv
         n = group_n // group
         if rows.int4 and self.qkv_int4 is not None:
-            q, k, v = self.qkv_int4(x).split(self.qkv_sizes, dim=-1)
+            # One matmul for q, k and v, and one rope for the q and k heads together.
+            qkv = self.qkv_int4(x).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+            qk = apply_rope(qkv[..., : self.n_heads + self.n_kv, :], cos, sin)
+            q, k = qk[..., : self.n_heads, :], qk[..., self.n_heads :, :]
+            v = qkv[..., self.n_heads + self.n_kv :, :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.unflatten(-1, (self.n_heads, self.head_dim))
-        k = k.unflatten(-1, (self.n_kv, self.head_dim))
-        v = v.unflatten(-1, (self.n_kv, self.head_dim))
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q = apply_rope(self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
+            k = apply_rope(self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim)), cos, sin)
+            v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
         # Write the new keys/values, then attend over the slot's first attn_len positions; the
         # mask hides positions after each query (later chunk tokens, stale data of old sequences).
@@ -361,12 +367,14 @@ class Llama(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
         )
         # Rope tables [max_context, head_dim], computed in float32 then stored in the model dtype;
-        # always real CPU tensors (never meta) and not part of the checkpoint.
+        # always real CPU tensors (never meta) and not part of the checkpoint. The sine table
+        # carries rotate_half's sign (apply_rope).
         inv_freq = rope_inv_freq(cfg)
         angles = torch.arange(max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        sin = angles.sin()
         angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", torch.cat((-sin, sin), dim=-1).to(dtype), persistent=False)
         # Forwards of at most this many tokens use the 4-bit weights; 0 until use_int4.
         self.int4_max_rows = 0
         self.head_int4: int4.Int4Weight | None = None
@@ -433,8 +441,10 @@ class Llama(nn.Module):
         key_pos = torch.arange(attn_len, device=tokens.device)
         B, n = tokens.shape
         group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, n, attn_len]
-        mask = mask[:, None].expand(B, group, n, attn_len).reshape(B, 1, group * n, attn_len)
+        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, n, attn_len]
+        allowed = allowed[:, None].expand(B, group, n, attn_len).reshape(B, 1, group * n, attn_len)
+        mask = torch.zeros(allowed.shape, dtype=self.rope_cos.dtype, device=tokens.device)
+        mask = mask.masked_fill_(~allowed, float("-inf"))
         use_int4 = tokens.numel() <= self.int4_max_rows
         if last_index is None:
             rows = Rows(slots, slots[:, None], positions, mask, None, slot_start, use_int4)
@@ -455,7 +465,8 @@ class Llama(nn.Module):
                 int(lengths.sum()) <= self.int4_max_rows,
             )
         x = self.embed_tokens(tokens)  # [B, n, hidden], or [T, hidden] when packed
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [..., head_dim]
+        # [..., 1, head_dim]: broadcast over heads
+        cos, sin = self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, rows, k_cache[i], v_cache[i])
         if last_index is not None:
