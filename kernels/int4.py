@@ -17,8 +17,8 @@ same weight stored densely in bfloat16 (``max_rounding_error``).
 The kernel reads a quarter of the bytes a dense bfloat16 matrix takes (half for 8-bit), and its
 time grows with the number of input rows, a dense matmul's hardly at all: on the 2-core machine
 of docs/benchmarks.md, per matrix of SmolLM2's shapes, it is 3-5x faster at one row and slower
-from 8-16 rows up; callers use it for at most ``MAX_ROWS`` rows. In float32 the same op is several times slower than a dense
-float32 matmul: it is for bfloat16 models only.
+from 8-16 rows up; callers use it for at most ``MAX_ROWS`` rows. In float32 the same op is
+several times slower than a dense float32 matmul: it is for bfloat16 models only.
 """
 
 from __future__ import annotations

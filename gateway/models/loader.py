@@ -97,7 +97,10 @@ def weight_files(directory: Path) -> list[Path]:
                 f"{directory}: shards listed in {index.name} are missing: {missing}"
             )
         return files
-    files = sorted(directory.glob("*.safetensors"))
+    from gateway.models.gguf_blocks import BLOCKS_FILE
+
+    # A converted GGUF's quantized blocks are not weights of the dense model (attach_blocks).
+    files = sorted(p for p in directory.glob("*.safetensors") if p.name != BLOCKS_FILE)
     if not files:
         other = sorted(p.name for p in directory.glob("*.bin")) + sorted(
             p.name for p in directory.glob("*.pth")

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 from gateway.config import ModelConfig
 from gateway.models.gguf_blocks import BLOCKS_FILE, read_blocks
 from gateway.models.gguf_import import ensure_converted
-from gateway.models.loader import load_model
+from gateway.models.loader import load_model, weight_files
 from kernels import int4
 from kernels.llama import KVCache, Llama
 from tests.support.gguf_files import write_gguf
@@ -47,6 +47,7 @@ def test_blocks_reproduce_the_files_values_within_the_bound(converted) -> None:
     _, directory = converted
     dense = load_file(str(directory / "model.safetensors"))  # the gguf package's dequantization
     blocks = read_blocks(directory)
+    assert weight_files(directory) == [directory / "model.safetensors"]  # blocks are not weights
     assert set(blocks) == {k for k, v in dense.items() if v.ndim == 2}  # every matrix is kept
     assert blocks["model.embed_tokens.weight"].repeats == 2  # Q8_0: two 4-bit halves
     for name, g in blocks.items():
