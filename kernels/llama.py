@@ -168,9 +168,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as the reference implementation does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in float32 whatever the model dtype, as the reference implementation does:
+        # x * rsqrt(mean(x^2) + eps), which torch's rms_norm computes bit for bit the same in
+        # half the ops (checked against the written-out formula in the tests).
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(x.dtype)
 
 

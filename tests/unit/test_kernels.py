@@ -13,7 +13,16 @@ from gateway.engine.cpu_backend import ATTENTION_BUDGET, CpuBackend, plan_prefil
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.models.loader import LoadedModel
 from gateway.tokenizer import ByteTokenizer
-from kernels.llama import DecodeStep, KVCache, Llama, LlamaConfig, PrefillStep, attention_bucket
+from kernels.llama import (
+    DecodeStep,
+    KVCache,
+    Llama,
+    LlamaConfig,
+    PrefillStep,
+    RMSNorm,
+    apply_rope,
+    attention_bucket,
+)
 
 CFG = LlamaConfig(
     vocab_size=ByteTokenizer.BASE_VOCAB,
@@ -274,6 +283,28 @@ def test_bfloat16_runs_close_to_float32() -> None:
     assert b.dtype == torch.float32
     assert torch.isfinite(b).all()
     assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_rope_are_bit_identical_to_the_written_out_formulas(dtype) -> None:
+    """The fused forms the kernels use give exactly the reference implementation's numbers."""
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    for shape, scale in [((1, 1, 96), 1e-2), ((3, 1, 96), 1.0), ((2, 17, 96), 30.0)]:
+        x = (torch.randn(shape, generator=gen) * scale).to(dtype)
+        xf = x.float()
+        expected = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(
+            dtype
+        )
+        assert torch.equal(norm(x), expected)
+        heads = (torch.randn(*shape[:-1], 6, 16, generator=gen) * scale).to(dtype)
+        cos, sin = torch.randn(2, *shape[:-1], 1, 16, generator=gen).to(dtype)
+        first, second = heads.chunk(2, dim=-1)
+        rotated = torch.cat((-second, first), dim=-1)  # transformers' rotate_half
+        signed = torch.cat((-sin[..., :8], sin[..., 8:]), dim=-1)
+        assert torch.equal(apply_rope(heads, cos, signed), heads * cos + rotated * sin)
 
 
 @torch.inference_mode()
