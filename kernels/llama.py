@@ -13,7 +13,9 @@ The KV cache is allocated once (``KVCache.allocate``) and passed in as two tenso
 (``DecodeStep`` / ``PrefillStep``) for ahead-of-time compilers such as torch_neuronx. Attention
 reads only the first ``attn_len`` cache positions; callers pick ``attn_len`` from a small set
 of buckets (``attention_bucket``) so cost follows the real length while shapes stay fixed.
-Parameter names match Hugging Face ``LlamaForCausalLM`` with the ``model.`` prefix removed.
+Parameter names match Hugging Face ``LlamaForCausalLM`` with the ``model.`` prefix removed. A
+bfloat16 model can also hold 4-bit copies of its matrices (``Llama.use_int4``, ``kernels.int4``),
+which forwards of a few tokens use instead of the dense weights.
 """
 
 from __future__ import annotations
