@@ -48,6 +48,7 @@ log = logging.getLogger("zerolayer.engine")
 
 # Output.finish for a sequence that ended in an engine failure (the door answers INTERNAL).
 FINISH_ERROR = FinishReason.ERROR
+_MAX_TOKENS = FinishReason.MAX_TOKENS  # a global: read per request, cheaper than the enum's
 NOT_FINISHED = -2
 INT32_MAX = 2**31 - 1
 
@@ -480,9 +481,10 @@ class Engine:
                 self._waiting[key] = keep
             else:
                 del self._waiting[key]
-        for seq in [s for s in self._running if s.cancelled]:
+        cancelled = [s for s in self._running if s.cancelled]
+        for seq in cancelled:
             outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
-            self._release(seq)
+        self._release(cancelled)
 
     def _decode_batch(self, rows: tuple[Sequence, ...], version: int) -> DecodeBatch:
         # Sampling parameters live in per-slot arrays written once at admission; per step only
@@ -577,7 +579,8 @@ class Engine:
     ) -> TokenColumn | None:
         finished: list[Sequence] = []
         if prefilled is not None:
-            completed = []
+            completed: list[Sequence] = []
+            first: list[int] = []  # the first token of each completed prompt
             tokens = prefilled.tolist()
             for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, tokens, strict=True):
                 if failed and id(seq) in failed:
@@ -586,8 +589,9 @@ class Engine:
                 seq.prefilled += len(chunk.tokens)
                 if chunk.last:
                     completed.append(seq)
-                    self._accept_token(seq, token, outputs, finished)
+                    first.append(token)
             if completed:  # they decode from the next step on
+                self._accept_decoded(completed, first, outputs, finished)
                 if self._store is not None:
                     self._offer(completed)
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
@@ -599,8 +603,8 @@ class Engine:
                 self._update_rows(plan.decode, decoded, failed, outputs, finished)
             else:
                 column = self._update_decode(plan, decoded, outputs, finished)
-        for seq in finished:
-            self._release(seq)
+        if finished:
+            self._release(finished)
         return column
 
     def _update_decode(
@@ -659,13 +663,14 @@ class Engine:
     def _accept_decoded(
         self,
         rows: tuple[Sequence, ...] | list[Sequence],
-        sampled: np.ndarray,
+        sampled: np.ndarray | list[int],
         outputs: list[Output],
         finished: list[Sequence],
     ) -> None:
-        """One decode step's tokens, row by row."""
+        """Sampled tokens (a decode step's, or the first of prompts just prefilled), row by row."""
         eos, max_context, append = self._eos, self._max_context, outputs.append
-        for seq, token in zip(rows, sampled.tolist(), strict=True):
+        tokens = sampled.tolist() if isinstance(sampled, np.ndarray) else sampled
+        for seq, token in zip(rows, tokens, strict=True):
             if seq.detok is None and not seq.stop_ids and token not in eos:
                 # The common case inlined (one per token): no text, no stop ids, not EOS.
                 seq.generated += 1
@@ -674,7 +679,7 @@ class Engine:
                 if seq.generated < seq.max_tokens and seq.position < max_context:
                     append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
                     continue
-                append(self._end(seq, token, FinishReason.MAX_TOKENS))
+                append(self._end(seq, token, _MAX_TOKENS))
                 finished.append(seq)
             else:
                 self._accept_token(seq, token, outputs, finished)
@@ -781,23 +786,29 @@ class Engine:
             except Exception:
                 log.exception("saving a prompt's KV blocks failed; they will be recomputed")
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.slot >= 0:
-            self.backend.free(seq.slot)
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = -1
-        self._running.remove(seq)
-        if seq.prefilled < len(seq.prompt):
-            self._prefilling.remove(seq)
-        else:
-            self._set_decoding(tuple(s for s in self._decoding if s is not seq))
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Free the slots of ended sequences; the decode rows are rebuilt once for all of them."""
+        decoding = False
+        for seq in seqs:
+            if seq.slot >= 0:
+                self.backend.free(seq.slot)
+                heapq.heappush(self._free_slots, seq.slot)
+                seq.slot = -1
+            self._running.remove(seq)
+            if seq.prefilled < len(seq.prompt):
+                self._prefilling.remove(seq)
+            else:
+                decoding = True
+        if decoding:  # a released sequence has slot -1; every decoding one holds a slot
+            self._set_decoding(tuple([s for s in self._decoding if s.slot >= 0]))
 
     def _fail_all(self) -> list[Output]:
         self._leave_columns()
         outputs: list[Output] = []
-        for seq in list(self._running):
+        running = list(self._running)
+        for seq in running:
             outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))
-            self._release(seq)
+        self._release(running)
         return outputs
 
 
