@@ -51,6 +51,7 @@ FINISH_ERROR = FinishReason.ERROR
 _MAX_TOKENS = FinishReason.MAX_TOKENS  # a global: read per request, cheaper than the enum's
 NOT_FINISHED = -2
 INT32_MAX = 2**31 - 1
+POSITION_BLOCK = 64  # decode steps whose positions are computed at once
 
 
 class EngineOverloaded(Exception):
@@ -257,6 +258,7 @@ class Engine:
         self._seeded = np.zeros(n, np.bool_)
         self._last_batch: DecodeBatch | None = None
         self._last_batch_version = -1
+        self._positions: list[np.ndarray] = []  # the coming steps' positions (_next_positions)
         self._last_sampled = np.empty(0, np.int32)
         self._eos = tokenizer.eos_token_ids
         self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
@@ -495,7 +497,7 @@ class Engine:
             batch = DecodeBatch(
                 slots=last.slots,
                 tokens=self._last_sampled,  # each row feeds back what it sampled last step
-                positions=last.positions + 1,
+                positions=self._next_positions(last.positions),
                 temperature=last.temperature,
                 top_p=last.top_p,
                 top_k=last.top_k,
@@ -516,6 +518,20 @@ class Engine:
             )
         self._last_batch, self._last_batch_version = batch, version
         return batch
+
+    def _next_positions(self, positions: np.ndarray) -> np.ndarray:
+        """``positions + 1``, taken from a block computed for the next POSITION_BLOCK steps at
+        once: a numpy call costs tens of µs on a thread that just woke from a long backend call
+        (cold caches; docs/benchmarks.md, paced serving), a list pop almost nothing."""
+        if self._positions:
+            following = self._positions.pop()
+            if following.base is positions.base:  # the block this row came from: still valid
+                return following
+        steps = np.arange(POSITION_BLOCK, 0, -1, dtype=positions.dtype)[:, None]
+        block = positions[None, :] + steps  # row i: positions + POSITION_BLOCK - i
+        block.flags.writeable = False
+        self._positions = list(block)
+        return self._positions.pop()
 
     # ---- execute -----------------------------------------------------------------------------
 
@@ -686,8 +702,9 @@ class Engine:
 
     def _any_eos(self, sampled: np.ndarray) -> bool:
         eos = self._eos_ids
-        if len(eos) == 1:  # the usual case: one comparison is cheaper than np.isin
-            return bool((sampled == eos[0]).any())
+        if len(eos) == 1:  # the usual case. Not a numpy comparison: after a long backend call
+            # a ufunc costs tens of µs of cold caches, a list search a few (docs/benchmarks.md).
+            return eos[0] in sampled.tolist()
         return bool(len(eos) and np.isin(sampled, eos).any())
 
     def _accept_token(
