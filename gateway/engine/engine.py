@@ -172,11 +172,9 @@ class _Columnar:
     __slots__ = ("rows_version", "version", "seqs", "owners", "index", "others", "others_index",
                  "limit", "steps", "last")  # fmt: skip
 
-    def __init__(
-        self, rows: tuple[Sequence, ...], rows_version: int, version: int, max_context: int
-    ) -> None:
+    def __init__(self, rows: tuple[Sequence, ...], rows_version: int, max_context: int) -> None:
         self.rows_version = rows_version
-        self.version = version  # TokenColumn.version: new for every set-up
+        self.version = -1  # TokenColumn.version: set by the engine right after
         self.steps = 0
         self.last = np.empty(0, np.int32)
         plain = [i for i, seq in enumerate(rows) if seq.detok is None and not seq.stop_ids]
@@ -263,6 +261,8 @@ class Engine:
         self._eos = tokenizer.eos_token_ids
         self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
         self._col: _Columnar | None = None
+        # (version, owners, rows) of the column a split step went on with (_split_column)
+        self._handoff: tuple[int, list[object], list[Sequence]] | None = None
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -367,9 +367,13 @@ class Engine:
         Public so tests can drive the engine without the thread."""
         outputs, column = self.step_columns()
         if column is not None:
-            col = self._col
-            assert col is not None
-            for seq, token in zip(col.seqs, column.tokens.tolist(), strict=True):
+            col, handoff = self._col, self._handoff
+            if col is not None and col.version == column.version:
+                rows = col.seqs
+            else:  # a split step's column (_split_column)
+                assert handoff is not None and handoff[0] == column.version
+                rows = handoff[2]
+            for seq, token in zip(rows, column.tokens.tolist(), strict=True):
                 outputs.append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
         return outputs
 
@@ -632,28 +636,60 @@ class Engine:
     ) -> TokenColumn | None:
         col = self._col
         if col is None:
-            self._versions += 1
-            self._col = col = _Columnar(
-                plan.decode, plan.version, self._versions, self._max_context
-            )
+            self._col = col = _Columnar(plan.decode, plan.version, self._max_context)
+            handoff, self._handoff = self._handoff, None
+            if handoff is not None and handoff[1] == col.owners:
+                col.version = handoff[0]  # the rows the last column went on with: same plan
+            else:
+                self._versions += 1
+                col.version = self._versions
         if not col.seqs:
             self._accept_decoded(plan.decode, sampled, outputs, finished)
             return None
         index = col.index
         plain = sampled if index is None else sampled[index]
+        if index is not None:
+            others = col.others_index
+            assert others is not None
+            self._accept_decoded(col.others, sampled[others], outputs, finished)
         if col.steps < col.limit and not self._any_eos(plain):
             col.steps += 1
             col.last = plain
-            if index is not None:
-                others = col.others_index
-                assert others is not None
-                self._accept_decoded(col.others, sampled[others], outputs, finished)
             return TokenColumn(col.version, col.owners, plain)
-        # A plain row may finish: this step goes token by token, and the next one sets the
-        # columnar path up again for the rows that are left.
-        self._leave_columns()
-        self._accept_decoded(plan.decode, sampled, outputs, finished)
-        return None
+        return self._split_column(col, plain, outputs, finished)
+
+    def _split_column(
+        self, col: _Columnar, plain: np.ndarray, outputs: list[Output], finished: list[Sequence]
+    ) -> TokenColumn | None:
+        """A plain row may end at this token (EOS, max_tokens, max_context): the rows that do
+        go token by token; the others still make one column, whose version the next step's
+        columnar set-up keeps when its rows are exactly these (so the consumer's plan is built
+        once, not for this step and again for the next)."""
+        col.sync()
+        self._col = None
+        eos, max_context = self._eos, self._max_context
+        ending: list[Sequence] = []
+        ending_tokens: list[int] = []
+        going: list[Sequence] = []
+        going_tokens: list[int] = []
+        for seq, token in zip(col.seqs, plain.tolist(), strict=True):
+            ends = seq.generated + 1 >= seq.max_tokens or seq.position + 1 >= max_context
+            if ends or token in eos:
+                ending.append(seq)
+                ending_tokens.append(token)
+            else:
+                seq.generated += 1
+                seq.position += 1
+                seq.last_token = token
+                going.append(seq)
+                going_tokens.append(token)
+        self._accept_decoded(ending, ending_tokens, outputs, finished)
+        if not going:
+            return None
+        self._versions += 1
+        owners = [seq.owner for seq in going]
+        self._handoff = (self._versions, owners, going)
+        return TokenColumn(self._versions, owners, np.array(going_tokens, np.int32))
 
     def _update_rows(
         self,
