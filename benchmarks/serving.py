@@ -663,20 +663,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.floor_server is not None:
         return run_floor_server(args.floor_server)
-    results: dict = {"machine": machine()}
-    sections = []
+    # Each scenario has its own results file and docs section, whichever way it is run.
     if args.scenario in ("both", "flat"):
-        results["flat"] = flat_out(args)
-        sections.append(flat_md(results["flat"], args))
+        results = {"machine": machine(), "flat": flat_out(args)}
+        md = flat_md(results["flat"], args) + "\n\n" + machine_line(results["machine"])
+        publish(args, "serving", results, md)
     if args.scenario == "engine-step":
-        results["engine_step"] = engine_step(args)
-        sections.append(engine_step_md(results["engine_step"], args))
+        results = {"machine": machine(), "engine_step": engine_step(args)}
+        md = engine_step_md(results["engine_step"], args)
+        md += "\n\n" + machine_line(results["machine"])
+        publish(args, "serving-engine-step", results, md)
     if args.scenario in ("both", "paced"):
         plots = RESULTS / "plots" if args.write else None
-        results["paced"] = paced(args, plots)
-        sections.append(paced_md(results["paced"], args))
-    md = "\n\n".join(sections) + "\n\n" + machine_line(results["machine"])
-    publish(args, "serving" if args.scenario == "both" else f"serving-{args.scenario}", results, md)
+        results = {"machine": machine(), "paced": paced(args, plots)}
+        md = paced_md(results["paced"], args) + "\n\n" + machine_line(results["machine"])
+        publish(args, "serving-paced", results, md)
 
 
 def argparse_suppress() -> str:
