@@ -427,21 +427,64 @@ def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> d
     return {"step_ms": step_ms, "steps": steps, "cpu_us_per_step": cpu / max(steps, 1) * 1e6}
 
 
+def cold_call_cost(pause_s: float, calls: int = 60) -> dict[str, float]:
+    """Thread CPU (µs) of a few single calls the engine thread could make once per step, each
+    measured right after ``pause_s`` of sleep (0: back to back), median over ``calls``: what a
+    call costs on a thread that wakes from a backend call with cold caches."""
+    import threading
+
+    import numpy as np
+
+    a = np.arange(256, dtype=np.int32)
+    ops = {
+        "nothing (the clock read alone)": lambda: None,
+        "numpy ufunc: (a == 2).any() on 256 int32": lambda: bool((a == 2).any()),
+        "numpy ufunc: a + 1 on 256 int32": lambda: a + 1,
+        "a.tolist() and a list search": lambda: 2 in a.tolist(),
+        "Python loop over 256 ints": lambda: sum(range(256)),
+    }
+    out: dict[str, float] = {}
+
+    def body() -> None:
+        for name, op in ops.items():
+            times = []
+            for _ in range(calls):
+                if pause_s:
+                    time.sleep(pause_s)
+                t0 = time.thread_time_ns()
+                op()
+                times.append(time.thread_time_ns() - t0)
+            out[name] = statistics.median(times) / 1e3
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return out
+
+
 def engine_step(args) -> dict:
     runs = {ms: [engine_step_cost(ms) for _ in range(args.runs)] for ms in (0.0, 1.0, 5.0, 20.0)}
     return {
-        str(ms): {
-            "steps": statistics.median(r["steps"] for r in rs),
-            "cpu_us_per_step": statistics.median(r["cpu_us_per_step"] for r in rs),
-        }
-        for ms, rs in runs.items()
+        "steps": {
+            str(ms): {
+                "steps": statistics.median(r["steps"] for r in rs),
+                "cpu_us_per_step": statistics.median(r["cpu_us_per_step"] for r in rs),
+            }
+            for ms, rs in runs.items()
+        },
+        "cold_calls": {"back_to_back": cold_call_cost(0.0), "after_20ms": cold_call_cost(0.02)},
     }
 
 
 def engine_step_md(r: dict, args) -> str:
     rows = [
         [f"{float(ms):g}", f"{v['steps']:.0f}", f"{v['cpu_us_per_step']:.0f}"]
-        for ms, v in r.items()
+        for ms, v in r["steps"].items()
+    ]
+    cold = r["cold_calls"]
+    call_rows = [
+        [name, f"{us:.1f}", f"{cold['after_20ms'][name]:.1f}"]
+        for name, us in cold["back_to_back"].items()
     ]
     return (
         "## Engine thread CPU per step, back to back and paced (diagnostic)\n\n"
@@ -451,6 +494,10 @@ def engine_step_md(r: dict, args) -> str:
         f"(schedstat) per step, median of {args.runs} runs. The work per step is the same at "
         "every step time; what changes is the pause before it.\n\n"
         + table(["step time ms", "steps", "engine thread CPU µs / step"], rows)
+        + "\n\nWhy the pause matters: single calls on a thread of their own, thread CPU "
+        "(`time.thread_time_ns`) of one call, median of 60, back to back and right after a "
+        "20 ms sleep (as the engine thread runs after a 20 ms backend call).\n\n"
+        + table(["call", "back to back µs", "after 20 ms µs"], call_rows)
     )
 
 
@@ -616,20 +663,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.floor_server is not None:
         return run_floor_server(args.floor_server)
-    results: dict = {"machine": machine()}
-    sections = []
+    # Each scenario has its own results file and docs section, whichever way it is run.
     if args.scenario in ("both", "flat"):
-        results["flat"] = flat_out(args)
-        sections.append(flat_md(results["flat"], args))
+        results = {"machine": machine(), "flat": flat_out(args)}
+        md = flat_md(results["flat"], args) + "\n\n" + machine_line(results["machine"])
+        publish(args, "serving", results, md)
     if args.scenario == "engine-step":
-        results["engine_step"] = engine_step(args)
-        sections.append(engine_step_md(results["engine_step"], args))
+        results = {"machine": machine(), "engine_step": engine_step(args)}
+        md = engine_step_md(results["engine_step"], args)
+        md += "\n\n" + machine_line(results["machine"])
+        publish(args, "serving-engine-step", results, md)
     if args.scenario in ("both", "paced"):
         plots = RESULTS / "plots" if args.write else None
-        results["paced"] = paced(args, plots)
-        sections.append(paced_md(results["paced"], args))
-    md = "\n\n".join(sections) + "\n\n" + machine_line(results["machine"])
-    publish(args, "serving" if args.scenario == "both" else f"serving-{args.scenario}", results, md)
+        results = {"machine": machine(), "paced": paced(args, plots)}
+        md = paced_md(results["paced"], args) + "\n\n" + machine_line(results["machine"])
+        publish(args, "serving-paced", results, md)
 
 
 def argparse_suppress() -> str:

@@ -46,6 +46,10 @@ class FinishReason(IntEnum):
         return FINISH_LABELS[self]
 
 
+#: FinishReason by value: ``FINISH_BY_VALUE[v]`` is ``FinishReason(v)`` without the enum's call
+#: machinery (read once per request).
+FINISH_BY_VALUE: dict[int, FinishReason] = {int(r): r for r in FinishReason}
+
 #: FinishReason.label of each reason, computed once (it is read once per request).
 FINISH_LABELS: dict[int, str] = {r: r.name.lower() for r in FinishReason}
 

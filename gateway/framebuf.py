@@ -15,6 +15,7 @@ _pack_token1 = p.TOKEN1_FRAME.pack_into
 _TOKEN = int(p.FrameType.TOKEN)
 _TOKEN1_SIZE = p.TOKEN1_FRAME_SIZE
 _TOKEN1_ID = p.TOKEN1_ID
+_DONE_SIZE = p.DONE_FRAME_SIZE
 
 
 class FrameBuffer:
@@ -68,7 +69,8 @@ class FrameBuffer:
         ttft_us: int,
         total_us: int,
     ) -> None:
-        self._reserve(p.DONE_FRAME_SIZE)
+        if self._len + _DONE_SIZE > len(self._buf):
+            self._reserve(_DONE_SIZE)
         self._len = p.pack_done_into(
             self._buf, self._len, stream, finish_reason, cache, prompt_tokens,
             completion_tokens, queue_us, ttft_us, total_us,

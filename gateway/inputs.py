@@ -68,7 +68,7 @@ class InputProcessor:
     def prepare(self, req: p.Request) -> Prepared:
         self._check_sampling(req)
         vocab = self.info.vocab_size
-        compiled, system = self._registered(req)
+        compiled, system = self._registered(req) if req.prompt_id else (None, req.system)
         ids = self._prompt_ids(req, compiled, system)
         if not len(ids):
             raise _invalid("the prompt is empty after tokenization")

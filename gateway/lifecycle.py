@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from gateway import protocol as p
-from gateway.codes import COMPLETE_REASONS, FINISH_LABELS, ErrorCode, FinishReason
+from gateway.codes import COMPLETE_REASONS, FINISH_BY_VALUE, FINISH_LABELS, ErrorCode, FinishReason
 from gateway.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
 from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
 from gateway.inputs import InputProcessor, RequestRefused
@@ -51,6 +51,12 @@ class Phase(enum.IntEnum):
     HOOKS = 1  # async on_request hooks are running
     ENGINE = 2  # submitted to the engine (or being answered from the response cache)
     ENDED = 3
+
+
+# The phases as module names: read on every request, and an IntEnum's class attribute lookup
+# costs several times a global's.
+NEW, HOOKS, ENGINE, ENDED = Phase
+_ERROR = FinishReason.ERROR
 
 
 class Door(Protocol):
@@ -96,7 +102,7 @@ class Stream:
         self.door = door
         self.key = key  # the door's id for it (the frame stream id)
         self.api = api  # "frames", "openai", "anthropic": for metrics and logs
-        self.phase = Phase.NEW
+        self.phase = NEW
         self.ended = False  # phase is ENDED: a plain flag for the output loop (set by _end only)
         self.seq: Sequence | None = None
         self.ctx: RequestContext | None = None  # while on_done is still owed to the hooks
@@ -109,7 +115,7 @@ class Stream:
         self.rec_ids: list[int] | None = None  # the stream, recorded for the response cache
         self.rec_text: list[str] | None = None
         self.full_ids: np.ndarray | None = None  # the whole prompt, a registered one's ids included
-        self.finish = FinishReason.ERROR  # how it ended, once ENDED
+        self.finish = _ERROR  # how it ended, once ENDED
         self.from_cache = False
         self.state: object = None  # the door's own per-stream data
 
@@ -160,26 +166,37 @@ class RequestPath:
     def open(self, st: Stream, principal: Principal, req: p.Request) -> None:
         """Run ``req`` for ``st`` (already known to its door). Never raises for anything the
         request contains: every outcome reaches the door through its methods."""
-        assert st.phase is Phase.NEW
+        assert st.phase is NEW
         try:
             if self.draining:
                 raise RequestRefused(ErrorCode.SHUTTING_DOWN, "server is draining")
-            self._prepare(st, req)
+            prep = self.inputs.prepare(req)
         except RequestRefused as exc:
             self.fail(st, exc.code, exc.message, exc.retry_after_ms)
             return
-        # Fair admission: an authenticated client's sequences share one turn, an anonymous
-        # client's share its connection's (gateway.engine.engine: round robin by this key).
-        seq = st.seq
-        assert seq is not None
-        seq.fair_key = principal.name if principal.key_id else id(st.door)
+        st.full_ids = prep.prompt
+        st.prompt_tokens = len(prep.prompt)
+        st.want_text = req.want_text
+        # Deterministic requests are recorded when a hook caches responses: their ids, and the
+        # text deltas when the engine produces them anyway; otherwise the text is decoded once
+        # at the end rather than per token.
+        if self._records and prep.deterministic:
+            st.rec_ids = []
+            st.rec_text = [] if prep.detokenizer is not None else None
+        st.seq = Sequence(
+            st, prep.prompt, prep.max_tokens, prep.sampling, prep.stop_ids, prep.stop_sequences,
+            prep.detokenizer, prep.ignore_eos,
+            # Fair admission: an authenticated client's sequences share one turn, an anonymous
+            # client's share its connection's (gateway.engine.engine: round robin by this key).
+            principal.name if principal.key_id else id(st.door),
+        )  # fmt: skip
         if not self._per_request_hooks:
             self._submit(st)
             return
         st.ctx = self._context(st, principal, req)
         if self.chain.is_async:
             # Redis-backed hooks: the stream is open (its id taken) while they run.
-            st.phase = Phase.HOOKS
+            st.phase = HOOKS
             task = asyncio.get_running_loop().create_task(self._run_hooks_async(st))
             self.hook_tasks.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self.hook_tasks.discard)
@@ -189,7 +206,10 @@ class RequestPath:
         except HookError as exc:
             self._refused(st, exc)
             return
-        self._proceed(st, cached)
+        if cached is None:
+            self._submit(st)
+        else:
+            self._replay(st, cached)
 
     def refuse(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
         """A door refuses the request before opening it (stream limits, bad payload)."""
@@ -202,7 +222,7 @@ class RequestPath:
 
     def fail(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
         """End ``st`` with an ERROR."""
-        self._end(st, FinishReason.ERROR, (code, message, retry_after_ms))
+        self._end(st, _ERROR, (code, message, retry_after_ms))
 
     async def aclose(self) -> None:
         """Shutdown, after the doors drained: stop hook tasks still running (their streams have
@@ -216,35 +236,13 @@ class RequestPath:
 
     def finished(self, st: Stream, finish: int, t_admit: float) -> None:
         """The engine ended the sequence (its last output)."""
-        if finish == FinishReason.ERROR:
-            self._end(st, FinishReason.ERROR, (ErrorCode.INTERNAL, "the model backend failed", 0),
+        if finish == _ERROR:
+            self._end(st, _ERROR, (ErrorCode.INTERNAL, "the model backend failed", 0),
                       t_admit=t_admit, from_engine=True)  # fmt: skip
         else:
-            self._end(st, FinishReason(finish), t_admit=t_admit, from_engine=True)
+            self._end(st, FINISH_BY_VALUE[finish], t_admit=t_admit, from_engine=True)
 
     # ---- the path ---------------------------------------------------------------------------
-
-    def _prepare(self, st: Stream, req: p.Request) -> None:
-        prep = self.inputs.prepare(req)
-        st.full_ids = prep.prompt
-        st.prompt_tokens = len(prep.prompt)
-        st.want_text = req.want_text
-        # Deterministic requests are recorded when a hook caches responses: their ids, and the
-        # text deltas when the engine produces them anyway; otherwise the text is decoded once
-        # at the end rather than per token.
-        if self._records and prep.deterministic:
-            st.rec_ids = []
-            st.rec_text = [] if prep.detokenizer is not None else None
-        st.seq = Sequence(
-            owner=st,
-            prompt=prep.prompt,
-            max_tokens=prep.max_tokens,
-            sampling=prep.sampling,
-            stop_ids=prep.stop_ids,
-            stop_sequences=prep.stop_sequences,
-            detokenizer=prep.detokenizer,
-            ignore_eos=prep.ignore_eos,
-        )
 
     def _context(self, st: Stream, principal: Principal, req: p.Request) -> RequestContext:
         seq = st.seq
@@ -271,17 +269,20 @@ class RequestPath:
             try:
                 cached = await self.chain.on_request_async(ctx)
             except HookError as exc:
-                if st.phase is Phase.HOOKS:
-                    st.phase = Phase.NEW
+                if st.phase is HOOKS:
+                    st.phase = NEW
                     self._refused(st, exc)
                 else:  # it ended while the hooks ran; the chain ran on_refused: nothing owed
                     st.ctx = None
                 return
-            if st.phase is not Phase.HOOKS:  # ended while the hooks ran: on_done after them
+            if st.phase is not HOOKS:  # ended while the hooks ran: on_done after them
                 self._hooks_done(st)
                 return
-            st.phase = Phase.NEW
-            self._proceed(st, cached)
+            st.phase = NEW
+            if cached is None:
+                self._submit(st)
+            else:
+                self._replay(st, cached)
         except Exception:  # a bug after the chain (replay, submit): this stream alone ends
             log.exception("request path failed after the hook chain")
             self.fail(st, ErrorCode.INTERNAL, "internal server error")
@@ -296,15 +297,9 @@ class RequestPath:
             self.metrics.rate_limited()
         self.fail(st, exc.code, exc.message, exc.retry_after_ms)
 
-    def _proceed(self, st: Stream, cached: CachedResponse | None) -> None:
-        if cached is not None:
-            self._replay(st, cached)
-        else:
-            self._submit(st)
-
     def _submit(self, st: Stream) -> None:
         assert st.seq is not None
-        st.phase = Phase.ENGINE
+        st.phase = ENGINE
         try:
             self.engine.submit(st.seq)
         except EngineOverloaded as exc:
@@ -314,7 +309,7 @@ class RequestPath:
 
     def _replay(self, st: Stream, cached: CachedResponse) -> None:
         """Answer from the response cache: the stored stream, then DONE with cache bit 0."""
-        st.phase = Phase.ENGINE
+        st.phase = ENGINE
         self.metrics.response_cache_hit()
         ids = cached.token_ids.tolist()
         frames = st.door.write_cached(st, ids, cached.text)
@@ -338,11 +333,11 @@ class RequestPath:
         t_admit: float = 0.0,
         from_engine: bool = False,
     ) -> None:
-        if st.phase is Phase.ENDED:
+        if st.phase is ENDED:
             return
-        hooks_running = st.phase is Phase.HOOKS
-        in_engine = st.phase is Phase.ENGINE and st.seq is not None and not st.from_cache
-        st.phase = Phase.ENDED
+        hooks_running = st.phase is HOOKS
+        in_engine = st.phase is ENGINE and st.seq is not None and not st.from_cache
+        st.phase = ENDED
         st.ended = True
         st.finish = finish
         self.outputs.stream_ended(st)  # settles st.n_ids / recordings, forgets cached plans
@@ -371,37 +366,31 @@ class RequestPath:
             if in_engine and st.seq.reused:  # type: ignore[union-attr]
                 st.cache_bits |= p.CACHE_PROMPT  # the prefix store supplied part of its KV
             door.write_done(st, finish, (queue_s, ttft_s, total_s))
-            self._count_finished(st, finish, queue_s, ttft_s, total_s, now)
+            metrics = self.metrics
+            label = FINISH_LABELS[finish]
+            metrics.request_finished(
+                label, st.prompt_tokens, st.n_ids, queue_s,
+                ttft_s if st.t_first else None, total_s, st.api,
+            )  # fmt: skip
+            if st.n_ids > 1:
+                metrics.inter_token(now - st.t_first, st.n_ids - 1)
+            if self._log_requests:
+                REQUEST_LOG.info(
+                    "request finished",
+                    extra={
+                        "request_id": f"{door.label}:{st.key}",
+                        "finish": label,
+                        "prompt_tokens": st.prompt_tokens,
+                        "completion_tokens": st.n_ids,
+                        "cache": st.cache_bits,
+                        "reused_tokens": st.seq.reused if st.seq is not None else 0,
+                        "ttft_ms": round(ttft_s * 1000, 3),
+                        "total_ms": round(total_s * 1000, 3),
+                    },
+                )
         if st.ctx is not None and not hooks_running:
             self._hooks_done(st)
         door.stream_ended(st)
-
-    def _count_finished(
-        self, st: Stream, finish: FinishReason, queue_s: float, ttft_s: float, total_s: float,
-        now: float,
-    ) -> None:  # fmt: skip
-        metrics = self.metrics
-        label = FINISH_LABELS[finish]
-        metrics.request_finished(
-            label, st.prompt_tokens, st.n_ids, queue_s,
-            ttft_s if st.t_first else None, total_s, st.api,
-        )  # fmt: skip
-        if st.n_ids > 1:
-            metrics.inter_token(now - st.t_first, st.n_ids - 1)
-        if self._log_requests:
-            REQUEST_LOG.info(
-                "request finished",
-                extra={
-                    "request_id": f"{st.door.label}:{st.key}",
-                    "finish": label,
-                    "prompt_tokens": st.prompt_tokens,
-                    "completion_tokens": st.n_ids,
-                    "cache": st.cache_bits,
-                    "reused_tokens": st.seq.reused if st.seq is not None else 0,
-                    "ttft_ms": round(ttft_s * 1000, 3),
-                    "total_ms": round(total_s * 1000, 3),
-                },
-            )
 
     def _hooks_done(self, st: Stream) -> None:
         """Tell the hooks how the request ended: once, after its hooks finished."""

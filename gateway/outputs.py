@@ -116,7 +116,8 @@ class OutputProcessor:
         writes to it is dropped (the next columnar step builds one without it)."""
         plan = self._plan
         if plan is not None:
-            plan.settle()
+            if plan.steps:
+                plan.settle()
             if id(st) in plan.members:
                 self._plan = None
 

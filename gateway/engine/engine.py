@@ -48,8 +48,10 @@ log = logging.getLogger("zerolayer.engine")
 
 # Output.finish for a sequence that ended in an engine failure (the door answers INTERNAL).
 FINISH_ERROR = FinishReason.ERROR
+_MAX_TOKENS = FinishReason.MAX_TOKENS  # a global: read per request, cheaper than the enum's
 NOT_FINISHED = -2
 INT32_MAX = 2**31 - 1
+POSITION_BLOCK = 64  # decode steps whose positions are computed at once
 
 
 class EngineOverloaded(Exception):
@@ -170,11 +172,9 @@ class _Columnar:
     __slots__ = ("rows_version", "version", "seqs", "owners", "index", "others", "others_index",
                  "limit", "steps", "last")  # fmt: skip
 
-    def __init__(
-        self, rows: tuple[Sequence, ...], rows_version: int, version: int, max_context: int
-    ) -> None:
+    def __init__(self, rows: tuple[Sequence, ...], rows_version: int, max_context: int) -> None:
         self.rows_version = rows_version
-        self.version = version  # TokenColumn.version: new for every set-up
+        self.version = -1  # TokenColumn.version: set by the engine right after
         self.steps = 0
         self.last = np.empty(0, np.int32)
         plain = [i for i, seq in enumerate(rows) if seq.detok is None and not seq.stop_ids]
@@ -256,10 +256,13 @@ class Engine:
         self._seeded = np.zeros(n, np.bool_)
         self._last_batch: DecodeBatch | None = None
         self._last_batch_version = -1
+        self._positions: list[np.ndarray] = []  # the coming steps' positions (_next_positions)
         self._last_sampled = np.empty(0, np.int32)
         self._eos = tokenizer.eos_token_ids
         self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
         self._col: _Columnar | None = None
+        # (version, owners, rows) of the column a split step went on with (_split_column)
+        self._handoff: tuple[int, list[object], list[Sequence]] | None = None
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -364,9 +367,13 @@ class Engine:
         Public so tests can drive the engine without the thread."""
         outputs, column = self.step_columns()
         if column is not None:
-            col = self._col
-            assert col is not None
-            for seq, token in zip(col.seqs, column.tokens.tolist(), strict=True):
+            col, handoff = self._col, self._handoff
+            if col is not None and col.version == column.version:
+                rows = col.seqs
+            else:  # a split step's column (_split_column)
+                assert handoff is not None and handoff[0] == column.version
+                rows = handoff[2]
+            for seq, token in zip(rows, column.tokens.tolist(), strict=True):
                 outputs.append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
         return outputs
 
@@ -480,9 +487,10 @@ class Engine:
                 self._waiting[key] = keep
             else:
                 del self._waiting[key]
-        for seq in [s for s in self._running if s.cancelled]:
+        cancelled = [s for s in self._running if s.cancelled]
+        for seq in cancelled:
             outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
-            self._release(seq)
+        self._release(cancelled)
 
     def _decode_batch(self, rows: tuple[Sequence, ...], version: int) -> DecodeBatch:
         # Sampling parameters live in per-slot arrays written once at admission; per step only
@@ -493,7 +501,7 @@ class Engine:
             batch = DecodeBatch(
                 slots=last.slots,
                 tokens=self._last_sampled,  # each row feeds back what it sampled last step
-                positions=last.positions + 1,
+                positions=self._next_positions(last.positions),
                 temperature=last.temperature,
                 top_p=last.top_p,
                 top_k=last.top_k,
@@ -514,6 +522,20 @@ class Engine:
             )
         self._last_batch, self._last_batch_version = batch, version
         return batch
+
+    def _next_positions(self, positions: np.ndarray) -> np.ndarray:
+        """``positions + 1``, taken from a block computed for the next POSITION_BLOCK steps at
+        once: a numpy call costs tens of µs on a thread that just woke from a long backend call
+        (cold caches; docs/benchmarks.md, paced serving), a list pop almost nothing."""
+        if self._positions:
+            following = self._positions.pop()
+            if following.base is positions.base:  # the block this row came from: still valid
+                return following
+        steps = np.arange(POSITION_BLOCK, 0, -1, dtype=positions.dtype)[:, None]
+        block = positions[None, :] + steps  # row i: positions + POSITION_BLOCK - i
+        block.flags.writeable = False
+        self._positions = list(block)
+        return self._positions.pop()
 
     # ---- execute -----------------------------------------------------------------------------
 
@@ -577,7 +599,8 @@ class Engine:
     ) -> TokenColumn | None:
         finished: list[Sequence] = []
         if prefilled is not None:
-            completed = []
+            completed: list[Sequence] = []
+            first: list[int] = []  # the first token of each completed prompt
             tokens = prefilled.tolist()
             for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, tokens, strict=True):
                 if failed and id(seq) in failed:
@@ -586,8 +609,9 @@ class Engine:
                 seq.prefilled += len(chunk.tokens)
                 if chunk.last:
                     completed.append(seq)
-                    self._accept_token(seq, token, outputs, finished)
+                    first.append(token)
             if completed:  # they decode from the next step on
+                self._accept_decoded(completed, first, outputs, finished)
                 if self._store is not None:
                     self._offer(completed)
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
@@ -599,8 +623,8 @@ class Engine:
                 self._update_rows(plan.decode, decoded, failed, outputs, finished)
             else:
                 column = self._update_decode(plan, decoded, outputs, finished)
-        for seq in finished:
-            self._release(seq)
+        if finished:
+            self._release(finished)
         return column
 
     def _update_decode(
@@ -612,28 +636,60 @@ class Engine:
     ) -> TokenColumn | None:
         col = self._col
         if col is None:
-            self._versions += 1
-            self._col = col = _Columnar(
-                plan.decode, plan.version, self._versions, self._max_context
-            )
+            self._col = col = _Columnar(plan.decode, plan.version, self._max_context)
+            handoff, self._handoff = self._handoff, None
+            if handoff is not None and handoff[1] == col.owners:
+                col.version = handoff[0]  # the rows the last column went on with: same plan
+            else:
+                self._versions += 1
+                col.version = self._versions
         if not col.seqs:
             self._accept_decoded(plan.decode, sampled, outputs, finished)
             return None
         index = col.index
         plain = sampled if index is None else sampled[index]
+        if index is not None:
+            others = col.others_index
+            assert others is not None
+            self._accept_decoded(col.others, sampled[others], outputs, finished)
         if col.steps < col.limit and not self._any_eos(plain):
             col.steps += 1
             col.last = plain
-            if index is not None:
-                others = col.others_index
-                assert others is not None
-                self._accept_decoded(col.others, sampled[others], outputs, finished)
             return TokenColumn(col.version, col.owners, plain)
-        # A plain row may finish: this step goes token by token, and the next one sets the
-        # columnar path up again for the rows that are left.
-        self._leave_columns()
-        self._accept_decoded(plan.decode, sampled, outputs, finished)
-        return None
+        return self._split_column(col, plain, outputs, finished)
+
+    def _split_column(
+        self, col: _Columnar, plain: np.ndarray, outputs: list[Output], finished: list[Sequence]
+    ) -> TokenColumn | None:
+        """A plain row may end at this token (EOS, max_tokens, max_context): the rows that do
+        go token by token; the others still make one column, whose version the next step's
+        columnar set-up keeps when its rows are exactly these (so the consumer's plan is built
+        once, not for this step and again for the next)."""
+        col.sync()
+        self._col = None
+        eos, max_context = self._eos, self._max_context
+        ending: list[Sequence] = []
+        ending_tokens: list[int] = []
+        going: list[Sequence] = []
+        going_tokens: list[int] = []
+        for seq, token in zip(col.seqs, plain.tolist(), strict=True):
+            ends = seq.generated + 1 >= seq.max_tokens or seq.position + 1 >= max_context
+            if ends or token in eos:
+                ending.append(seq)
+                ending_tokens.append(token)
+            else:
+                seq.generated += 1
+                seq.position += 1
+                seq.last_token = token
+                going.append(seq)
+                going_tokens.append(token)
+        self._accept_decoded(ending, ending_tokens, outputs, finished)
+        if not going:
+            return None
+        self._versions += 1
+        owners = [seq.owner for seq in going]
+        self._handoff = (self._versions, owners, going)
+        return TokenColumn(self._versions, owners, np.array(going_tokens, np.int32))
 
     def _update_rows(
         self,
@@ -659,13 +715,14 @@ class Engine:
     def _accept_decoded(
         self,
         rows: tuple[Sequence, ...] | list[Sequence],
-        sampled: np.ndarray,
+        sampled: np.ndarray | list[int],
         outputs: list[Output],
         finished: list[Sequence],
     ) -> None:
-        """One decode step's tokens, row by row."""
+        """Sampled tokens (a decode step's, or the first of prompts just prefilled), row by row."""
         eos, max_context, append = self._eos, self._max_context, outputs.append
-        for seq, token in zip(rows, sampled.tolist(), strict=True):
+        tokens = sampled.tolist() if isinstance(sampled, np.ndarray) else sampled
+        for seq, token in zip(rows, tokens, strict=True):
             if seq.detok is None and not seq.stop_ids and token not in eos:
                 # The common case inlined (one per token): no text, no stop ids, not EOS.
                 seq.generated += 1
@@ -674,15 +731,16 @@ class Engine:
                 if seq.generated < seq.max_tokens and seq.position < max_context:
                     append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
                     continue
-                append(self._end(seq, token, FinishReason.MAX_TOKENS))
+                append(self._end(seq, token, _MAX_TOKENS))
                 finished.append(seq)
             else:
                 self._accept_token(seq, token, outputs, finished)
 
     def _any_eos(self, sampled: np.ndarray) -> bool:
         eos = self._eos_ids
-        if len(eos) == 1:  # the usual case: one comparison is cheaper than np.isin
-            return bool((sampled == eos[0]).any())
+        if len(eos) == 1:  # the usual case. Not a numpy comparison: after a long backend call
+            # a ufunc costs tens of µs of cold caches, a list search a few (docs/benchmarks.md).
+            return eos[0] in sampled.tolist()
         return bool(len(eos) and np.isin(sampled, eos).any())
 
     def _accept_token(
@@ -781,23 +839,29 @@ class Engine:
             except Exception:
                 log.exception("saving a prompt's KV blocks failed; they will be recomputed")
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.slot >= 0:
-            self.backend.free(seq.slot)
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = -1
-        self._running.remove(seq)
-        if seq.prefilled < len(seq.prompt):
-            self._prefilling.remove(seq)
-        else:
-            self._set_decoding(tuple(s for s in self._decoding if s is not seq))
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Free the slots of ended sequences; the decode rows are rebuilt once for all of them."""
+        decoding = False
+        for seq in seqs:
+            if seq.slot >= 0:
+                self.backend.free(seq.slot)
+                heapq.heappush(self._free_slots, seq.slot)
+                seq.slot = -1
+            self._running.remove(seq)
+            if seq.prefilled < len(seq.prompt):
+                self._prefilling.remove(seq)
+            else:
+                decoding = True
+        if decoding:  # a released sequence has slot -1; every decoding one holds a slot
+            self._set_decoding(tuple([s for s in self._decoding if s.slot >= 0]))
 
     def _fail_all(self) -> list[Output]:
         self._leave_columns()
         outputs: list[Output] = []
-        for seq in list(self._running):
+        running = list(self._running)
+        for seq in running:
             outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))
-            self._release(seq)
+        self._release(running)
         return outputs
 
 

@@ -27,7 +27,8 @@ class Outbox:
 
     def __init__(self, max_pending: int = MAX_PENDING_STEPS) -> None:
         self.max_pending = max_pending
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly on the hot path (a C call)
+        self._cond = threading.Condition(self._lock)  # for waiting when full
         self._pending: list[Step] = []
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -39,7 +40,7 @@ class Outbox:
 
     def put(self, outputs: list[Output], column: TokenColumn | None) -> None:
         """On the engine thread: queue one step; blocks while ``max_pending`` steps wait."""
-        with self._cond:
+        with self._lock:
             while len(self._pending) >= self.max_pending and not self._closed:
                 self._cond.wait()
             if self._closed:
@@ -65,8 +66,9 @@ class Outbox:
         return len(self._pending)
 
     def _hand_over(self) -> None:
-        with self._cond:
+        with self._lock:
             steps, self._pending = self._pending, []
-            self._cond.notify_all()
+            if len(steps) >= self.max_pending:  # only then can the engine thread be waiting
+                self._cond.notify_all()
         if steps and self._consumer is not None:
             self._consumer(steps)

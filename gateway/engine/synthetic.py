@@ -87,8 +87,8 @@ class SyntheticBackend(Backend, PrefixKV):
         # the positions each step's batch will carry (int32 [k, b]), the tokens (int32 [k, b]),
         # the next step to hand out, and the size of the next block.
         self._block_slots: np.ndarray | None = None
-        self._block_positions = np.empty((0, 0), np.int32)
-        self._block = np.empty((0, 0), np.int32)
+        self._block_positions: list[bytes] = []  # each step's positions, as bytes to compare
+        self._block: list[np.ndarray] = []  # each step's tokens (read-only rows)
         self._block_next = 0
         self._block_size = _MIN_BLOCK
 
@@ -154,19 +154,21 @@ class SyntheticBackend(Backend, PrefixKV):
             self._block_slots = batch.slots
             return synthetic_tokens(self._digest[batch.slots], batch.positions + 1)
         j = self._block_next
-        if j < len(self._block) and (batch.positions == self._block_positions[j]).all():
+        # One bytes comparison instead of numpy calls: this runs once per paced step.
+        if j < len(self._block) and batch.positions.tobytes() == self._block_positions[j]:
             self._block_next = j + 1
-            return self._block[j].copy()
+            return self._block[j]
         # The same rows again: hash this step and the next ones in one go.
         k = self._block_size
         self._block_size = min(2 * k, _MAX_BLOCK)
         steps = np.arange(k, dtype=np.int32)[:, None]
-        self._block_positions = batch.positions[None, :] + steps
-        self._block = synthetic_tokens(
-            self._digest[batch.slots][None, :], self._block_positions + 1
-        )
+        positions = batch.positions[None, :] + steps
+        block = synthetic_tokens(self._digest[batch.slots][None, :], positions + 1)
+        block.flags.writeable = False  # handed out row by row: nobody may change them
+        self._block_positions = [row.tobytes() for row in positions]  # batch.positions dtype
+        self._block = list(block)
         self._block_next = 1
-        return self._block[0].copy()
+        return self._block[0]
 
     def _forget_block(self) -> None:
         """Slots' digests may change: tokens hashed ahead are no longer valid."""

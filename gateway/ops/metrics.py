@@ -9,9 +9,14 @@ so the number of series is fixed by this file. docs/metrics.md lists every metri
 from __future__ import annotations
 
 import bisect
+import itertools
+import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from gateway.codes import DONE_REASONS, ErrorCode
 from gateway.protocol import FrameType
@@ -54,11 +59,78 @@ QUEUE_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
+class Tally:
+    """A counter that ONE thread writes (the event loop, or the engine thread), so ``inc`` takes
+    no lock: one attribute add. prometheus-client's children lock and check on every call, which
+    per engine step and per write costs more than the work they count (docs/benchmarks.md, paced
+    serving). A scrape reads ``value`` through ``TallyFamilies``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class TallyHistogram:
+    """A histogram that one thread writes, without a lock (see Tally)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.sum += value
+
+
+class TallyFamilies:
+    """The collector of the Tally metrics: families built from their values at each scrape."""
+
+    def __init__(self) -> None:
+        self.created = time.time()
+        self._counters: list[tuple[str, str, list[str], dict[tuple[str, ...], Tally]]] = []
+        self._histograms: list[tuple[str, str, TallyHistogram]] = []
+
+    def counter(
+        self, name: str, doc: str, labelnames: list[str], label_values: list[tuple[str, ...]]
+    ) -> dict[tuple[str, ...], Tally]:
+        """A counter family (``name`` gets ``_total`` on the wire) with one Tally per label
+        value tuple."""
+        children = {values: Tally() for values in label_values}
+        self._counters.append((name, doc, labelnames, children))
+        return children
+
+    def histogram(self, name: str, doc: str, bounds: tuple[float, ...]) -> TallyHistogram:
+        hist = TallyHistogram(bounds)
+        self._histograms.append((name, doc, hist))
+        return hist
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, labelnames, children in self._counters:
+            family = CounterMetricFamily(name, doc, labels=labelnames)
+            for values, tally in children.items():
+                family.add_metric(values, tally.value, created=self.created)
+            yield family
+        for name, doc, hist in self._histograms:
+            cumulative = list(itertools.accumulate(hist.counts))
+            les = [*map(floatToGoString, hist.bounds), "+Inf"]
+            buckets = list(zip(les, cumulative, strict=True))
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist.sum)
+
+
 class Metrics:
     """All zerolayer_* metrics in a private CollectorRegistry, with hot-path methods.
 
-    Thread-safe (prometheus-client locks each child); callable from the event loop and the
-    engine thread alike. ``registry`` is where other collectors (neuron-monitor) register too.
+    Callable from the event loop and the engine thread alike: prometheus-client locks each
+    child, except for the Tally metrics, each of which has one writer: the engine thread
+    (``engine_step``) or the event loop (``frames``, ``bytes``). ``registry`` is where other
+    collectors (neuron-monitor) register too.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -112,17 +184,16 @@ class Metrics:
             ["code", "api"],
             registry=r,
         )
-        busy = Counter(
+        tallies = TallyFamilies()
+        # Written on the engine thread only.
+        busy = tallies.counter(
             p + "backend_busy_seconds",
             "Backend (device) time spent in engine steps, seconds: the NeuronCore-seconds.",
             ["phase"],
-            registry=r,
+            [(phase,) for phase in PHASES],
         )
-        self.batch_size = Histogram(
-            p + "batch_size",
-            "Sequences per engine step.",
-            buckets=BATCH_BUCKETS,
-            registry=r,
+        self.batch_size = tallies.histogram(
+            p + "batch_size", "Sequences per engine step.", BATCH_BUCKETS
         )
         self.kv_slots_used = Gauge(
             p + "kv_slots_used_ratio", "Fraction of KV-cache slots in use (0..1).", registry=r
@@ -152,18 +223,20 @@ class Metrics:
             p + "rate_limited", "Requests refused by the rate limiter.", registry=r
         )
         self.connections = Gauge(p + "connections", "Open client connections.", registry=r)
-        frames = Counter(
+        # Written on the event loop only (the doors).
+        frames = tallies.counter(
             p + "frames",
             "Protocol frames, by direction (in = from clients) and frame type.",
             ["direction", "type"],
-            registry=r,
+            [(d, t) for d in DIRECTIONS for t in FRAME_TYPES],
         )
-        nbytes = Counter(
+        nbytes = tallies.counter(
             p + "bytes",
             "Protocol bytes (headers and payloads), by direction.",
             ["direction"],
-            registry=r,
+            [(d,) for d in DIRECTIONS],
         )
+        r.register(tallies)
 
         # Pre-resolved children: the hot path never calls .labels().
         self._success = {
@@ -176,9 +249,9 @@ class Metrics:
         self._errors_family = errors
         self._prompt_tokens = {api: prompt_tokens.labels(api) for api in APIS}
         self._generation_tokens = {api: generation_tokens.labels(api) for api in APIS}
-        self._busy = {phase: busy.labels(phase) for phase in PHASES}
-        self._frames = {(d, t): frames.labels(d, t) for d in DIRECTIONS for t in FRAME_TYPES}
-        self._bytes = {d: nbytes.labels(d) for d in DIRECTIONS}
+        self._busy = {phase: busy[(phase,)] for phase in PHASES}
+        self._frames = dict(frames)
+        self._bytes = {d: nbytes[(d,)] for d in DIRECTIONS}
         # Aliases so a caller can pass the protocol enums (IntEnum hashes as its int) or their
         # upper-case names without converting: FinishReason.EOS, "EOS", "eos" are one child.
         for api in APIS:

@@ -333,7 +333,8 @@ def columnar_steps(engine: Engine, sink: list[Output], limit: int = 1000) -> int
         sink.extend(outputs)
         if column is not None:
             n += 1
-            assert column.owners is engine._col.owners
+            running = {s.owner for s in engine._running}
+            assert set(column.owners) <= running  # never a sequence that has ended
             assert len(column.owners) == len(column.tokens)
             tokens = column.tokens.tolist()
             sink.extend(
@@ -387,6 +388,27 @@ def test_columnar_steps_give_what_token_by_token_gives():
             assert columnar[name]["finish"] == FinishReason.MAX_TOKENS
     assert len(columnar["ctx"]["ids"]) == 64 - 50 and columnar["ctx"]["finish"] == 1
     assert all(r["ends"] == 1 for r in columnar.values())
+
+
+def test_a_split_step_ends_its_rows_and_hands_its_column_on():
+    """When plain rows reach max_tokens, only they go token by token: the others still come as
+    one column in that step, under a version the next step keeps (its rows are the same)."""
+    engine, _ = make_engine(SyntheticBackend(4, 300, 256))
+    for name, max_tokens in (("short", 4), ("a", 12), ("b", 12)):
+        engine.submit(plain(name, b"x" + name.encode(), max_tokens))
+    steps = []
+    for _ in range(8):
+        steps.append(engine.step_columns())
+    split = next(i for i, (outs, _) in enumerate(steps) if any(o[3] >= 0 for o in outs))
+    assert split > 1  # after some columnar steps
+    (owner, token, _, finish, _), *rest = steps[split][0]
+    assert owner == "short" and finish == FinishReason.MAX_TOKENS and token != NO_TOKEN
+    assert rest == []  # the other rows came as a column
+    column, following = steps[split][1], steps[split + 1][1]
+    assert column is not None and following is not None
+    assert column.owners == following.owners == ["a", "b"]
+    assert column.version == following.version  # one plan for the consumer, not two
+    assert steps[split - 1][1] is not None and steps[split - 1][1].version != column.version
 
 
 def test_eos_in_the_middle_of_columnar_steps():

@@ -89,7 +89,11 @@ def test_engine_step_and_queue(m: Metrics) -> None:
     assert v(m, "zerolayer_backend_busy_seconds_total", phase="decode") == pytest.approx(0.03)
     assert v(m, "zerolayer_batch_size_count") == 3
     assert v(m, "zerolayer_batch_size_sum") == 64
-    assert v(m, "zerolayer_batch_size_bucket", le="2.0") == 1
+    assert v(m, "zerolayer_batch_size_bucket", le="2.0") == 1  # le: a value on a bound counts
+    assert v(m, "zerolayer_batch_size_bucket", le="1.0") == 0
+    assert v(m, "zerolayer_batch_size_bucket", le="32.0") == 3
+    assert v(m, "zerolayer_batch_size_bucket", le="+Inf") == 3
+    assert v(m, "zerolayer_backend_busy_seconds_created", phase="decode") > 0
     m.set_queue(running=6, waiting=3, slots_used=6, slots_total=8)
     assert v(m, "zerolayer_num_requests_running") == 6
     assert v(m, "zerolayer_num_requests_waiting") == 3
