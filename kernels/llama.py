@@ -448,7 +448,9 @@ class Llama(nn.Module):
         allowed = allowed[:, None].expand(B, group, n, attn_len).reshape(B, 1, group * n, attn_len)
         mask = torch.zeros(allowed.shape, dtype=self.rope_cos.dtype, device=tokens.device)
         mask = mask.masked_fill_(~allowed, float("-inf"))
-        use_int4 = tokens.numel() <= self.int4_max_rows
+        # A plain bool (no tensor op) for models without 4-bit weights, so that tracing
+        # (DecodeStep, PrefillStep) sees a constant rather than a data-dependent branch.
+        use_int4 = self.int4_max_rows > 0 and tokens.numel() <= self.int4_max_rows
         if last_index is None:
             rows = Rows(slots, slots[:, None], positions, mask, None, slot_start, use_int4)
         else:
@@ -465,7 +467,7 @@ class Llama(nn.Module):
                 mask,
                 packed,
                 slot_start,
-                int(lengths.sum()) <= self.int4_max_rows,
+                self.int4_max_rows > 0 and int(lengths.sum()) <= self.int4_max_rows,
             )
         x = self.embed_tokens(tokens)  # [B, n, hidden], or [T, hidden] when packed
         # [..., 1, head_dim]: broadcast over heads
