@@ -1,5 +1,6 @@
 """Shared by the benchmark scripts: the command line they share (``--write``, SIGTERM), machine
-facts, and publishing: JSON results and sections of docs/benchmarks.md.
+facts, measuring (a process's CPU time, per-token medians), and publishing: JSON results and
+sections of docs/benchmarks.md.
 
 A benchmark is a tool first: it prints its table and writes tracked files (benchmarks/results/,
 docs/benchmarks.md) only when run with ``--write`` (``make bench`` passes it). ``parser`` builds
@@ -16,6 +17,7 @@ import os
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -119,3 +121,32 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(out)
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """CPU time of a process's threads (or of one thread), from the scheduler's nanosecond
+    account (/proc/.../schedstat): /proc/PID/stat counts in 10 ms ticks, too coarse for a few
+    seconds of load."""
+    tids = [tid] if tid is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    total = 0
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+def per_token(runs: list[dict]) -> dict:
+    """Medians over runs of {"cpu_s", "wall_s", "tokens"} (the same tokens each run): the runs,
+    server CPU µs per token, tokens/s and wall seconds."""
+    cpu = statistics.median(r["cpu_s"] for r in runs)
+    wall = statistics.median(r["wall_s"] for r in runs)
+    tokens = runs[0]["tokens"]
+    return {
+        "runs": runs,
+        "cpu_us_per_token": cpu / tokens * 1e6,
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+    }

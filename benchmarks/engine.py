@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._report import cpu_seconds, machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
 from gateway.models.gguf_blocks import BLOCKS_FILE  # noqa: E402
 from kernels import int4  # noqa: E402
@@ -109,12 +109,6 @@ MEDIUM_CONFIG: dict[str, Any] = {
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 def self_cpu_seconds() -> float:

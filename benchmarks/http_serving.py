@@ -24,14 +24,21 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._report import (  # noqa: E402
+    cpu_seconds,
+    machine,
+    machine_line,
+    parser,
+    per_token,
+    publish,
+    table,
+)
 
 MODEL = "synthetic"  # the synthetic backend's model name; the baselines answer with it too
 TOKEN_MARK = b'"delta":{"content":'  # one per content chunk in every server's output
@@ -322,7 +329,6 @@ def run_client(mode: str, port: int, streams: int, tokens: int, rounds: int) -> 
 
 
 def load(mode: str, port: int, pid: int, args) -> dict:
-    from benchmarks.serving import cpu_seconds  # the scheduler's per-thread CPU account
 
     cpu0 = cpu_seconds(pid)
     out = subprocess.run(
@@ -354,16 +360,7 @@ def load(mode: str, port: int, pid: int, args) -> dict:
 
 def measure(mode: str, port: int, pid: int, args) -> dict:
     load(mode, port, pid, args)  # warm-up
-    runs = [load(mode, port, pid, args) for _ in range(args.runs)]
-    cpu = statistics.median(r["cpu_s"] for r in runs)
-    wall = statistics.median(r["wall_s"] for r in runs)
-    tokens = runs[0]["tokens"]
-    return {
-        "runs": runs,
-        "cpu_us_per_token": cpu / tokens * 1e6,
-        "tokens_per_s": tokens / wall,
-        "wall_s": wall,
-    }
+    return per_token([load(mode, port, pid, args) for _ in range(args.runs)])
 
 
 def baseline(flag: str, mode: str, args) -> dict:

@@ -36,7 +36,15 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import RESULTS, machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._report import (  # noqa: E402
+    RESULTS,
+    cpu_seconds,
+    machine,
+    machine_line,
+    parser,
+    publish,
+    table,
+)
 from benchmarks.engine import ForeignLoad, wait_quiet  # noqa: E402
 from gateway import protocol as p  # noqa: E402
 from gateway.bench import BenchOptions, run  # noqa: E402
@@ -45,21 +53,6 @@ from tests.support.daemon import Daemon, child_preexec  # noqa: E402
 HDR = struct.Struct("<IBBHI")
 VOCAB = 100_000
 WELCOME = p.encode_welcome(1 << 24, 1024, VOCAB, -1, 4096, "floor")
-
-
-def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """CPU time of a process's threads (or of one thread), from the scheduler's nanosecond
-    account (/proc/.../schedstat): /proc/PID/stat counts in 10 ms ticks, too coarse for a few
-    seconds of load."""
-    tids = [tid] if tid is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    total = 0
-    for t in tids:
-        try:
-            with open(f"/proc/{pid}/task/{t}/schedstat") as fh:
-                total += int(fh.read().split()[0])
-        except FileNotFoundError:  # a thread that ended meanwhile
-            pass
-    return total / 1e9
 
 
 # --------------------------------------------------------------------------- floor servers

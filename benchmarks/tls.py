@@ -5,8 +5,8 @@ load three ways, side by side in one run: plain TCP (the baseline), TLS 1.3 with
 certificate, and TLS 1.3 with a client certificate (mutual TLS). Certificates are made at start
 (tests/support/certs.py, ECDSA P-256). The load client runs in its own process: ROUNDS rounds of
 STREAMS concurrent streams x TOKENS tokens, spread over CONNECTIONS connections (token-id prompts,
-no text). Server CPU = utime + stime of the daemon process (/proc/PID/stat) across the load, so
-the handshakes (one per connection per run) are included.
+no text). Server CPU = run time of the daemon's threads (schedstat, ns) across the load, so the
+handshakes (one per connection per run) are included.
 
     python benchmarks/tls.py [--streams 64] [--tokens 256] [--rounds 60] [--connections 1 8 64]
 """
@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import struct
 import subprocess
 import sys
@@ -27,20 +26,21 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._report import (  # noqa: E402
+    cpu_seconds,
+    machine,
+    machine_line,
+    parser,
+    per_token,
+    publish,
+    table,
+)
 from gateway.ops.tls import client_context  # noqa: E402
 from tests.support import fuzzframes as ff  # noqa: E402
 from tests.support.certs import CA  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
-CLK = os.sysconf("SC_CLK_TCK")
 CIPHERS: set[str] = set()  # what the client's connections negotiated
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 # --------------------------------------------------------------------------- load client
@@ -114,15 +114,7 @@ def load(d: Daemon, args: argparse.Namespace, conns: int, tls: list[str]) -> dic
 
 
 def summarize(runs: list[dict]) -> dict:
-    cpu = statistics.median(r["cpu_s"] for r in runs)
-    wall = statistics.median(r["wall_s"] for r in runs)
-    tokens = runs[0]["tokens"]
-    return {
-        "runs": runs,
-        "cpu_us_per_token": cpu / tokens * 1e6,
-        "tokens_per_s": tokens / wall,
-        "tls": runs[0]["tls"],
-    }
+    return {**per_token(runs), "tls": runs[0]["tls"]}
 
 
 def main() -> None:
@@ -133,7 +125,7 @@ def main() -> None:
         "--rounds",
         type=int,
         default=60,
-        help="load rounds per measured run (CPU time is read in 10 ms ticks)",
+        help="load rounds per measured run",
     )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 8, 64])
