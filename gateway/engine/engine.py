@@ -88,6 +88,7 @@ class Sequence:
         "t_admit",
         "ignore_eos",
         "fair_key",
+        "matched_stop",
         "_max_stop",
     )
 
@@ -121,6 +122,7 @@ class Sequence:
         self.t_admit = 0.0
         self.ignore_eos = ignore_eos  # generate past EOS (vLLM's extension, HTTP only)
         self.fair_key = fair_key  # sequences sharing a key share one turn at admission
+        self.matched_stop: str | None = None  # the stop sequence that ended it (finish STOP)
         self._max_stop = max((len(s) for s in stop_sequences), default=0)
 
 
@@ -785,6 +787,7 @@ class Engine:
             i = candidate.find(stop)
             if i != -1 and (cut == -1 or i < cut):
                 cut = i
+                seq.matched_stop = stop  # the earliest match; at a tie, the first listed
         if cut != -1:
             seq.held = ""
             return candidate[:cut], True

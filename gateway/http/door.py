@@ -205,7 +205,10 @@ class ApiConnection(HttpConnection):
         self, st: Stream, finish: FinishReason, timings: tuple[float, float, float]
     ) -> None:
         ex: Exchange = st.state  # type: ignore[assignment]
-        ending = Ending(int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & CACHE_PROMPT))
+        matched = st.seq.matched_stop if st.seq is not None and not st.from_cache else None
+        ending = Ending(
+            int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & CACHE_PROMPT), matched
+        )
         if ex.stream:
             if not ex.started:
                 self._start(st, ex)

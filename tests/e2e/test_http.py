@@ -101,6 +101,25 @@ def test_stop_sequences_in_both_apis(daemon):
     assert msg.content[0].text == text[:cut]
     assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
     assert msg.usage.output_tokens < 40
+    # Several stop strings: the one that matched is named, streamed or not. Sampled without a seed,
+    # so the response cache never answers (the synthetic backend's text ignores temperature).
+    sampled = {"temperature": 0.8}
+    text = a.messages.create(model=MODEL, max_tokens=40, messages=USER, extra_body=sampled)
+    text = text.content[0].text
+    stop = text[12:15]
+    cut = text.index(stop)
+    stops = ["\x00never", stop, "\x01never"]
+    msg = a.messages.create(
+        model=MODEL, max_tokens=41, messages=USER, stop_sequences=stops, extra_body=sampled
+    )
+    assert msg.content[0].text == text[:cut]
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
+    with a.messages.stream(
+        model=MODEL, max_tokens=42, messages=USER, stop_sequences=stops, extra_body=sampled
+    ) as events:
+        msg = events.get_final_message()
+    assert msg.content[0].text == text[:cut]
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
 
 
 def test_anthropic_messages_streamed_and_not(daemon):

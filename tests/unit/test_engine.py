@@ -135,6 +135,22 @@ def test_max_tokens_and_stop_ids():
     assert res["stop"]["ids"] == [97, 98, 99, 100] and res["stop"]["finish"] == FinishReason.STOP
 
 
+def test_the_stop_sequence_that_matched_is_recorded():
+    """The stop string that ended the text is recorded, whatever its place in the list."""
+    for stops, prompt_text, want in (
+        (("cd", "b"), b"x", "b"),  # "b" comes first in "abcd..."
+        (("b", "cd"), b"y", "b"),
+        (("\x00", "bc", "zz"), b"z", "bc"),
+    ):
+        backend = Scripted([ord(c) for c in "abcdef"])
+        engine, sink = make_engine(backend)
+        s = seq("s", prompt_text, max_tokens=20, stops=stops)
+        engine.submit(s)
+        result = run(engine, sink)
+        assert result["s"]["finish"] == FinishReason.STOP and result["s"]["text"] == "a"
+        assert s.matched_stop == want
+
+
 def test_stop_sequence_held_back_and_cut():
     engine, sink = make_engine(Scripted([ord(c) for c in "hello world!"]))
     engine.submit(seq("s", max_tokens=50, stops=["o w"]))
