@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import openai
 import pytest
 
 from gateway.client import Client
@@ -52,6 +53,21 @@ def test_daemon_serves_smollm2_greedy_like_transformers(
     with Daemon(env, config=str(config)) as d:
         assert "model=SmolLM2-135M-Instruct" in d.log
         got = asyncio.run(run(d.endpoint))
+        # ignore_eos (the OpenAI API's extension, as in vLLM) on a model that does end: the
+        # answer goes on past EOS to max_tokens, with the same beginning.
+        api = openai.OpenAI(base_url=d.http_url + "/v1", api_key="none", max_retries=0)
+        ask = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": question,
+            "max_tokens": 40,
+            "temperature": 0,
+        }
+        ends = api.chat.completions.create(**ask)
+        goes_on = api.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens < 40
+    assert goes_on.choices[0].finish_reason == "length"
+    assert goes_on.usage.completion_tokens == 40
+    assert goes_on.choices[0].message.content.startswith(ends.choices[0].message.content)
 
     for text, result in zip(CHATS, got["chats"], strict=True):
         prompt = tok.encode(tok.render_chat([{"role": "user", "content": text}], None))
