@@ -206,10 +206,7 @@ class RequestPath:
         except HookError as exc:
             self._refused(st, exc)
             return
-        if cached is None:
-            self._submit(st)
-        else:
-            self._replay(st, cached)
+        self._proceed(st, cached)
 
     def refuse(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
         """A door refuses the request before opening it (stream limits, bad payload)."""
@@ -279,10 +276,7 @@ class RequestPath:
                 self._hooks_done(st)
                 return
             st.phase = NEW
-            if cached is None:
-                self._submit(st)
-            else:
-                self._replay(st, cached)
+            self._proceed(st, cached)
         except Exception:  # a bug after the chain (replay, submit): this stream alone ends
             log.exception("request path failed after the hook chain")
             self.fail(st, ErrorCode.INTERNAL, "internal server error")
@@ -296,6 +290,13 @@ class RequestPath:
         if exc.code == ErrorCode.RATE_LIMITED:
             self.metrics.rate_limited()
         self.fail(st, exc.code, exc.message, exc.retry_after_ms)
+
+    def _proceed(self, st: Stream, cached: CachedResponse | None) -> None:
+        """After the hooks: the engine, or the response cache's answer."""
+        if cached is None:
+            self._submit(st)
+        else:
+            self._replay(st, cached)
 
     def _submit(self, st: Stream) -> None:
         assert st.seq is not None
