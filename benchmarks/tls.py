@@ -121,12 +121,7 @@ def main() -> None:
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=60,
-        help="load rounds per measured run",
-    )
+    ap.add_argument("--rounds", type=int, default=60, help="load rounds per measured run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--client", type=int, help=argparse.SUPPRESS)

@@ -263,8 +263,8 @@ class Engine:
         self._eos = tokenizer.eos_token_ids
         self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
         self._col: _Columnar | None = None
-        # (version, owners, rows) of the column a split step went on with (_split_column)
-        self._handoff: tuple[int, list[object], list[Sequence]] | None = None
+        # (version, rows) of the column a split step went on with (_split_column)
+        self._handoff: tuple[int, list[Sequence]] | None = None
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -374,7 +374,7 @@ class Engine:
                 rows = col.seqs
             else:  # a split step's column (_split_column)
                 assert handoff is not None and handoff[0] == column.version
-                rows = handoff[2]
+                rows = handoff[1]
             for seq, token in zip(rows, column.tokens.tolist(), strict=True):
                 outputs.append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
         return outputs
@@ -640,7 +640,7 @@ class Engine:
         if col is None:
             self._col = col = _Columnar(plan.decode, plan.version, self._max_context)
             handoff, self._handoff = self._handoff, None
-            if handoff is not None and handoff[1] == col.owners:
+            if handoff is not None and handoff[1] == col.seqs:
                 col.version = handoff[0]  # the rows the last column went on with: same plan
             else:
                 self._versions += 1
@@ -689,8 +689,8 @@ class Engine:
         if not going:
             return None
         self._versions += 1
+        self._handoff = (self._versions, going)
         owners = [seq.owner for seq in going]
-        self._handoff = (self._versions, owners, going)
         return TokenColumn(self._versions, owners, np.array(going_tokens, np.int32))
 
     def _update_rows(

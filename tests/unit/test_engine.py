@@ -13,6 +13,7 @@ from gateway.engine.engine import (
     NO_TOKEN,
     NOT_FINISHED,
     OWNER,
+    POSITION_BLOCK,
     TEXT,
     Engine,
     EngineOverloaded,
@@ -425,6 +426,26 @@ def test_a_split_step_ends_its_rows_and_hands_its_column_on():
     assert column.owners == following.owners == ["a", "b"]
     assert column.version == following.version  # one plan for the consumer, not two
     assert steps[split - 1][1] is not None and steps[split - 1][1].version != column.version
+
+
+def test_decode_positions_advance_by_one_across_position_blocks():
+    """Steady steps take their positions from blocks of POSITION_BLOCK: every decode step of a
+    long sequence gets the position after the last one, across block ends and a row change."""
+    seen: list[list[int]] = []
+
+    class Recording(SyntheticBackend):
+        def decode(self, batch):  # noqa: ANN001, ANN202
+            seen.append(batch.positions.tolist())
+            return super().decode(batch)
+
+    engine, sink = make_engine(Recording(4, 300, 1024))
+    engine.submit(plain("long", b"abc", 3 * POSITION_BLOCK + 5))
+    engine.submit(plain("short", b"de", POSITION_BLOCK + 3))  # leaves mid-way: rows change
+    run(engine, sink)
+    longs = [positions[0] for positions in seen]  # "long" holds slot 0, the first row
+    shorts = [positions[1] for positions in seen if len(positions) == 2]
+    assert longs == list(range(3, 3 + 3 * POSITION_BLOCK + 4))  # every step, one further
+    assert shorts == list(range(2, 2 + POSITION_BLOCK + 2))
 
 
 def test_eos_in_the_middle_of_columnar_steps():
