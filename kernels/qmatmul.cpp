@@ -1,0 +1,303 @@
+// Matrix products on llama.cpp's GGUF blocks, dequantized in registers: y = x @ w.T.
+//
+// Registers two ops (kernels/qmatmul.py builds and loads this file):
+//   zerolayer::qmatmul(x [M, K] float32 or bfloat16, blocks [N, K / 32 * bytes] uint8, kind)
+//     -> [M, N] in x's dtype;
+//   zerolayer::dequantize(blocks, kind, bfloat16) -> [N, K] float32, the weights qmatmul uses.
+// kind: 0 = Q4_0 (w = d * (q - 8)), 1 = Q4_1 (w = d * q + m), 2 = Q8_0 (w = d * q); d and m are
+// float16, blocks of 32 weights (layouts in gateway/models/gguf_blocks.py).
+//
+// A weight is the float32 value the gguf package's dequantization gives: d * q is exact in
+// float32 (11 + 8 significant bits at most), so d * q + m is rounded once, fused or not. With
+// bfloat16 input the weight is then rounded to bfloat16 (to nearest, ties to even, as
+// Tensor.to(torch.bfloat16) rounds the dense weights). Products are summed in float32 and the
+// output rounded to x's dtype once: the dense path's weights, summed in another order.
+//
+// Two implementations of the same arithmetic, chosen at build time: AVX-512 (when compiled with
+// -mavx512f -mavx512bw -mf16c) and plain C++ the compiler vectorises for other CPUs.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define ZL_AVX512 1
+#ifndef ZL_AHEAD
+#define ZL_AHEAD 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
+constexpr int64_t kMaxRows = 16;  // rows per call; callers use far fewer (qmatmul.MAX_ROWS)
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+  }
+  TORCH_CHECK(false, "unknown block kind ", kind);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// Round a float32 to the nearest bfloat16 (ties to even), kept as float32. Weights are finite.
+inline float round_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// One block's 32 weights into w, element order.
+template <int KIND, bool BF16>
+inline void dequant_block(const uint8_t* p, float* w) {
+  const float d = half_at(p);
+  if constexpr (KIND == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
+  } else {
+    const float m = KIND == kQ4_1 ? half_at(p + 2) : 0.0f;
+    const int off = KIND == kQ4_0 ? 8 : 0;
+    const uint8_t* q = p + (KIND == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>((q[j] & 15) - off) + m;
+      w[j + 16] = d * static_cast<float>((q[j] >> 4) - off) + m;
+    }
+  }
+  if constexpr (BF16) {
+    for (int j = 0; j < 32; ++j) w[j] = round_bf16(w[j]);
+  }
+}
+
+#ifdef ZL_AVX512
+
+inline __m512 round_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+inline float half_fast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// A block's weights as two vectors (elements 0..15, 16..31). 4-bit types: a 16-entry table of
+// the block's 16 possible weights, indexed by the nibbles (permutexvar reads an index's low 4
+// bits, so the low nibbles need no mask).
+template <int KIND, bool BF16>
+inline void dequant_block(const uint8_t* p, __m512& w0, __m512& w1) {
+  const __m512 d = _mm512_set1_ps(half_fast(p));
+  if constexpr (KIND == kQ8_0) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(p + 2);
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    if constexpr (BF16) {
+      w0 = round_bf16(w0);
+      w1 = round_bf16(w1);
+    }
+  } else {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if constexpr (KIND == kQ4_1) {
+      table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_fast(p + 2)));
+    } else {
+      table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    }
+    if constexpr (BF16) table = round_bf16(table);
+    const uint8_t* q = p + (KIND == kQ4_1 ? 4 : 2);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    w0 = _mm512_permutexvar_ps(bytes, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+}
+
+// R output rows n..n+R-1 for all M input rows; R * M * 2 accumulators stay in registers.
+template <int KIND, bool BF16, int M, int R>
+inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* acc_out) {
+  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  __m512 acc[R][M][2];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
+  const int64_t nb = K / kBlock;
+  // The R rows are R short streams that the hardware prefetcher barely learns before they end:
+  // fetch the next rows' bytes (contiguous after these) a slice per block.
+  const int64_t group = R * row_bytes;
+  const uint8_t* ahead = row0 + ZL_AHEAD * group;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t off = (b * group / nb) & ~int64_t(63); off < (b + 1) * group / nb; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    __m512 xs[M][2];
+    for (int m = 0; m < M; ++m) {
+      xs[m][0] = _mm512_loadu_ps(x + m * K + b * kBlock);
+      xs[m][1] = _mm512_loadu_ps(x + m * K + b * kBlock + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 w0, w1;
+      dequant_block<KIND, BF16>(row0 + r * row_bytes + b * bytes, w0, w1);
+      for (int m = 0; m < M; ++m) {
+        acc[r][m][0] = _mm512_fmadd_ps(w0, xs[m][0], acc[r][m][0]);
+        acc[r][m][1] = _mm512_fmadd_ps(w1, xs[m][1], acc[r][m][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      acc_out[r * M + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
+}
+
+#else  // portable
+
+template <int KIND, bool BF16, int M, int R>
+inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* acc_out) {
+  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  for (int r = 0; r < R; ++r) {
+    float acc[M][kBlock] = {};
+    float w[kBlock];
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      dequant_block<KIND, BF16>(row0 + r * row_bytes + b * bytes, w);
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < kBlock; ++j) acc[m][j] += w[j] * x[m * K + b * kBlock + j];
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int j = 0; j < kBlock; ++j) s += acc[m][j];
+      acc_out[r * M + m] = s;
+    }
+  }
+}
+
+#endif
+
+template <typename Out>
+inline void store(Out* out, int64_t N, int64_t n, int M, int R, const float* sums) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * N + n + r] = static_cast<Out>(sums[r * M + m]);
+}
+
+// Output rows [n0, n1): R at a time, then one at a time.
+template <int KIND, bool BF16, int M, typename Out>
+void rows_range(const float* x, int64_t K, const uint8_t* blocks, int64_t row_bytes, Out* out,
+                int64_t N, int64_t n0, int64_t n1) {
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  float sums[R * M];
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    dot_rows<KIND, BF16, M, R>(x, K, blocks + n * row_bytes, row_bytes, sums);
+    store(out, N, n, M, R, sums);
+  }
+  for (; n < n1; ++n) {
+    dot_rows<KIND, BF16, M, 1>(x, K, blocks + n * row_bytes, row_bytes, sums);
+    store(out, N, n, M, 1, sums);
+  }
+}
+
+template <int KIND, bool BF16, typename Out>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t row_bytes, Out* out,
+         int64_t N) {
+  // Row chunks of at least 64 outputs per thread: the smallest matrices are not worth waking
+  // a second thread for more than that.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    // Input rows in groups of at most 8 (the accumulators of a group stay in registers).
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t g = std::min<int64_t>(8, M - m0);
+      const float* xg = x + m0 * K;
+      Out* og = out + m0 * N;
+      switch (g) {
+#define ZL_CASE(G) \
+  case G: rows_range<KIND, BF16, G>(xg, K, blocks, row_bytes, og, N, n0, n1); break;
+        ZL_CASE(1) ZL_CASE(2) ZL_CASE(3) ZL_CASE(4) ZL_CASE(5) ZL_CASE(6) ZL_CASE(7) ZL_CASE(8)
+#undef ZL_CASE
+      }
+    }
+  });
+}
+
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "qmatmul: x [M, K] and blocks [N, bytes]");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "qmatmul: blocks uint8");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "qmatmul: x float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  const int64_t bytes = block_bytes(kind);
+  TORCH_CHECK(K % kBlock == 0 && blocks.size(1) == K / kBlock * bytes,
+              "qmatmul: blocks of ", blocks.size(1), " bytes a row do not hold K = ", K);
+  TORCH_CHECK(M <= kMaxRows, "qmatmul: at most ", kMaxRows, " rows");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  if (bf16) {
+    auto* op = out.data_ptr<at::BFloat16>();
+    if (kind == kQ4_0) run<kQ4_0, true>(xp, M, K, bp, blocks.size(1), op, N);
+    else if (kind == kQ4_1) run<kQ4_1, true>(xp, M, K, bp, blocks.size(1), op, N);
+    else run<kQ8_0, true>(xp, M, K, bp, blocks.size(1), op, N);
+  } else {
+    auto* op = out.data_ptr<float>();
+    if (kind == kQ4_0) run<kQ4_0, false>(xp, M, K, bp, blocks.size(1), op, N);
+    else if (kind == kQ4_1) run<kQ4_1, false>(xp, M, K, bp, blocks.size(1), op, N);
+    else run<kQ8_0, false>(xp, M, K, bp, blocks.size(1), op, N);
+  }
+  return out;
+}
+
+template <int KIND, bool BF16>
+void dequant_rows(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, float* out) {
+  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < K / kBlock; ++b)
+      dequant_block<KIND, BF16>(blocks + n * row_bytes + b * bytes, out + n * K + b * kBlock);
+}
+
+// The weights as the portable dequantization computes them (qmatmul's AVX-512 weights are
+// checked against this and the gguf package's values by multiplying an identity).
+at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, bool bf16) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "dequantize: blocks [N, bytes] uint8");
+  const int64_t bytes = block_bytes(kind);
+  TORCH_CHECK(blocks.size(1) % bytes == 0, "dequantize: rows are not whole blocks");
+  const int64_t N = blocks.size(0), K = blocks.size(1) / bytes * kBlock;
+  at::Tensor out = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (bf16) {
+    if (kind == kQ4_0) dequant_rows<kQ4_0, true>(bp, blocks.size(1), N, K, op);
+    else if (kind == kQ4_1) dequant_rows<kQ4_1, true>(bp, blocks.size(1), N, K, op);
+    else dequant_rows<kQ8_0, true>(bp, blocks.size(1), N, K, op);
+  } else {
+    if (kind == kQ4_0) dequant_rows<kQ4_0, false>(bp, blocks.size(1), N, K, op);
+    else if (kind == kQ4_1) dequant_rows<kQ4_1, false>(bp, blocks.size(1), N, K, op);
+    else dequant_rows<kQ8_0, false>(bp, blocks.size(1), N, K, op);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(zerolayer, m) {
+  m.def("qmatmul(Tensor x, Tensor blocks, int kind) -> Tensor");
+  m.def("dequantize(Tensor blocks, int kind, bool bfloat16) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(zerolayer, CPU, m) {
+  m.impl("qmatmul", &qmatmul);
+  m.impl("dequantize", &dequantize);
+}
