@@ -125,6 +125,8 @@ class QWeight:
         None when their kinds differ."""
         if len({p.kind for p in parts}) != 1:
             return None
+        if len(parts) == 1:
+            return parts[0]
         return QWeight(torch.cat([p.blocks for p in parts]).contiguous(), parts[0].kind)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
