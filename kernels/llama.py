@@ -386,9 +386,9 @@ class Llama(nn.Module):
 
     def use_blocks(self, weights: dict[str, QWeight]) -> int:
         """Give the matrices found in ``weights`` (GGUF blocks under this model's parameter
-        names) block copies, which forwards of at most ``qmatmul.MAX_ROWS`` tokens use (q/k/v
-        and gate/up each stacked into one matmul when all of them are there and of one block
-        type); the dense weights stay for longer forwards. Needs the kernel built
+        names) block copies, which forwards of at most ``qmatmul.MAX_ROWS[dtype]`` tokens use
+        (q/k/v and gate/up each stacked into one matmul when all of them are there and of one
+        block type); the dense weights stay for longer forwards. Needs the kernel built
         (``qmatmul.build``). Returns how many matrices got a copy."""
         if self.cfg.attention_bias or self.cfg.mlp_bias:
             return 0  # the block path has no bias terms
@@ -418,7 +418,7 @@ class Llama(nn.Module):
             used += sum(c for c, w in zip(counts, parts, strict=True) if w is not None)
         self.head_blocks = stacked("", ("embed_tokens" if self.lm_head is None else "lm_head",))
         used += self.head_blocks is not None
-        self.blocks_max_rows = qmatmul.MAX_ROWS if used else 0
+        self.blocks_max_rows = qmatmul.MAX_ROWS[self.rope_cos.dtype] if used else 0
         return used
 
     def forward(

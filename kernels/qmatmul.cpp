@@ -38,7 +38,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
-constexpr int64_t kMaxRows = 16;  // rows per call; callers use far fewer (qmatmul.MAX_ROWS)
+constexpr int64_t kMaxRows = 16;  // input rows per call (qmatmul.KERNEL_ROWS)
 
 int64_t block_bytes(int64_t kind) {
   switch (kind) {

@@ -4,7 +4,8 @@ The C++ kernel dequantizes each block of 32 weights in registers and multiplies 
 sums, with exactly the weights of the dense model (the gguf package's float32 values, rounded to
 bfloat16 for bfloat16 models), reading 4.5-5 bits a 4-bit weight and 8.5 an 8-bit one instead
 of 32 or 16; only the order of the sums differs from a dense matmul. Its time grows with the
-number of input rows, a dense matmul's hardly at all, so models use it for at most ``MAX_ROWS``.
+number of input rows, a dense matmul's hardly at all, so models use it for at most ``MAX_ROWS``
+rows (per dtype).
 
 ``build`` compiles the source once per source, torch version and instruction set into a cache
 directory (``torch.utils.cpp_extension.load``: needs a C++ compiler and ninja) and registers the
@@ -29,8 +30,12 @@ SOURCE = Path(__file__).with_name("qmatmul.cpp")
 BLOCK = 32  # weights per block
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's kind codes
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-# Input rows up to which models use the kernel (the C++ side takes at most 16).
-MAX_ROWS = 8
+KERNEL_ROWS = 16  # input rows per call, at most (qmatmul.cpp's kMaxRows)
+# Input rows up to which models use the kernel, per dtype. Whole SmolLM2 decode steps on the
+# 2-core machine of docs/benchmarks.md (medians of 40 steps, in process), block kernel vs dense:
+# float32 17.2 vs 59.7 ms at 8 rows, 30.7 vs 72.0 at 16; bfloat16 17.0 vs 22.3 ms at 8 rows,
+# 27.6 vs 25.5 at 12 (the dense bfloat16 kernel's time hardly grows with rows).
+MAX_ROWS = {torch.float32: KERNEL_ROWS, torch.bfloat16: 8}
 # Instruction sets per torch's CPU capability; the AVX-512 code needs F16C too (every AVX-512
 # CPU has it). Others get the portable C++ the compiler vectorises.
 ARCH_FLAGS = {
