@@ -25,13 +25,14 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 #define ZL_AVX512 1
-#ifndef ZL_AHEAD
-#define ZL_AHEAD 1
-#endif
+// How many groups of R rows ahead to prefetch (2 measured a little faster than 1 or 4 on
+// whole SmolLM2 decode steps).
+#define ZL_AHEAD 2
 #endif
 
 namespace {
@@ -241,9 +242,19 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
   TORCH_CHECK(K % kBlock == 0 && blocks.size(1) == K / kBlock * bytes,
               "qmatmul: blocks of ", blocks.size(1), " bytes a row do not hold K = ", K);
   TORCH_CHECK(M <= kMaxRows, "qmatmul: at most ", kMaxRows, " rows");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  // bfloat16 input widened here (exact) rather than by a torch op: one dispatch less per call.
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> widened;
+  const float* xp;
+  if (bf16) {
+    widened.resize(M * K);
+    const at::BFloat16* src = xc.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
+    xp = widened.data();
+  } else {
+    xp = xc.data_ptr<float>();
+  }
   at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   if (bf16) {
     auto* op = out.data_ptr<at::BFloat16>();
