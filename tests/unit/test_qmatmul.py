@@ -5,6 +5,9 @@ few tokens only; without a compiler the model keeps its dense weights."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -30,6 +33,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
     reason = qmatmul.build(tmp_path_factory.mktemp("kernels"))
     assert reason is None, reason
+    # The instruction set the build is for (the portable test below runs these with AVX2).
+    assert qmatmul.build_flags()[2:] == qmatmul.ARCH_FLAGS.get(
+        torch.backends.cpu.get_cpu_capability(), []
+    )
 
 
 def quantized(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[QWeight, torch.Tensor]:
@@ -111,6 +118,24 @@ def test_stacking_needs_one_kind_and_bad_shapes_are_refused() -> None:
         a(torch.randn(17, 64))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         a(torch.randn(1, 64, dtype=torch.float64))
+
+
+@pytest.mark.timeout(300)
+def test_portable_build_passes_the_same_tests(tmp_path: Path) -> None:
+    # This machine's build is the AVX-512 one; a CPU without AVX-512 gets the plain C++ path
+    # (here compiled for AVX2, as torch would detect on such a CPU). One kernel library per
+    # process, so the kernel tests above run again in a child process that sees an AVX2 CPU.
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+        + ["-k", "bit_for_bit or summation_order or computed_alone", "--basetemp", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " 14 passed" in run.stdout, run.stdout[-500:]
 
 
 def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
