@@ -39,7 +39,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
-constexpr int64_t kMaxRows = 16;  // input rows per call (qmatmul.KERNEL_ROWS)
+constexpr int64_t kTile = 64;  // output rows per cache tile: 64 x 612 bytes at most for SmolLM2
 
 int64_t block_bytes(int64_t kind) {
   switch (kind) {
@@ -217,16 +217,21 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t ro
   // Row chunks of at least 64 outputs per thread: the smallest matrices are not worth waking
   // a second thread for more than that.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    // Input rows in groups of at most 8 (the accumulators of a group stay in registers).
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t g = std::min<int64_t>(8, M - m0);
-      const float* xg = x + m0 * K;
-      Out* og = out + m0 * N;
-      switch (g) {
+    // Input rows in groups of at most 8 (the accumulators of a group stay in registers), each
+    // group over a tile of output rows small enough to stay in the core's caches: the weights
+    // come from memory once, the later groups re-read them from cache.
+    for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+      const int64_t t1 = std::min(n1, t0 + kTile);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t g = std::min<int64_t>(8, M - m0);
+        const float* xg = x + m0 * K;
+        Out* og = out + m0 * N;
+        switch (g) {
 #define ZL_CASE(G) \
-  case G: rows_range<KIND, BF16, G>(xg, K, blocks, row_bytes, og, N, n0, n1); break;
-        ZL_CASE(1) ZL_CASE(2) ZL_CASE(3) ZL_CASE(4) ZL_CASE(5) ZL_CASE(6) ZL_CASE(7) ZL_CASE(8)
+  case G: rows_range<KIND, BF16, G>(xg, K, blocks, row_bytes, og, N, t0, t1); break;
+          ZL_CASE(1) ZL_CASE(2) ZL_CASE(3) ZL_CASE(4) ZL_CASE(5) ZL_CASE(6) ZL_CASE(7) ZL_CASE(8)
 #undef ZL_CASE
+        }
       }
     }
   });
@@ -241,7 +246,6 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
   const int64_t bytes = block_bytes(kind);
   TORCH_CHECK(K % kBlock == 0 && blocks.size(1) == K / kBlock * bytes,
               "qmatmul: blocks of ", blocks.size(1), " bytes a row do not hold K = ", K);
-  TORCH_CHECK(M <= kMaxRows, "qmatmul: at most ", kMaxRows, " rows");
   // bfloat16 input widened here (exact) rather than by a torch op: one dispatch less per call.
   const at::Tensor xc = x.contiguous();
   std::vector<float> widened;

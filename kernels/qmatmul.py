@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("qmatmul.cpp")
 BLOCK = 32  # weights per block
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's kind codes
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-KERNEL_ROWS = 16  # input rows per call, at most (qmatmul.cpp's kMaxRows)
+KERNEL_ROWS = 16  # input rows the tests feed at once (the kernel takes any number)
 # Input rows up to which models use the kernel, per dtype. Whole SmolLM2 decode steps on the
 # 2-core machine of docs/benchmarks.md (medians of 40 steps, in process), block kernel vs dense:
 # float32 17.2 vs 59.7 ms at 8 rows, 30.7 vs 72.0 at 16; bfloat16 17.0 vs 22.3 ms at 8 rows,
