@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
@@ -165,6 +166,66 @@ inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row
       acc_out[r * M + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 input on CPUs with AVX512-BF16: a block's 32 weights rounded to bfloat16 by the
+// conversion instruction (to nearest, ties to even: the same as round_bf16 for these values,
+// which are never subnormal) and multiplied into float32 sums by vdpbf16ps, two products per
+// lane and step. Products of two bfloat16 values are exact in float32; the instruction treats
+// subnormal inputs (below 1.2e-38) as zero, like the dense bfloat16 kernels that use it.
+template <int KIND>
+inline __m512bh block_bf16(const uint8_t* p) {
+  if constexpr (KIND == kQ8_0) {
+    const __m512 d = _mm512_set1_ps(half_fast(p));
+    const __m128i* q = reinterpret_cast<const __m128i*>(p + 2);
+    const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+    return _mm512_cvtne2ps_pbh(w1, w0);  // elements 0..15 from w0, 16..31 from w1
+  } else {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if constexpr (KIND == kQ4_1) {
+      table = _mm512_fmadd_ps(_mm512_set1_ps(half_fast(p)), iota, _mm512_set1_ps(half_fast(p + 2)));
+    } else {
+      table = _mm512_mul_ps(_mm512_set1_ps(half_fast(p)), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    }
+    // The 16 possible weights as bfloat16 in the low half; nibbles index them (below 16).
+    const __m512i t = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(table)));
+    const uint8_t* q = p + (KIND == kQ4_1 ? 4 : 2);
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i idx = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
+        _mm256_srli_epi16(bytes, 4), 1);
+    return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(idx, t));
+  }
+}
+
+template <int KIND, int M, int R>
+inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint8_t* row0, int64_t row_bytes,
+                          float* acc_out) {
+  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t nb = K / kBlock;
+  const int64_t group = R * row_bytes;
+  const uint8_t* ahead = row0 + ZL_AHEAD * group;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t off = (b * group / nb) & ~int64_t(63); off < (b + 1) * group / nb; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    __m512bh xs[M];
+    for (int m = 0; m < M; ++m)
+      xs[m] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + b * kBlock));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = block_bf16<KIND>(row0 + r * row_bytes + b * bytes);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w, xs[m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc_out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#define ZL_DPBF16 1
+#endif
+
 #else  // portable
 
 template <int KIND, bool BF16, int M, int R>
@@ -194,25 +255,39 @@ inline void store(Out* out, int64_t N, int64_t n, int M, int R, const float* sum
     for (int m = 0; m < M; ++m) out[m * N + n + r] = static_cast<Out>(sums[r * M + m]);
 }
 
+// Input as float32 (widened from bfloat16 if need be), or bfloat16 bits for vdpbf16ps.
+template <int KIND, bool BF16, int M, int R, typename In>
+inline void dot(const In* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* sums) {
+#ifdef ZL_DPBF16
+  if constexpr (std::is_same_v<In, uint16_t>) {
+    dot_rows_bf16<KIND, M, R>(x, K, row0, row_bytes, sums);
+    return;
+  } else
+#endif
+  {
+    dot_rows<KIND, BF16, M, R>(x, K, row0, row_bytes, sums);
+  }
+}
+
 // Output rows [n0, n1): R at a time, then one at a time.
-template <int KIND, bool BF16, int M, typename Out>
-void rows_range(const float* x, int64_t K, const uint8_t* blocks, int64_t row_bytes, Out* out,
+template <int KIND, bool BF16, int M, typename In, typename Out>
+void rows_range(const In* x, int64_t K, const uint8_t* blocks, int64_t row_bytes, Out* out,
                 int64_t N, int64_t n0, int64_t n1) {
   constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
   float sums[R * M];
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
-    dot_rows<KIND, BF16, M, R>(x, K, blocks + n * row_bytes, row_bytes, sums);
+    dot<KIND, BF16, M, R>(x, K, blocks + n * row_bytes, row_bytes, sums);
     store(out, N, n, M, R, sums);
   }
   for (; n < n1; ++n) {
-    dot_rows<KIND, BF16, M, 1>(x, K, blocks + n * row_bytes, row_bytes, sums);
+    dot<KIND, BF16, M, 1>(x, K, blocks + n * row_bytes, row_bytes, sums);
     store(out, N, n, M, 1, sums);
   }
 }
 
-template <int KIND, bool BF16, typename Out>
-void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t row_bytes, Out* out,
+template <int KIND, bool BF16, typename In, typename Out>
+void run(const In* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t row_bytes, Out* out,
          int64_t N) {
   // Row chunks of at least 64 outputs per thread: the smallest matrices are not worth waking
   // a second thread for more than that.
@@ -224,7 +299,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t ro
       const int64_t t1 = std::min(n1, t0 + kTile);
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t g = std::min<int64_t>(8, M - m0);
-        const float* xg = x + m0 * K;
+        const In* xg = x + m0 * K;
         Out* og = out + m0 * N;
         switch (g) {
 #define ZL_CASE(G) \
@@ -246,8 +321,20 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
   const int64_t bytes = block_bytes(kind);
   TORCH_CHECK(K % kBlock == 0 && blocks.size(1) == K / kBlock * bytes,
               "qmatmul: blocks of ", blocks.size(1), " bytes a row do not hold K = ", K);
-  // bfloat16 input widened here (exact) rather than by a torch op: one dispatch less per call.
   const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+#ifdef ZL_DPBF16
+  if (bf16) {
+    const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    auto* op = out.data_ptr<at::BFloat16>();
+    if (kind == kQ4_0) run<kQ4_0, true>(xb, M, K, bp, blocks.size(1), op, N);
+    else if (kind == kQ4_1) run<kQ4_1, true>(xb, M, K, bp, blocks.size(1), op, N);
+    else run<kQ8_0, true>(xb, M, K, bp, blocks.size(1), op, N);
+    return out;
+  }
+#endif
+  // bfloat16 input widened here (exact) rather than by a torch op: one dispatch less per call.
   std::vector<float> widened;
   const float* xp;
   if (bf16) {
@@ -258,8 +345,6 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
   } else {
     xp = xc.data_ptr<float>();
   }
-  at::Tensor out = at::empty({M, N}, x.options());
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
   if (bf16) {
     auto* op = out.data_ptr<at::BFloat16>();
     if (kind == kQ4_0) run<kQ4_0, true>(xp, M, K, bp, blocks.size(1), op, N);

@@ -32,10 +32,11 @@ KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's kind codes
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 KERNEL_ROWS = 16  # input rows the tests feed at once (the kernel takes any number)
 # Input rows up to which models use the kernel, per dtype. Whole SmolLM2 decode steps on the
-# 2-core machine of docs/benchmarks.md (medians of 40 steps, in process), block kernel vs dense:
-# float32 17.2 vs 59.7 ms at 8 rows, 30.7 vs 72.0 at 16; bfloat16 17.0 vs 22.3 ms at 8 rows,
-# 27.6 vs 25.5 at 12 (the dense bfloat16 kernel's time hardly grows with rows).
-MAX_ROWS = {torch.float32: KERNEL_ROWS, torch.bfloat16: 8}
+# 2-core machine of docs/benchmarks.md (medians of 15 steps, in process, 1-minute load 2.7-3.2),
+# block kernel vs dense: float32 53.9 vs 117.5 ms at 32 rows, 105.9 vs 175.2 at 64; bfloat16
+# 27.0 vs 33.6 ms at 16 rows, 48.6 vs 45.6 at 32 (dense bfloat16 also uses vdpbf16ps, and its
+# time grows more slowly with rows).
+MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 # Instruction sets per torch's CPU capability; the AVX-512 code needs F16C too (every AVX-512
 # CPU has it). Others get the portable C++ the compiler vectorises.
 ARCH_FLAGS = {
@@ -49,7 +50,11 @@ _loaded: str | None = None  # the build key whose library is loaded in this proc
 def build_flags() -> list[str]:
     # -fopenmp: at::parallel_for is inline OpenMP code; the library it links (soname
     # libgomp.so.1) is the one torch has already loaded, so it runs on torch's own thread team.
-    return ["-O3", "-fopenmp", *ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    capability = torch.backends.cpu.get_cpu_capability()
+    arch = ARCH_FLAGS.get(capability, [])
+    if capability == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        arch = [*arch, "-mavx512bf16"]  # bfloat16 products by vdpbf16ps
+    return ["-O3", "-fopenmp", *arch]
 
 
 def build_key(flags: list[str]) -> str:

@@ -34,7 +34,8 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
     reason = qmatmul.build(tmp_path_factory.mktemp("kernels"))
     assert reason is None, reason
     # The instruction set the build is for (the portable test below runs these with AVX2).
-    assert qmatmul.build_flags()[2:] == qmatmul.ARCH_FLAGS.get(
+    arch = qmatmul.build_flags()[2:]
+    assert arch[: len(arch) - ("-mavx512bf16" in arch)] == qmatmul.ARCH_FLAGS.get(
         torch.backends.cpu.get_cpu_capability(), []
     )
 
@@ -114,8 +115,6 @@ def test_stacking_needs_one_kind_and_bad_shapes_are_refused() -> None:
         QWeight(torch.zeros(4, 35, dtype=torch.uint8), "Q8_0")
     with pytest.raises(ValueError, match="unknown block type"):
         QWeight(torch.zeros(4, 34, dtype=torch.uint8), "Q5_0")
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        a(torch.randn(17, 64))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         a(torch.randn(1, 64, dtype=torch.float64))
 
@@ -135,7 +134,7 @@ def test_portable_build_passes_the_same_tests(tmp_path: Path) -> None:
         timeout=280,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " 14 passed" in run.stdout, run.stdout[-500:]
+    assert "\n14 passed" in run.stdout, run.stdout[-500:]
 
 
 def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
