@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/pip install -e '.[bench]'  # FastAPI + uvicorn: the baseline of benchmarks/http_serving.py
 	$(BIN)/python benchmarks/serving.py --write
 	$(BIN)/python benchmarks/serving.py --scenario engine-step --write
+	$(BIN)/python benchmarks/serving.py --scenario paced-split --write
 	$(BIN)/python benchmarks/http_serving.py --write
 	$(BIN)/python benchmarks/engine.py --dtype float32 --write
 	$(BIN)/python benchmarks/engine.py --dtype bfloat16 --runs 3 --write

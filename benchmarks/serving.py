@@ -14,11 +14,14 @@ paced: the synthetic backend paced like a model (ENGINE__SYNTHETIC_STEP_MS, one 
   same pace: every tick one TOKEN frame per active stream and one write per connection. Measured:
   server CPU per token, ITL P50/P99 (per token) and TTFT P50/P99 at the client.
 
+paced-split (a diagnostic, its own section): the paced burst at several output lengths, for the
+  pump and ZeroLayer: a straight line through server CPU per burst against tokens per stream
+  splits the cost into a part per step (256 tokens) and a part per request.
 engine-step (a diagnostic, its own section): the engine and the synthetic backend in this
   process on their own thread, no server (outputs dropped), 256 streams x 150 tokens of 16-id
   prompts at several step times: the engine thread's CPU per step, back to back and paced.
 
-    python benchmarks/serving.py [--scenario both|flat|paced|engine-step] [--write]
+    python benchmarks/serving.py [--scenario both|flat|paced|paced-split|engine-step] [--write]
 """
 
 from __future__ import annotations
@@ -368,6 +371,102 @@ def paced(args, plots: Path | None) -> dict:
     return results
 
 
+SPLIT_LENGTHS = (50, 150, 300)  # tokens per stream of the paced-split bursts
+
+
+def paced_split(args) -> dict:
+    """Server CPU per burst at each of SPLIT_LENGTHS, and the least-squares line through them:
+    the slope is the cost of a step (one token for each of the 256 streams), the intercept the
+    cost of the burst's requests themselves (admission, prefill, endings, their frames)."""
+    streams, conns = 256, 16
+    env = {
+        "ENGINE__BACKEND": "synthetic",
+        "ENGINE__MAX_BATCH_SIZE": str(streams),
+        "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
+        "ENGINE__SYNTHETIC_STEP_MS": str(args.step_ms),
+    }
+
+    def load(tokens: int) -> dict:
+        return {
+            "concurrency": streams,
+            "num_requests": streams,
+            "input_len": str(args.paced_prompt_len),
+            "output_len": str(tokens),
+            "connections": conns,
+        }
+
+    def bursts(endpoint: str, pid: int) -> dict:
+        measure(endpoint, pid, load(SPLIT_LENGTHS[0]), warmup=True)
+        points = {}
+        for tokens in SPLIT_LENGTHS:
+            runs = [measure(endpoint, pid, load(tokens)) for _ in range(args.paced_runs)]
+            per_burst = streams * tokens / 1e3  # µs per token -> ms per burst
+            points[tokens] = {
+                "cpu_ms": statistics.median(r["server_cpu_us_per_token"] for r in runs) * per_burst,
+                "loop_cpu_ms": statistics.median(r["loop_cpu_us_per_token"] for r in runs)
+                * per_burst,
+                "foreign_load": statistics.median(r["foreign_load"] for r in runs),
+            }
+        xs = list(SPLIT_LENGTHS)
+        fit = {}
+        for key in ("cpu_ms", "loop_cpu_ms"):
+            slope, intercept = statistics.linear_regression(xs, [points[x][key] for x in xs])
+            fit[key] = {"per_step_us": slope * 1e3, "per_request_us": intercept * 1e3 / streams}
+        return {"points": points, "fit": fit}
+
+    results: dict = {"step_ms": args.step_ms, "streams": streams, "connections": conns}
+    with Floor(args.step_ms) as floor:
+        results["pump"] = bursts(floor.endpoint, floor.proc.pid)
+    with Daemon(env) as d:
+        results["zerolayer"] = bursts(d.endpoint, d.proc.pid)
+        d.terminate()
+    return results
+
+
+def paced_split_md(r: dict, args) -> str:
+    rows = []
+    for name, label in (("pump", "uvloop pump (floor)"), ("zerolayer", "zerolayer, default")):
+        fit, points = r[name]["fit"], r[name]["points"]
+        rows.append(
+            [
+                label,
+                *(f"{points[t]['cpu_ms']:.1f}" for t in SPLIT_LENGTHS),
+                f"{fit['cpu_ms']['per_step_us']:.0f}",
+                f"{fit['loop_cpu_ms']['per_step_us']:.0f}",
+                f"{fit['cpu_ms']['per_request_us']:.0f}",
+                f"{fit['loop_cpu_ms']['per_request_us']:.0f}",
+                f"{max(p['foreign_load'] for p in points.values()):.2f}",
+            ]
+        )
+    z, f = r["zerolayer"]["fit"]["cpu_ms"], r["pump"]["fit"]["cpu_ms"]
+    return (
+        "## Serving layer at a model's pace: CPU per step and per request (diagnostic)\n\n"
+        "`python benchmarks/serving.py --scenario paced-split` — the paced burst (synthetic "
+        f"step time {r['step_ms']:g} ms, {r['streams']} streams over {r['connections']} "
+        f"connections, {args.paced_prompt_len}-id prompts) at "
+        f"{', '.join(map(str, SPLIT_LENGTHS))} tokens per stream, median of "
+        f"{args.paced_runs} runs each; a least-squares line through server CPU per burst "
+        "against tokens per stream: its slope is the cost of one step (a token for each "
+        "stream), its intercept per stream the cost of a request apart from its tokens. "
+        + OTHER_LOAD
+        + "\n\n"
+        + table(
+            [
+                "server",
+                *(f"CPU ms / burst, {t} tokens" for t in SPLIT_LENGTHS),
+                "µs / step",
+                "of which event loop",
+                "µs / request",
+                "of which event loop",
+                "other load (max)",
+            ],
+            rows,
+        )
+        + f"\n\nPer step ZeroLayer costs {z['per_step_us'] / f['per_step_us']:.2f}x the pump, "
+        f"per request {z['per_request_us']:.0f} against {f['per_request_us']:.0f} µs."
+    )
+
+
 OTHER_LOAD = (
     "Other load: the share of the machine's cores that other processes used during the run "
     "(median over runs; each measured run first waits up to 20 s for it to fall under 0.10). "
@@ -638,7 +737,8 @@ def paced_md(r: dict, args) -> str:
 
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--scenario", choices=("both", "flat", "paced", "engine-step"), default="both")
+    scenarios = ("both", "flat", "paced", "paced-split", "engine-step")
+    ap.add_argument("--scenario", choices=scenarios, default="both")
     ap.add_argument("--streams", type=int, default=64, help="flat: concurrent streams")
     ap.add_argument("--tokens", type=int, default=256, help="flat: tokens per stream")
     ap.add_argument("--runs", type=int, default=3, help="flat: measured runs")
@@ -666,6 +766,11 @@ def main() -> None:
         md = engine_step_md(results["engine_step"], args)
         md += "\n\n" + machine_line(results["machine"])
         publish(args, "serving-engine-step", results, md)
+    if args.scenario == "paced-split":
+        results = {"machine": machine(), "paced_split": paced_split(args)}
+        md = paced_split_md(results["paced_split"], args)
+        md += "\n\n" + machine_line(results["machine"])
+        publish(args, "serving-paced-split", results, md)
     if args.scenario in ("both", "paced"):
         plots = RESULTS / "plots" if args.write else None
         results = {"machine": machine(), "paced": paced(args, plots)}

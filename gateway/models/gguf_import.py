@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,20 @@ def ensure_converted(path: str | Path, data_dir: str = "") -> Path:
     target = cache_dir_for(path, data_dir)
     if not (target / "model.safetensors").is_file():
         log.info("converting %s into %s (once; later starts reuse it)", path, target)
-    return ensure_dir(target, "model.safetensors", lambda tmp: convert(path, tmp))
+    ensure_dir(target, "model.safetensors", lambda tmp: convert(path, tmp))
+    _remove_earlier_versions(target)
+    return target
+
+
+def _remove_earlier_versions(target: Path) -> None:
+    """Conversions of the same file by an earlier CONVERTER_VERSION are never read again (each
+    holds the whole model in float32): delete them."""
+    keyed = target.name.rsplit("-v", 1)[0]
+    for version in range(1, CONVERTER_VERSION):
+        old = target.with_name(f"{keyed}-v{version}")
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+            log.info("removed %s, written by converter version %d", old, version)
 
 
 def _open(path: Path) -> Any:

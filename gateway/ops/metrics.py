@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
@@ -84,9 +84,10 @@ class TallyHistogram:
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
-        self.sum += value
+    def observe(self, value: float, times: int = 1) -> None:
+        """``times`` observations of ``value``."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += times  # le: value <= bound
+        self.sum += value * times
 
 
 class TallyFamilies:
@@ -114,7 +115,7 @@ class TallyFamilies:
     def collect(self) -> Iterator[Metric]:
         for name, doc, labelnames, children in self._counters:
             family = CounterMetricFamily(name, doc, labels=labelnames)
-            for values, tally in children.items():
+            for values, tally in list(children.items()):  # a copy: _new_child may add one
                 family.add_metric(values, tally.value, created=self.created)
             yield family
         for name, doc, hist in self._histograms:
@@ -129,8 +130,9 @@ class Metrics:
 
     Callable from the event loop and the engine thread alike: prometheus-client locks each
     child, except for the Tally metrics, each of which has one writer: the engine thread
-    (``engine_step``) or the event loop (``frames``, ``bytes``). ``registry`` is where other
-    collectors (neuron-monitor) register too.
+    (``engine_step``) or the event loop (the per-request families: ``request_finished``,
+    ``request_error``, ``inter_token``; and ``frames``, ``bytes``). ``registry`` is where
+    other collectors (neuron-monitor) register too.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -138,53 +140,56 @@ class Metrics:
         r = self.registry
         p = "zerolayer_"
 
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Request received to first TOKEN frame written, seconds.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            p + "inter_token_latency_seconds",
-            "Time between consecutive output tokens of one stream, seconds.",
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds",
-            "Request received to DONE written, seconds (successful requests).",
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            p + "request_queue_time_seconds",
-            "Time a request waited for a batch slot, seconds.",
-            buckets=QUEUE_BUCKETS,
-            registry=r,
-        )
         self.running = Gauge(p + "num_requests_running", "Sequences holding a KV slot.", registry=r)
         self.waiting = Gauge(
             p + "num_requests_waiting", "Requests queued for a KV slot.", registry=r
         )
-        prompt_tokens = Counter(
-            p + "prompt_tokens", "Prompt tokens of finished requests, by API.", ["api"], registry=r
+        tallies = TallyFamilies()
+        # Written on the event loop only (the request path and the doors).
+        self.ttft = tallies.histogram(
+            p + "time_to_first_token_seconds",
+            "Request received to first TOKEN frame written, seconds.",
+            TTFT_BUCKETS,
         )
-        generation_tokens = Counter(
-            p + "generation_tokens", "Output tokens sent to clients, by API.", ["api"], registry=r
+        self.itl = tallies.histogram(
+            p + "inter_token_latency_seconds",
+            "Time between consecutive output tokens of one stream, seconds.",
+            ITL_BUCKETS,
         )
-        success = Counter(
+        self.e2e = tallies.histogram(
+            p + "e2e_request_latency_seconds",
+            "Request received to DONE written, seconds (successful requests).",
+            E2E_BUCKETS,
+        )
+        self.queue_time = tallies.histogram(
+            p + "request_queue_time_seconds",
+            "Time a request waited for a batch slot, seconds.",
+            QUEUE_BUCKETS,
+        )
+        prompt_tokens = tallies.counter(
+            p + "prompt_tokens",
+            "Prompt tokens of finished requests, by API.",
+            ["api"],
+            [(api,) for api in APIS],
+        )
+        generation_tokens = tallies.counter(
+            p + "generation_tokens",
+            "Output tokens sent to clients, by API.",
+            ["api"],
+            [(api,) for api in APIS],
+        )
+        success = tallies.counter(
             p + "request_success",
             "Requests that ended in DONE, by finish reason and API.",
             ["finished_reason", "api"],
-            registry=r,
+            [(reason, api) for reason in FINISH_REASONS for api in APIS],
         )
-        errors = Counter(
+        errors = tallies.counter(
             p + "request_errors",
             "Requests (or connections) that ended in an error, by error code name and API.",
             ["code", "api"],
-            registry=r,
+            [(code, api) for code in ERROR_CODES for api in APIS],
         )
-        tallies = TallyFamilies()
         # Written on the engine thread only.
         busy = tallies.counter(
             p + "backend_busy_seconds",
@@ -239,16 +244,10 @@ class Metrics:
         r.register(tallies)
 
         # Pre-resolved children: the hot path never calls .labels().
-        self._success = {
-            (reason, api): success.labels(reason, api) for reason in FINISH_REASONS for api in APIS
-        }
-        self._success_family = success
-        self._errors = {
-            (code, api): errors.labels(code, api) for code in ERROR_CODES for api in APIS
-        }
-        self._errors_family = errors
-        self._prompt_tokens = {api: prompt_tokens.labels(api) for api in APIS}
-        self._generation_tokens = {api: generation_tokens.labels(api) for api in APIS}
+        self._success, self._success_family = dict(success), success
+        self._errors, self._errors_family = dict(errors), errors
+        self._prompt_tokens = {api: prompt_tokens[(api,)] for api in APIS}
+        self._generation_tokens = {api: generation_tokens[(api,)] for api in APIS}
         self._busy = {phase: busy[(phase,)] for phase in PHASES}
         self._frames = dict(frames)
         self._bytes = {d: nbytes[(d,)] for d in DIRECTIONS}
@@ -289,7 +288,7 @@ class Metrics:
         """
         child = self._success.get((finished_reason, api))
         if child is None:
-            child = self._success_family.labels(finished_reason, api)
+            child = self._new_child(self._success_family, (str(finished_reason), api))
             self._success[(finished_reason, api)] = child
         child.inc()
         self._prompt_tokens[api].inc(prompt_tokens)
@@ -304,10 +303,15 @@ class Metrics:
         protocol name ("OVERLOADED") or the ErrorCode value, ``api`` the door (APIS)."""
         child = self._errors.get((code_name, api))
         if child is None:
-            # Only reachable for a code added to the protocol after this table: still bounded.
-            child = self._errors_family.labels(code_name, api)
+            child = self._new_child(self._errors_family, (str(code_name), api))
             self._errors[(code_name, api)] = child
         child.inc()
+
+    @staticmethod
+    def _new_child(family: dict[tuple[str, ...], Tally], values: tuple[str, ...]) -> Tally:
+        """A series for label values outside the tables (which gateway.codes defines, so only a
+        caller's bug gets here): exported like the others rather than failing the request."""
+        return family.setdefault(values, Tally())
 
     def inter_token(self, seconds: float, n: int = 1) -> None:
         """``n`` tokens arrived ``seconds`` after the stream's previous token delivery.
@@ -318,13 +322,8 @@ class Metrics:
         if n <= 1:
             self.itl.observe(seconds)
             return
-        # n equal observations in O(1): what n observe() calls would do, without the loop
-        # (a stream's DONE reports all its gaps at once). tests/unit/test_ops_metrics.py checks
-        # this against observe() so a prometheus-client change cannot skew it silently.
-        each = seconds / n
-        hist = self.itl
-        hist._sum.inc(each * n)
-        hist._buckets[bisect.bisect_left(hist._upper_bounds, each)].inc(n)
+        # n equal observations in O(1) (a stream's DONE reports all its gaps at once).
+        self.itl.observe(seconds / n, n)
 
     def prefix_lookup(self, queried: int, hit: int) -> None:
         """The prefix store was asked for a ``queried``-token prompt and supplied ``hit`` tokens

@@ -84,6 +84,19 @@ def test_second_start_reuses_the_cache_and_leaves_no_temp_dirs(
     assert [p.name for p in (tmp_path / "gguf").iterdir()] == [first.name]
 
 
+def test_an_earlier_converter_versions_directory_is_removed(tiny, tmp_path: Path) -> None:
+    current = gguf_import.cache_dir_for(tiny[0], str(tmp_path))
+    keyed = current.name.rsplit("-v", 1)[0]
+    stale = current.with_name(f"{keyed}-v{gguf_import.CONVERTER_VERSION - 1}")
+    other_file = current.with_name(f"other-0123456789abcdef-v{gguf_import.CONVERTER_VERSION - 1}")
+    for d in (stale, other_file):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"old")
+    assert ensure_converted(tiny[0], str(tmp_path)) == current
+    left = sorted(p.name for p in current.parent.iterdir())
+    assert left == sorted([current.name, other_file.name])  # another file's cache stays
+
+
 def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
     path = tmp_path / "other.gguf"
     write_gguf(path, arch="qwen2")
