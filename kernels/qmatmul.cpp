@@ -42,13 +42,12 @@ constexpr int64_t kBlock = 32;
 constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
 constexpr int64_t kTile = 64;  // output rows per cache tile: 64 x 612 bytes at most for SmolLM2
 
+template <int KIND>
+constexpr int64_t kBytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);  // one block's
+
 int64_t block_bytes(int64_t kind) {
-  switch (kind) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-  }
-  TORCH_CHECK(false, "unknown block kind ", kind);
+  TORCH_CHECK(kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0, "unknown block kind ", kind);
+  return kind == kQ4_0 ? kBytes<kQ4_0> : (kind == kQ4_1 ? kBytes<kQ4_1> : kBytes<kQ8_0>);
 }
 
 inline float half_at(const uint8_t* p) {
@@ -132,21 +131,25 @@ inline void dequant_block(const uint8_t* p, __m512& w0, __m512& w1) {
   }
 }
 
+// The R rows a dot product reads (R * row_bytes bytes from row0) are R short streams that the
+// hardware prefetcher barely learns before they end: at block b of nb, fetch slice b of the
+// rows ZL_AHEAD groups further on (contiguous after these).
+inline void prefetch_slice(const uint8_t* row0, int64_t group, int64_t nb, int64_t b) {
+  const uint8_t* ahead = row0 + ZL_AHEAD * group;
+  for (int64_t off = (b * group / nb) & ~int64_t(63); off < (b + 1) * group / nb; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+}
+
 // R output rows n..n+R-1 for all M input rows; R * M * 2 accumulators stay in registers.
 template <int KIND, bool BF16, int M, int R>
 inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* acc_out) {
-  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bytes = kBytes<KIND>;
   __m512 acc[R][M][2];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
   const int64_t nb = K / kBlock;
-  // The R rows are R short streams that the hardware prefetcher barely learns before they end:
-  // fetch the next rows' bytes (contiguous after these) a slice per block.
-  const int64_t group = R * row_bytes;
-  const uint8_t* ahead = row0 + ZL_AHEAD * group;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t off = (b * group / nb) & ~int64_t(63); off < (b + 1) * group / nb; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    prefetch_slice(row0, R * row_bytes, nb, b);
     __m512 xs[M][2];
     for (int m = 0; m < M; ++m) {
       xs[m][0] = _mm512_loadu_ps(x + m * K + b * kBlock);
@@ -202,16 +205,13 @@ inline __m512bh block_bf16(const uint8_t* p) {
 template <int KIND, int M, int R>
 inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint8_t* row0, int64_t row_bytes,
                           float* acc_out) {
-  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bytes = kBytes<KIND>;
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   const int64_t nb = K / kBlock;
-  const int64_t group = R * row_bytes;
-  const uint8_t* ahead = row0 + ZL_AHEAD * group;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t off = (b * group / nb) & ~int64_t(63); off < (b + 1) * group / nb; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+    prefetch_slice(row0, R * row_bytes, nb, b);
     __m512bh xs[M];
     for (int m = 0; m < M; ++m)
       xs[m] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + b * kBlock));
@@ -230,7 +230,7 @@ inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint8_t* row0, int
 
 template <int KIND, bool BF16, int M, int R>
 inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* acc_out) {
-  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bytes = kBytes<KIND>;
   for (int r = 0; r < R; ++r) {
     float acc[M][kBlock] = {};
     float w[kBlock];
@@ -361,7 +361,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
 
 template <int KIND, bool BF16>
 void dequant_rows(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, float* out) {
-  constexpr int64_t bytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bytes = kBytes<KIND>;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < K / kBlock; ++b)
       dequant_block<KIND, BF16>(blocks + n * row_bytes + b * bytes, out + n * K + b * kBlock);
