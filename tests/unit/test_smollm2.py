@@ -229,8 +229,9 @@ def test_bfloat16_decode_on_the_files_blocks_matches_dense_bfloat16(
         agree[name] = float((logits.argmax(-1) == f32.argmax(-1)).float().mean())
     # The same bfloat16 weights summed in another order; activations are rounded to bfloat16
     # after every op, so the two paths drift apart as much as bfloat16 drifts from float32.
-    # Measured (AVX-512 machine): median worst-logit error 0.49 (fused) vs 0.48 (dense), top
-    # token as float32's at 99% vs 100% of steps, greedy ids of the three chats identical.
+    # Measured (AVX512-BF16 machine): median worst-logit error 0.47 (fused) vs 0.48 (dense), max
+    # 1.40 vs 1.23, top token as float32's at 99% vs 100% of steps, greedy ids of the three chats
+    # identical.
     # The bounds leave room for other CPUs' dense kernels.
     assert errors["fused"].median() <= 1.25 * errors["dense"].median()
     assert errors["fused"].max() <= 2 * errors["dense"].max()
