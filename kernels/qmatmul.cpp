@@ -14,7 +14,8 @@
 // output rounded to x's dtype once: the dense path's weights, summed in another order.
 //
 // Two implementations of the same arithmetic, chosen at build time: AVX-512 (when compiled with
-// -mavx512f -mavx512bw -mf16c) and plain C++ the compiler vectorises for other CPUs.
+// -mavx512f -mavx512bw -mf16c; bfloat16 products by vdpbf16ps with -mavx512bf16) and plain C++
+// the compiler vectorises for other CPUs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -174,7 +175,7 @@ inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row
 // conversion instruction (to nearest, ties to even: the same as round_bf16 for these values,
 // which are never subnormal) and multiplied into float32 sums by vdpbf16ps, two products per
 // lane and step. Products of two bfloat16 values are exact in float32; the instruction treats
-// subnormal inputs (below 1.2e-38) as zero, like the dense bfloat16 kernels that use it.
+// subnormal inputs (below 1.2e-38; weights never are) as zero.
 template <int KIND>
 inline __m512bh block_bf16(const uint8_t* p) {
   if constexpr (KIND == kQ8_0) {
