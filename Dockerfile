@@ -20,6 +20,10 @@ ENV PYTHONUNBUFFERED=1 \
     ZEROLAYER_METRICS__HOST=0.0.0.0
 
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /var/lib/zerolayer zerolayer
+# A C++ compiler: the daemon builds its GGUF block kernel (kernels/qmatmul.cpp) for the host's CPU
+# at first start, into the data dir; without one it serves dense weights (docs/models.md).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/zerolayer
 # torch first, from the CPU-only index: the default index resolves to a multi-GB CUDA build.

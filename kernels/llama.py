@@ -14,8 +14,9 @@ The KV cache is allocated once (``KVCache.allocate``) and passed in as two tenso
 reads only the first ``attn_len`` cache positions; callers pick ``attn_len`` from a small set
 of buckets (``attention_bucket``) so cost follows the real length while shapes stay fixed.
 Parameter names match Hugging Face ``LlamaForCausalLM`` with the ``model.`` prefix removed. A
-bfloat16 model can also hold 4-bit copies of its matrices (``Llama.use_int4``, ``kernels.int4``),
-which forwards of a few tokens use instead of the dense weights.
+model converted from a GGUF file can also hold its matrices as the file's own blocks
+(``Llama.use_blocks``, ``kernels.qmatmul``: the same weights, fewer bytes), which forwards of a
+few tokens use instead of the dense weights.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import int4
+from kernels import qmatmul
+from kernels.qmatmul import QWeight
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 MIN_ATTENTION_BUCKET = 16
@@ -197,7 +199,7 @@ class Rows:
     mask: torch.Tensor
     packed: torch.Tensor | None  # [T] int64 or None (no padding)
     slot_start: int | None  # rows are slots slot_start, slot_start + 1, ...: read in place
-    int4: bool = False  # few enough tokens for the 4-bit weights (Llama.use_int4), if any
+    blocks: bool = False  # few enough tokens for the GGUF block weights (Llama.use_blocks), if any
 
 
 class Attention(nn.Module):
@@ -213,9 +215,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias, **kw)
-        # 4-bit copies (Llama.use_int4): q, k and v stacked into one matmul, and o.
-        self.qkv_int4: int4.Int4Weight | None = None
-        self.o_int4: int4.Int4Weight | None = None
+        # GGUF block copies (Llama.use_blocks): q, k and v stacked into one matmul, and o.
+        self.qkv_blocks: QWeight | None = None
+        self.o_blocks: QWeight | None = None
 
     def forward(
         self,
@@ -229,9 +231,9 @@ class Attention(nn.Module):
         B, _, group_n, attn_len = rows.mask.shape
         group = self.n_heads // self.n_kv
         n = group_n // group
-        if rows.int4 and self.qkv_int4 is not None:
+        if rows.blocks and self.qkv_blocks is not None:
             # One matmul for q, k and v, and one rope for the q and k heads together.
-            qkv = self.qkv_int4(x).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+            qkv = self.qkv_blocks(x).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
             qk = apply_rope(qkv[..., : self.n_heads + self.n_kv, :], cos, sin)
             q, k = qk[..., : self.n_heads, :], qk[..., self.n_heads :, :]
             v = qkv[..., self.n_heads + self.n_kv :, :]
@@ -266,8 +268,8 @@ class Attention(nn.Module):
         out = out.view(B, self.n_heads, n, self.head_dim).transpose(1, 2).reshape(B, n, -1)
         if rows.packed is not None:
             out = out.view(B * n, -1).index_select(0, rows.packed)  # [T, heads * head_dim]
-        if rows.int4 and self.o_int4 is not None:
-            return self.o_int4(out)
+        if rows.blocks and self.o_blocks is not None:
+            return self.o_blocks(out)
         return self.o_proj(out)
 
 
@@ -278,18 +280,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
-        # 4-bit copies (Llama.use_int4): gate and up stacked into one matmul, and down.
-        self.gate_up_int4: int4.Int4Weight | None = None
-        self.down_int4: int4.Int4Weight | None = None
+        # GGUF block copies (Llama.use_blocks): gate and up stacked into one matmul, and down.
+        self.gate_up_blocks: QWeight | None = None
+        self.down_blocks: QWeight | None = None
 
-    def forward(self, x: torch.Tensor, use_int4: bool = False) -> torch.Tensor:
-        if use_int4 and self.gate_up_int4 is not None:
-            gate, up = self.gate_up_int4(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, use_blocks: bool = False) -> torch.Tensor:
+        if use_blocks and self.gate_up_blocks is not None:
+            gate, up = self.gate_up_blocks(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         h = F.silu(gate) * up
-        if use_int4 and self.down_int4 is not None:
-            return self.down_int4(h)
+        if use_blocks and self.down_blocks is not None:
+            return self.down_blocks(h)
         return self.down_proj(h)
 
 
@@ -312,7 +314,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, rows, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), rows.int4)
+        return x + self.mlp(self.post_attention_layernorm(x), rows.blocks)
 
 
 @dataclass
@@ -378,47 +380,45 @@ class Llama(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", torch.cat((-sin, sin), dim=-1).to(dtype), persistent=False)
-        # Forwards of at most this many tokens use the 4-bit weights; 0 until use_int4.
-        self.int4_max_rows = 0
-        self.head_int4: int4.Int4Weight | None = None
+        # Forwards of at most this many tokens use the GGUF block weights; 0 until use_blocks.
+        self.blocks_max_rows = 0
+        self.head_blocks: QWeight | None = None
 
-    def use_int4(self, groups: dict[str, int4.Groups]) -> int:
-        """Give the matrices found in ``groups`` (under this model's parameter names) 4-bit
-        copies, which forwards of at most ``int4.MAX_ROWS`` tokens use (q/k/v and gate/up each
-        stacked into one matmul, when all of them are there); the dense weights stay for longer
-        forwards. bfloat16 models only. Returns how many matrices got a copy."""
-        if self.rope_cos.dtype != torch.bfloat16:
-            raise ValueError("4-bit weights need a bfloat16 model")
+    def use_blocks(self, weights: dict[str, QWeight]) -> int:
+        """Give the matrices found in ``weights`` (GGUF blocks under this model's parameter
+        names) block copies, which forwards of at most ``qmatmul.MAX_ROWS[dtype]`` tokens use
+        (q/k/v and gate/up each stacked into one matmul when all of them are there and of one
+        block type); the dense weights stay for longer forwards. Needs the kernel built
+        (``qmatmul.build``). Returns how many matrices got a copy."""
         if self.cfg.attention_bias or self.cfg.mlp_bias:
-            return 0  # the 4-bit path has no bias terms
+            return 0  # the block path has no bias terms
 
-        def packed(prefix: str, names: tuple[str, ...]) -> int4.Int4Weight | None:
+        def stacked(prefix: str, names: tuple[str, ...]) -> QWeight | None:
             keys = [f"{prefix}{name}.weight" for name in names]
-            if not all(key in groups for key in keys):
+            if not all(key in weights for key in keys):
                 return None
             for key in keys:
-                shape, g = self.get_parameter(key).shape, groups[key]
-                if (g.q.shape[0], g.in_features) != tuple(shape):
+                shape, w = self.get_parameter(key).shape, weights[key]
+                if (w.out_features, w.in_features) != tuple(shape):
                     raise ValueError(
-                        f"{key}: 4-bit groups of {g.q.shape[0]}x{g.in_features}, "
+                        f"{key}: blocks of {w.out_features}x{w.in_features}, "
                         f"weight of {shape[0]}x{shape[1]}"
                     )
-            stacked = int4.Groups.stack([groups[key] for key in keys])
-            return stacked.pack() if stacked.packable else None
+            return QWeight.stack([weights[key] for key in keys])
 
         used = 0
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_int4 = packed(f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"))
-            attn.o_int4 = packed(f"layers.{i}.self_attn.", ("o_proj",))
-            mlp.gate_up_int4 = packed(f"layers.{i}.mlp.", ("gate_proj", "up_proj"))
-            mlp.down_int4 = packed(f"layers.{i}.mlp.", ("down_proj",))
+            attn.qkv_blocks = stacked(f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"))
+            attn.o_blocks = stacked(f"layers.{i}.self_attn.", ("o_proj",))
+            mlp.gate_up_blocks = stacked(f"layers.{i}.mlp.", ("gate_proj", "up_proj"))
+            mlp.down_blocks = stacked(f"layers.{i}.mlp.", ("down_proj",))
             counts = (3, 1, 2, 1)
-            parts = (attn.qkv_int4, attn.o_int4, mlp.gate_up_int4, mlp.down_int4)
+            parts = (attn.qkv_blocks, attn.o_blocks, mlp.gate_up_blocks, mlp.down_blocks)
             used += sum(c for c, w in zip(counts, parts, strict=True) if w is not None)
-        self.head_int4 = packed("", ("embed_tokens" if self.lm_head is None else "lm_head",))
-        used += self.head_int4 is not None
-        self.int4_max_rows = int4.MAX_ROWS if used else 0
+        self.head_blocks = stacked("", ("embed_tokens" if self.lm_head is None else "lm_head",))
+        used += self.head_blocks is not None
+        self.blocks_max_rows = qmatmul.MAX_ROWS[self.rope_cos.dtype] if used else 0
         return used
 
     def forward(
@@ -448,11 +448,11 @@ class Llama(nn.Module):
         allowed = allowed[:, None].expand(B, group, n, attn_len).reshape(B, 1, group * n, attn_len)
         mask = torch.zeros(allowed.shape, dtype=self.rope_cos.dtype, device=tokens.device)
         mask = mask.masked_fill_(~allowed, float("-inf"))
-        # A plain bool (no tensor op) for models without 4-bit weights, so that tracing
+        # A plain bool (no tensor op) for models without block weights, so that tracing
         # (DecodeStep, PrefillStep) sees a constant rather than a data-dependent branch.
-        use_int4 = self.int4_max_rows > 0 and tokens.numel() <= self.int4_max_rows
+        use_blocks = self.blocks_max_rows > 0 and tokens.numel() <= self.blocks_max_rows
         if last_index is None:
-            rows = Rows(slots, slots[:, None], positions, mask, None, slot_start, use_int4)
+            rows = Rows(slots, slots[:, None], positions, mask, None, slot_start, use_blocks)
         else:
             if all_logits:
                 raise ValueError("all_logits cannot be combined with last_index")
@@ -467,7 +467,7 @@ class Llama(nn.Module):
                 mask,
                 packed,
                 slot_start,
-                self.int4_max_rows > 0 and int(lengths.sum()) <= self.int4_max_rows,
+                self.blocks_max_rows > 0 and int(lengths.sum()) <= self.blocks_max_rows,
             )
         x = self.embed_tokens(tokens)  # [B, n, hidden], or [T, hidden] when packed
         # [..., 1, head_dim]: broadcast over heads
@@ -479,8 +479,8 @@ class Llama(nn.Module):
         elif not all_logits:
             x = x[:, -1]
         x = self.norm(x)
-        if rows.int4 and self.head_int4 is not None:
-            return self.head_int4(x).float()
+        if rows.blocks and self.head_blocks is not None:
+            return self.head_blocks(x).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
 

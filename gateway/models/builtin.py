@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gateway.models.cachedir import ensure_dir
+from gateway.models.cachedir import data_root, ensure_dir
 from gateway.tokenizer import ByteTokenizer
 from kernels.llama import LlamaConfig
 from kernels.sampling import splitmix64
@@ -63,7 +63,7 @@ def config_hash() -> str:
 
 
 def builtin_dir(data_dir: str = "") -> Path:
-    base = Path(data_dir).expanduser() if data_dir else Path.home() / ".cache" / "zerolayer"
+    base = data_root(data_dir)
     return base / f"builtin-{config_hash()}"
 
 

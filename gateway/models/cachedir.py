@@ -1,4 +1,5 @@
-"""Cache directories written once: the built-in model and converted GGUF files.
+"""Cache directories: where they live (``data_root``) and writing one once (``ensure_dir``):
+the built-in model, converted GGUF files, the built GGUF block kernel.
 
 A directory is written into a temporary sibling and renamed into place, so a crash or a
 concurrent daemon never leaves a half-written directory behind; ``marker`` (a file the writer
@@ -12,6 +13,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+
+def data_root(data_dir: str = "") -> Path:
+    """``model.data_dir``, or ``~/.cache/zerolayer`` when it is empty."""
+    return Path(data_dir).expanduser() if data_dir else Path.home() / ".cache" / "zerolayer"
 
 
 def ensure_dir(target: Path, marker: str, write: Callable[[Path], None]) -> Path:

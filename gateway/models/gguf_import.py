@@ -5,7 +5,7 @@ The conversion reads the file with the ``gguf`` package (pure Python), dequantiz
 to float32, renames it to the Hugging Face name, un-permutes ``attn_q``/``attn_k`` (llama.cpp
 stores their rows permuted for its rope kernel, per head), and writes config.json,
 generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json (special
-tokens, chat template). Matrices in a block type that ``kernels.int4`` computes on (Q4_0, Q4_1,
+tokens, chat template). Matrices in a block type that ``kernels.qmatmul`` computes on (Q4_0, Q4_1,
 Q8_0) are also kept as the file's own blocks (``gateway.models.gguf_blocks``). The directory
 is keyed by the file's SHA-256 and this converter's version and is written into a temporary
 sibling then renamed into place, so a second start reuses it and a crash never leaves half a
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.models.cachedir import ensure_dir
+from gateway.models.cachedir import data_root, ensure_dir
 from gateway.models.gguf_blocks import BLOCK_BYTES, write_blocks
 
 log = logging.getLogger("zerolayer.models")
@@ -103,7 +103,7 @@ def file_digest(path: Path) -> str:
 
 def cache_dir_for(path: Path, data_dir: str = "") -> Path:
     """Where the conversion of ``path`` is cached: keyed by its digest and CONVERTER_VERSION."""
-    base = Path(data_dir).expanduser() if data_dir else Path.home() / ".cache" / "zerolayer"
+    base = data_root(data_dir)
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:60]
     return base / "gguf" / f"{stem}-{file_digest(path)[:16]}-v{CONVERTER_VERSION}"
 

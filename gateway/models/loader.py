@@ -5,9 +5,9 @@ listed in model.safetensors.index.json), tokenizer.json and the optional tokeniz
 chat_template.jinja and generation_config.json. Every problem a user can cause (wrong path,
 missing file, other architecture, missing tensors) is a ``ModelLoadError`` naming the path and
 what is wrong. ``load_model`` is what the engine calls; ``resolve_source`` turns ``model.path``
-(a directory, a ``.gguf`` file, or a named model) into a checkpoint directory. A bfloat16 model
-converted from a GGUF also gets 4-bit copies of its matrices from the file's own blocks
-(``model.quantized_decode``, ``kernels.int4``), used for decode steps of a few sequences.
+(a directory, a ``.gguf`` file, or a named model) into a checkpoint directory. A model
+converted from a GGUF also gets its matrices as the file's own blocks (``model.quantized_decode``,
+``kernels.qmatmul``: the same weights in fewer bytes), used for forwards of a few tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from gateway.config import BUILTIN_MODEL, ModelConfig
+from gateway.models.cachedir import data_root
 from gateway.tokenizer import Tokenizer
 from kernels.llama import Llama, LlamaConfig
 
@@ -136,11 +137,11 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     tokenizer: Tokenizer | None = None,
     name: str = "",
-    quantized: bool = False,
+    kernel_cache: Path | None = None,
 ) -> LoadedModel:
     """Load config, weights and (unless given) the tokenizer of a checkpoint directory. With
-    ``quantized`` and ``dtype`` bfloat16, matrices whose GGUF blocks the directory keeps get
-    4-bit copies for small forwards (``Llama.use_int4``)."""
+    ``kernel_cache`` (where the block kernel is built), matrices whose GGUF blocks the directory
+    keeps get block copies for small forwards (``Llama.use_blocks``)."""
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
@@ -173,8 +174,8 @@ def load_checkpoint(
     except RuntimeError as exc:  # shape mismatches between config.json and the weights
         raise ModelLoadError(f"{directory}: weights do not match config.json: {exc}") from exc
     model.eval()
-    if quantized and dtype == torch.bfloat16:
-        attach_blocks(model, directory)
+    if kernel_cache is not None:
+        attach_blocks(model, directory, kernel_cache)
     return LoadedModel(
         name=name or directory.name,
         path=directory,
@@ -186,25 +187,33 @@ def load_checkpoint(
     )
 
 
-def attach_blocks(model: Llama, directory: Path) -> None:
-    """4-bit copies of the matrices whose GGUF blocks ``directory`` keeps (none for a
-    checkpoint that was not converted from a GGUF)."""
+def attach_blocks(model: Llama, directory: Path, kernel_cache: Path) -> None:
+    """Block copies of the matrices whose GGUF blocks ``directory`` keeps (none for a
+    checkpoint that was not converted from a GGUF), once the kernel is built under
+    ``kernel_cache``. A kernel that cannot be built leaves the dense weights only, with one
+    log line saying why."""
     from gateway.models.gguf_blocks import read_blocks
+    from kernels import qmatmul
 
     try:
         blocks = read_blocks(directory)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"{directory}: cannot read its quantized blocks: {exc}") from exc
-    groups = {name.removeprefix("model."): g for name, g in blocks.items()}
-    used = model.use_int4(groups) if groups else 0
+    if not blocks:
+        return
+    reason = qmatmul.build(kernel_cache)
+    if reason is not None:
+        log.warning("GGUF block kernel unavailable, serving dense weights only: %s", reason)
+        return
+    used = model.use_blocks({name.removeprefix("model."): w for name, w in blocks.items()})
     if used:
         log.info(
             "forwards of up to %d tokens compute on %d of the GGUF's quantized matrices",
-            model.int4_max_rows,
+            model.blocks_max_rows,
             used,
         )
     else:
-        log.info("%s keeps no usable GGUF blocks: dense bfloat16 weights only", directory)
+        log.info("%s keeps no usable GGUF blocks: dense weights only", directory)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -298,5 +307,7 @@ def load_model(
         torch_dtype,
         tokenizer=source.tokenizer,
         name=source.name,
-        quantized=model_cfg.quantized_decode,
+        kernel_cache=data_root(model_cfg.data_dir) / "kernels"
+        if model_cfg.quantized_decode
+        else None,
     )

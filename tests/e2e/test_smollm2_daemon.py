@@ -1,6 +1,7 @@
 """The daemon serving its default model, SmolLM2-135M-Instruct, on the real weights: chats sent
-together (batched by the engine) decode greedily to transformers' ids on the same GGUF file, and
-a registered system prompt gives the same tokens as the same text inline."""
+together (batched by the engine, decoded on the file's blocks) decode greedily to transformers'
+ids on the same GGUF file, a registered system prompt gives the same tokens as the same text
+inline, and without a C++ compiler the daemon says why and serves the dense weights."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_daemon_serves_smollm2_greedy_like_transformers(
         "ENGINE__MAX_BATCH_SIZE": "4",
         "ENGINE__MAX_CONTEXT": "512",
         "CACHE__ENABLED": "false",  # repeats must run the model, not replay a stored answer
+        "LOGGING__LEVEL": "info",  # the model loader's line about the block kernel
     }
     tok = HFTokenizer(smollm2_dir)
     question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -53,6 +55,8 @@ def test_daemon_serves_smollm2_greedy_like_transformers(
     with Daemon(env, config=str(config)) as d:
         assert "model=SmolLM2-135M-Instruct" in d.log
         got = asyncio.run(run(d.endpoint))
+        # Logged when the model is loaded (after the listening line): the block kernel is used.
+        assert "compute on 211 of the GGUF's quantized matrices" in d.log
         # ignore_eos (the OpenAI API's extension, as in vLLM) on a model that does end: the
         # answer goes on past EOS to max_tokens, with the same beginning.
         api = openai.OpenAI(base_url=d.http_url + "/v1", api_key="none", max_retries=0)
@@ -83,3 +87,30 @@ def test_daemon_serves_smollm2_greedy_like_transformers(
     assert by_id.prompt_tokens == inline.prompt_tokens == len(inline_ids)
     assert by_id.ids == smollm2_reference(inline_ids, MAX_NEW)
     assert "Paris" in by_id.text
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_daemon_without_a_compiler_serves_dense_weights(smollm2_dir: Path, smollm2_reference):
+    env = {
+        "ENGINE__BACKEND": "cpu",
+        "MODEL__DATA_DIR": data_dir_of(smollm2_dir),
+        "ENGINE__MAX_BATCH_SIZE": "2",
+        "ENGINE__MAX_CONTEXT": "512",
+        "CACHE__ENABLED": "false",
+    }
+    tok = HFTokenizer(smollm2_dir)
+    prompt = tok.encode(tok.render_chat([{"role": "user", "content": CHATS[0]}], None))
+
+    async def run(endpoint: str):
+        async with await Client.connect(endpoint) as c:
+            return await (await c.generate(prompt, MAX_NEW, text=True)).collect()
+
+    with Daemon(env, raw_env={"CXX": "/nonexistent/c++"}) as d:
+        got = asyncio.run(run(d.endpoint))
+        log = d.log
+    assert (
+        "GGUF block kernel unavailable, serving dense weights only: no C++ compiler "
+        "('/nonexistent/c++' is not on PATH)"
+    ) in log
+    assert "quantized matrices" not in log
+    assert got.ids == smollm2_reference(prompt, MAX_NEW) and "Paris" in got.text

@@ -211,26 +211,30 @@ def forced_logits(loaded, prompts: list[list[int]], continuations: list[list[int
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
-def test_bfloat16_decode_on_the_files_blocks_is_as_close_to_float32_as_dense(
+def test_bfloat16_decode_on_the_files_blocks_matches_dense_bfloat16(
     loaded, smollm2_dir: Path
 ) -> None:
     cfg = ModelConfig(path=SMOLLM2_MODEL, data_dir=data_dir_of(smollm2_dir), dtype="bfloat16")
-    quantized = load_model(cfg, 1024)
+    fused = load_model(cfg, 1024)
     dense = load_model(cfg.model_copy(update={"quantized_decode": False}), 1024)
-    assert quantized.model.int4_max_rows >= len(CHATS) and dense.model.int4_max_rows == 0
+    assert fused.model.blocks_max_rows >= len(CHATS) and dense.model.blocks_max_rows == 0
     tok = loaded.tokenizer
     prompts = [tok.encode(tok.render_chat([{"role": "user", "content": c}], None)) for c in CHATS]
     reference = [r + [2] * MAX_NEW for r in greedy_batch(loaded, prompts, MAX_NEW)]
     f32 = forced_logits(loaded, prompts, reference)
     errors, agree = {}, {}
-    for name, model in (("quantized", quantized), ("dense", dense)):
+    for name, model in (("fused", fused), ("dense", dense)):
         logits = forced_logits(model, prompts, reference)
         errors[name] = (logits - f32).abs().amax(-1)  # [steps, rows]: worst logit per step
         agree[name] = float((logits.argmax(-1) == f32.argmax(-1)).float().mean())
-    # Measured: median worst-logit error 0.46 (4-bit) vs 0.48 (dense), max 1.51 vs 1.23, top
-    # token as float32's at 99% vs 100% of steps. The bounds leave room for other CPUs' kernels.
-    assert errors["quantized"].median() <= 1.25 * errors["dense"].median()
-    assert errors["quantized"].max() <= 2 * errors["dense"].max()
-    assert agree["quantized"] >= 0.9 and agree["dense"] >= 0.9
-    answer = greedy_batch(quantized, prompts[:1], MAX_NEW)[0]
+    # The same bfloat16 weights summed in another order; activations are rounded to bfloat16
+    # after every op, so the two paths drift apart as much as bfloat16 drifts from float32.
+    # Measured (AVX512-BF16 machine): median worst-logit error 0.47 (fused) vs 0.48 (dense), max
+    # 1.40 vs 1.23, top token as float32's at 99% vs 100% of steps, greedy ids of the three chats
+    # identical.
+    # The bounds leave room for other CPUs' dense kernels.
+    assert errors["fused"].median() <= 1.25 * errors["dense"].median()
+    assert errors["fused"].max() <= 2 * errors["dense"].max()
+    assert agree["fused"] >= 0.9 and agree["dense"] >= 0.9
+    answer = greedy_batch(fused, prompts[:1], MAX_NEW)[0]
     assert "Paris" in tok.decode(answer)

@@ -1,0 +1,150 @@
+"""Matrix products on a GGUF file's own blocks (``qmatmul.cpp``): build, load, call.
+
+The C++ kernel dequantizes each block of 32 weights in registers and multiplies it into float32
+sums, with exactly the weights of the dense model (the gguf package's float32 values, rounded to
+bfloat16 for bfloat16 models), reading 4.5-5 bits a 4-bit weight and 8.5 an 8-bit one instead
+of 32 or 16; only the order of the sums differs from a dense matmul. Its time grows with the
+number of input rows, a dense matmul's hardly at all, so models use it for at most ``MAX_ROWS``
+rows (per dtype).
+
+``build`` compiles the source once per source, torch version and instruction set into a cache
+directory (``torch.utils.cpp_extension.load``: needs a C++ compiler and ninja) and registers the
+ops ``torch.ops.zerolayer.qmatmul`` / ``dequantize``; it returns why not when it cannot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.cpp")
+BLOCK = 32  # weights per block
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's kind codes
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+KERNEL_ROWS = 16  # input rows the tests feed at once (the kernel takes any number)
+# Input rows up to which models use the kernel, per dtype. Whole SmolLM2 decode steps on the
+# 2-core machine of docs/benchmarks.md (medians of 15 steps, in process, 1-minute load 2.7-3.2),
+# block kernel vs dense: float32 53.9 vs 117.5 ms at 32 rows, 105.9 vs 175.2 at 64; bfloat16
+# 27.0 vs 33.6 ms at 16 rows, 48.6 vs 45.6 at 32.
+MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
+# Instruction sets per torch's CPU capability; the AVX-512 code needs F16C too (every AVX-512
+# CPU has it). Others get the portable C++ the compiler vectorises.
+ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+_loaded: str | None = None  # the build key whose library is loaded in this process
+
+
+def build_flags() -> list[str]:
+    # -fopenmp: at::parallel_for is inline OpenMP code; the library it links (soname
+    # libgomp.so.1) is the one torch has already loaded, so it runs on torch's own thread team.
+    capability = torch.backends.cpu.get_cpu_capability()
+    arch = ARCH_FLAGS.get(capability, [])
+    if capability == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        arch = [*arch, "-mavx512bf16"]  # bfloat16 products by vdpbf16ps
+    return ["-O3", "-fopenmp", *arch]
+
+
+def build_key(flags: list[str]) -> str:
+    """Names a build: the source, torch's version and the compiler flags."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__}|{' '.join(flags)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def build(cache_root: Path) -> str | None:
+    """Compile (or reuse) and load the kernel under ``cache_root``; None when the ops are
+    ready, else the reason they are not (no compiler, no ninja, a failed build)."""
+    global _loaded
+    flags = build_flags()
+    key = build_key(flags)
+    if _loaded is not None:
+        return None if _loaded == key else f"another build ({_loaded}) is already loaded"
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    directory = cache_root / f"qmatmul-{key}"
+    started = time.monotonic()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=f"zerolayer_qmatmul_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure means: serve without it
+        first = str(exc).strip().splitlines()
+        return f"the build in {directory} failed: {first[0] if first else type(exc).__name__}"
+    _loaded = key
+    log.info(
+        "GGUF block kernel ready in %.1f s (%s, %s)",
+        time.monotonic() - started,
+        torch.backends.cpu.get_cpu_capability(),
+        directory,
+    )
+    return None
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """A weight [N, K] as GGUF blocks of one kind: ``blocks`` [N, K / 32 * bytes] uint8.
+    Calling it on x [..., K] (float32 or bfloat16) gives x @ w.T [..., N] in x's dtype."""
+
+    blocks: torch.Tensor
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown block type {self.kind!r}")
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
+            raise ValueError("blocks must be a [rows, bytes] uint8 tensor")
+        if self.blocks.shape[1] % BLOCK_BYTES[self.kind]:
+            raise ValueError(f"{self.blocks.shape[1]} bytes a row are not whole {self.kind} blocks")
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[1] // BLOCK_BYTES[self.kind] * BLOCK
+
+    @staticmethod
+    def stack(parts: list[QWeight]) -> QWeight | None:
+        """Weights of one input laid one under the other (one call for all their outputs);
+        None when their kinds differ."""
+        if len({p.kind for p in parts}) != 1:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return QWeight(torch.cat([p.blocks for p in parts]).contiguous(), parts[0].kind)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.zerolayer.qmatmul(rows, self.blocks, KINDS[self.kind])
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] float32: the weights the kernel multiplies by for inputs of ``dtype``."""
+        return torch.ops.zerolayer.dequantize(
+            self.blocks, KINDS[self.kind], dtype == torch.bfloat16
+        )

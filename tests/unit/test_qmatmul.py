@@ -1,0 +1,232 @@
+"""The GGUF block kernel (kernels/qmatmul.cpp): it multiplies by exactly the gguf package's
+dequantized weights (rounded to bfloat16 for bfloat16 inputs), sums within float32 rounding of a
+dense matmul, computes each row alone (batch-independent), and a model uses it for forwards of a
+few tokens only; without a compiler the model keeps its dense weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gateway.config import ModelConfig
+from gateway.models.gguf_blocks import BLOCKS_FILE, read_blocks
+from gateway.models.gguf_import import ensure_converted
+from gateway.models.loader import load_model, weight_files
+from kernels import qmatmul
+from kernels.llama import KVCache, Llama
+from kernels.qmatmul import QWeight
+from tests.support.gguf_files import write_gguf
+
+KINDS = ["Q4_0", "Q4_1", "Q8_0"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
+    reason = qmatmul.build(tmp_path_factory.mktemp("kernels"))
+    assert reason is None, reason
+    # The instruction set the build is for (the portable test below runs these with AVX2).
+    arch = qmatmul.build_flags()[2:]
+    assert arch[: len(arch) - ("-mavx512bf16" in arch)] == qmatmul.ARCH_FLAGS.get(
+        torch.backends.cpu.get_cpu_capability(), []
+    )
+
+
+def quantized(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[QWeight, torch.Tensor]:
+    """Random weights quantized by the gguf package: the blocks, and the package's own float32
+    dequantization of them (what the converter writes as the dense weights)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)) * 0.05 + rng.uniform(-0.02, 0.02, (rows, 1))
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(w.astype(np.float32), qtype)
+    dense = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    return QWeight(torch.from_numpy(raw.copy()), kind), torch.from_numpy(dense.copy())
+
+
+def through_kernel(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] float32: the weights qmatmul multiplies by, read back by multiplying identity rows
+    (each output is one weight times 1 plus zeros: exact)."""
+    eye = torch.eye(w.in_features, dtype=dtype)
+    rows = qmatmul.KERNEL_ROWS
+    parts = [w(eye[i : i + rows]) for i in range(0, w.in_features, rows)]
+    return torch.cat(parts).t().float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_weights_are_the_gguf_packages_values_bit_for_bit(kind, dtype) -> None:
+    # 37 rows: not a multiple of the 4 or 2 rows the kernel takes at once; 3 blocks a row.
+    w, dense = quantized(kind, 37, 96)
+    expected = dense.to(dtype).float()  # the dense model's weights in this dtype
+    assert torch.equal(through_kernel(w, dtype), expected)
+    assert torch.equal(w.dense(dtype), expected)  # the portable dequantization agrees
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_products_match_a_dense_matmul_up_to_summation_order(kind, dtype) -> None:
+    w, dense = quantized(kind, 45, 160, seed=1)
+    weight = dense.to(dtype)
+    torch.manual_seed(2)
+    for rows in range(1, 17):
+        x = torch.randn(rows, 160).to(dtype)
+        out = w(x)
+        assert out.shape == (rows, 45) and out.dtype == dtype
+        exact = x.double() @ weight.double().t()
+        # float32 sums in any order are within K * 2^-24 * sum |x w| of the exact sum; the
+        # bfloat16 output is then rounded once more (2^-8 relative).
+        slack = 160 * 2.0**-24 * (x.double().abs() @ weight.double().abs().t())
+        if dtype == torch.bfloat16:
+            slack = slack + exact.abs() * 2.0**-8
+        assert bool(((out.double() - exact).abs() <= slack + 1e-30).all()), rows
+        dense_out = F.linear(x, weight).double()
+        assert bool(((out.double() - dense_out).abs() <= 2 * slack + 1e-30).all()), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_is_computed_alone(dtype) -> None:
+    # The same row gives the same bits alone and among 15 others: batch-independent.
+    w, _ = quantized("Q4_1", 70, 128, seed=3)
+    torch.manual_seed(4)
+    x = torch.randn(16, 128).to(dtype)
+    together = w(x.view(2, 8, 128)).view(16, 70)
+    for i in range(16):
+        assert torch.equal(w(x[i : i + 1])[0], together[i])
+
+
+def test_stacking_needs_one_kind_and_bad_shapes_are_refused() -> None:
+    a, _ = quantized("Q4_1", 20, 64)
+    b, _ = quantized("Q4_1", 12, 64, seed=5)
+    c, _ = quantized("Q8_0", 12, 64)
+    both = QWeight.stack([a, b])
+    assert both is not None and both.out_features == 32
+    x = torch.randn(3, 64)
+    assert torch.equal(both(x), torch.cat((a(x), b(x)), dim=-1))
+    assert QWeight.stack([a, c]) is None
+    with pytest.raises(ValueError, match="whole Q8_0 blocks"):
+        QWeight(torch.zeros(4, 35, dtype=torch.uint8), "Q8_0")
+    with pytest.raises(ValueError, match="unknown block type"):
+        QWeight(torch.zeros(4, 34, dtype=torch.uint8), "Q5_0")
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        a(torch.randn(1, 64, dtype=torch.float64))
+
+
+@pytest.mark.timeout(300)
+def test_portable_build_passes_the_same_tests(tmp_path: Path) -> None:
+    # This machine's build is the AVX-512 one; a CPU without AVX-512 gets the plain C++ path
+    # (here compiled for AVX2, as torch would detect on such a CPU). One kernel library per
+    # process, so the kernel tests above run again in a child process that sees an AVX2 CPU.
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+        + ["-k", "bit_for_bit or summation_order or computed_alone", "--basetemp", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "\n14 passed" in run.stdout, run.stdout[-500:]
+
+
+def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(qmatmul, "_loaded", None)  # as in a fresh process
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert qmatmul.build(tmp_path) == "no C++ compiler ('/nonexistent/c++' is not on PATH)"
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module", params=["Q4_1", "Q4_0"])
+def converted(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny GGUF (matrices in the given type, token embedding Q8_0) and its conversion."""
+    base = tmp_path_factory.mktemp(request.param)
+    path = base / f"tiny-{request.param}.gguf"
+    write_gguf(path, matrix_type=request.param)
+    return path, ensure_converted(path, str(base))
+
+
+def test_converted_blocks_are_the_dense_weights(converted) -> None:
+    from safetensors.numpy import load_file
+
+    _, directory = converted
+    dense = load_file(str(directory / "model.safetensors"))  # the gguf package's dequantization
+    blocks = read_blocks(directory)
+    assert weight_files(directory) == [directory / "model.safetensors"]  # blocks are not weights
+    assert set(blocks) == {k for k, v in dense.items() if v.ndim == 2}  # every matrix is kept
+    assert blocks["model.embed_tokens.weight"].kind == "Q8_0"
+    for name, w in blocks.items():  # q/k rows un-permuted like the dense ones
+        assert torch.equal(through_kernel(w, torch.float32), torch.from_numpy(dense[name])), name
+
+
+def greedy(model: Llama, prompt: list[int], steps: int, rows: int = 1) -> tuple[list[int], list]:
+    """Greedy ids of ``prompt`` decoded in ``rows`` slots at once (all the same prompt), and the
+    logits of every decode step of the first row."""
+    cache = KVCache.allocate(model.cfg, rows, 64, model.rope_cos.dtype)
+    ids, logits = [], []
+    with torch.inference_mode():
+        out = model.prefill_batch(
+            [torch.tensor(prompt)] * rows, [0] * rows, list(range(rows)), cache
+        )
+        for i in range(steps):
+            token = int(out[0].argmax())
+            ids.append(token)
+            positions = torch.full((rows,), len(prompt) + i)
+            out = model.decode(torch.full((rows,), token), positions, torch.arange(rows), cache)
+            logits.append(out[0].clone())
+    return ids, logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_uses_the_blocks_for_a_few_rows_only(converted, dtype) -> None:
+    path, directory = converted
+    cfg = ModelConfig(path=str(path), data_dir=str(directory.parent.parent), dtype=dtype)
+    fused = load_model(cfg, 64).model
+    dense = load_model(cfg.model_copy(update={"quantized_decode": False}), 64).model
+    most = qmatmul.MAX_ROWS[fused.rope_cos.dtype]
+    assert fused.blocks_max_rows == most and fused.head_blocks is not None
+    assert fused.layers[0].self_attn.qkv_blocks is not None
+    assert dense.blocks_max_rows == 0 and dense.head_blocks is None
+    assert dense.layers[0].mlp.gate_up_blocks is None
+    prompt = [5, 70, 80, 90, 100, 7]
+    ids_f, logits_f = greedy(fused, prompt, 6)
+    ids_d, logits_d = greedy(dense, prompt, 6)
+    # Same weights, sums in another order: logits within rounding, the same greedy ids here.
+    scale = 1e-4 if dtype == "float32" else 0.05
+    for a, b in zip(logits_f, logits_d, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=scale * float(b.abs().max()))
+    assert ids_f == ids_d
+    # Above MAX_ROWS rows the dense weights run: bit-identical to the model without blocks.
+    rows = most + 1
+    _, wide_f = greedy(fused, prompt, 3, rows)
+    _, wide_d = greedy(dense, prompt, 3, rows)
+    assert all(torch.equal(a, b) for a, b in zip(wide_f, wide_d, strict=True))
+
+
+def test_a_checkpoint_without_blocks_stays_dense(converted, tmp_path: Path) -> None:
+    _, directory = converted
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for file in directory.iterdir():
+        if file.name != BLOCKS_FILE:
+            (plain / file.name).write_bytes(file.read_bytes())
+    loaded = load_model(ModelConfig(path=str(plain), data_dir=str(tmp_path)), 64)
+    assert loaded.model.blocks_max_rows == 0 and loaded.model.head_blocks is None
+    assert not (tmp_path / "kernels").exists()  # nothing to build for
+
+
+def test_blocks_of_the_wrong_shape_are_refused(converted) -> None:
+    _, directory = converted
+    model = load_model(ModelConfig(path=str(directory), quantized_decode=False), 64).model
+    weights = {k.removeprefix("model."): v for k, v in read_blocks(directory).items()}
+    up = weights["layers.0.mlp.up_proj.weight"]
+    weights["layers.0.mlp.gate_proj.weight"] = QWeight(up.blocks[:16].contiguous(), up.kind)
+    with pytest.raises(ValueError, match="gate_proj"):
+        model.use_blocks(weights)
