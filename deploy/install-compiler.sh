@@ -22,5 +22,5 @@ fi
 command -v apt-get >/dev/null 2>&1 || fail "no C++ compiler and no apt-get: install one (g++ or clang++) for the GGUF block kernel (without it the daemon serves dense weights, slower)"
 echo "installing g++ (Debian package) for the GGUF block kernel" >&2
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends g++ >/dev/null
+{ $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends g++ >/dev/null; } ||
+  fail "installing g++ failed (without a C++ compiler the daemon serves dense weights, slower)"
