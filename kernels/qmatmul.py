@@ -65,7 +65,8 @@ def build_key(flags: list[str]) -> str:
 
 def build(cache_root: Path) -> str | None:
     """Compile (or reuse) and load the kernel under ``cache_root``; None when the ops are
-    ready, else the reason they are not (no compiler, no ninja, a failed build)."""
+    ready, else the reason they are not (no compiler or no ninja for a build, a failed
+    build)."""
     global _loaded
     flags = build_flags()
     key = build_key(flags)
@@ -73,27 +74,42 @@ def build(cache_root: Path) -> str | None:
         return None if _loaded == key else f"another build ({_loaded}) is already loaded"
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler!r} is not on PATH)"
-    if not cpp_extension.is_ninja_available():
-        return "ninja is not installed (pip install ninja)"
+    from gateway.models.cachedir import ensure_dir  # the project's write-once directories
+
+    name = f"zerolayer_qmatmul_{key}"
+    library = f"{name}.so"
     directory = cache_root / f"qmatmul-{key}"
-    started = time.monotonic()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / library).is_file():  # to be built: that takes a compiler and ninja
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            return f"no C++ compiler ({compiler!r} is not on PATH)"
+        if not cpp_extension.is_ninja_available():
+            return "ninja is not installed (pip install ninja)"
+    built = []
+
+    def compile_into(tmp: Path) -> None:
+        # A build directory of its own, renamed into place when complete: cpp_extension's lock
+        # file, which a killed build leaves behind, then never stalls a later start waiting
+        # for it, and concurrent starts never share a half-written directory.
         cpp_extension.load(
-            name=f"zerolayer_qmatmul_{key}",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
+            build_directory=str(tmp),
+            is_python_module=False,  # loads the library: its ops are registered
             verbose=False,
         )
+        built.append(tmp)
+
+    started = time.monotonic()
+    try:
+        ensure_dir(directory, library, compile_into)
+        if not built:  # built by an earlier start or another process
+            torch.ops.load_library(str(directory / library))
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve without it
         first = str(exc).strip().splitlines()
-        return f"the build in {directory} failed: {first[0] if first else type(exc).__name__}"
+        return f"the build of {directory} failed: {first[0] if first else type(exc).__name__}"
     _loaded = key
     log.info(
         "GGUF block kernel ready in %.1f s (%s, %s)",

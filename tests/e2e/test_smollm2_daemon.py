@@ -90,10 +90,15 @@ def test_daemon_serves_smollm2_greedy_like_transformers(
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
-def test_daemon_without_a_compiler_serves_dense_weights(smollm2_dir: Path, smollm2_reference):
+def test_daemon_without_a_compiler_serves_dense_weights(
+    smollm2_dir: Path, smollm2_reference, tmp_path: Path
+):
+    # A data dir with the conversion but no built kernel (a built one loads without a compiler).
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / smollm2_dir.name).symlink_to(smollm2_dir)
     env = {
         "ENGINE__BACKEND": "cpu",
-        "MODEL__DATA_DIR": data_dir_of(smollm2_dir),
+        "MODEL__DATA_DIR": str(tmp_path),
         "ENGINE__MAX_BATCH_SIZE": "2",
         "ENGINE__MAX_CONTEXT": "512",
         "CACHE__ENABLED": "false",

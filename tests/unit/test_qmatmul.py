@@ -6,6 +6,7 @@ few tokens only; without a compiler the model keeps its dense weights."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,14 @@ KINDS = ["Q4_0", "Q4_1", "Q8_0"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture(scope="module", autouse=True)
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
-    reason = qmatmul.build(tmp_path_factory.mktemp("kernels"))
+def kernel(kernel_cache: Path) -> None:
+    reason = qmatmul.build(kernel_cache)
     assert reason is None, reason
     # The instruction set the build is for (the portable test below runs these with AVX2).
     arch = qmatmul.build_flags()[2:]
@@ -142,6 +148,27 @@ def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert qmatmul.build(tmp_path) == "no C++ compiler ('/nonexistent/c++' is not on PATH)"
     assert not any(tmp_path.iterdir())
+
+
+def test_a_built_kernel_is_loaded_without_compiler_or_build_lock(
+    monkeypatch, tmp_path: Path, kernel_cache: Path
+) -> None:
+    """A later start loads the library the first one built, with no compiler, and a lock file
+    that a killed build left (cpp_extension waits for it to go away) cannot stall it."""
+    (built,) = kernel_cache.iterdir()
+    shutil.copytree(built, tmp_path / built.name)
+    (tmp_path / built.name / "lock").touch()
+    loaded: list[str] = []
+
+    def must_not_build(**kwargs: object) -> None:
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(qmatmul, "_loaded", None)  # as in a fresh process
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", must_not_build)
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)  # the ops are loaded already
+    assert qmatmul.build(tmp_path) is None
+    assert loaded == [str(tmp_path / built.name / f"zerolayer_qmatmul_{built.name[8:]}.so")]
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "Q4_0"])
