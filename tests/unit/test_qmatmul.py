@@ -6,7 +6,6 @@ few tokens only; without a compiler the model keeps its dense weights."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import cpp_extension
 
 from gateway.config import ModelConfig
 from gateway.models.gguf_blocks import BLOCKS_FILE, read_blocks
@@ -30,14 +30,9 @@ KINDS = ["Q4_0", "Q4_1", "Q8_0"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kernels")
-
-
 @pytest.fixture(scope="module", autouse=True)
-def kernel(kernel_cache: Path) -> None:
-    reason = qmatmul.build(kernel_cache)
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
+    reason = qmatmul.build(tmp_path_factory.mktemp("kernels"))
     assert reason is None, reason
     # The instruction set the build is for (the portable test below runs these with AVX2).
     arch = qmatmul.build_flags()[2:]
@@ -151,13 +146,16 @@ def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
 
 
 def test_a_built_kernel_is_loaded_without_compiler_or_build_lock(
-    monkeypatch, tmp_path: Path, kernel_cache: Path
+    monkeypatch, tmp_path: Path
 ) -> None:
     """A later start loads the library the first one built, with no compiler, and a lock file
     that a killed build left (cpp_extension waits for it to go away) cannot stall it."""
-    (built,) = kernel_cache.iterdir()
-    shutil.copytree(built, tmp_path / built.name)
-    (tmp_path / built.name / "lock").touch()
+    key = qmatmul.build_key(qmatmul.build_flags())
+    built = tmp_path / f"qmatmul-{key}"
+    built.mkdir()
+    library = built / f"zerolayer_qmatmul_{key}.so"
+    library.write_bytes(b"")  # never opened: load_library is replaced below
+    (built / "lock").touch()
     loaded: list[str] = []
 
     def must_not_build(**kwargs: object) -> None:
@@ -165,10 +163,10 @@ def test_a_built_kernel_is_loaded_without_compiler_or_build_lock(
 
     monkeypatch.setattr(qmatmul, "_loaded", None)  # as in a fresh process
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", must_not_build)
+    monkeypatch.setattr(cpp_extension, "load", must_not_build)
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)  # the ops are loaded already
     assert qmatmul.build(tmp_path) is None
-    assert loaded == [str(tmp_path / built.name / f"zerolayer_qmatmul_{built.name[8:]}.so")]
+    assert loaded == [str(library)]
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "Q4_0"])
