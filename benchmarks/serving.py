@@ -299,22 +299,34 @@ def cover_steps(n: int, prompt_len: int, step_tokens: int, chunk: int) -> list[i
     return done_at
 
 
-def paced(args, plots: Path | None) -> dict:
-    streams, conns, tokens, prompt_len = 256, 16, 150, args.paced_prompt_len
-    load = {
-        "concurrency": streams,
-        "num_requests": streams,
-        "input_len": str(prompt_len),
+PACED_STREAMS, PACED_CONNECTIONS = 256, 16  # the paced burst (paced and paced-split)
+
+
+def paced_load(args, tokens: int) -> dict:
+    """One burst of PACED_STREAMS requests of ``tokens`` tokens each, over PACED_CONNECTIONS."""
+    return {
+        "concurrency": PACED_STREAMS,
+        "num_requests": PACED_STREAMS,
+        "input_len": str(args.paced_prompt_len),
         "output_len": str(tokens),
-        "connections": conns,
+        "connections": PACED_CONNECTIONS,
     }
-    env = {
+
+
+def paced_env(args) -> dict[str, str]:
+    """The daemon of the paced scenarios: the synthetic backend paced like a model."""
+    return {
         "ENGINE__BACKEND": "synthetic",
-        "ENGINE__MAX_BATCH_SIZE": str(streams),
+        "ENGINE__MAX_BATCH_SIZE": str(PACED_STREAMS),
         "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
         "ENGINE__SYNTHETIC_STEP_MS": str(args.step_ms),
         "ENGINE__SYNTHETIC_PREFILL_US_PER_TOKEN": str(args.prefill_us_per_token),
     }
+
+
+def paced(args, plots: Path | None) -> dict:
+    streams, prompt_len = PACED_STREAMS, args.paced_prompt_len
+    load, env = paced_load(args, 150), paced_env(args)
     step_tokens, chunk = 512, 256  # the engine defaults (gateway/config.py)
     results: dict = {
         "load": load,
@@ -378,28 +390,14 @@ def paced_split(args) -> dict:
     """Server CPU per burst at each of SPLIT_LENGTHS, and the least-squares line through them:
     the slope is the cost of a step (one token for each of the 256 streams), the intercept the
     cost of the burst's requests themselves (admission, prefill, endings, their frames)."""
-    streams, conns = 256, 16
-    env = {
-        "ENGINE__BACKEND": "synthetic",
-        "ENGINE__MAX_BATCH_SIZE": str(streams),
-        "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
-        "ENGINE__SYNTHETIC_STEP_MS": str(args.step_ms),
-    }
-
-    def load(tokens: int) -> dict:
-        return {
-            "concurrency": streams,
-            "num_requests": streams,
-            "input_len": str(args.paced_prompt_len),
-            "output_len": str(tokens),
-            "connections": conns,
-        }
+    streams, conns = PACED_STREAMS, PACED_CONNECTIONS
 
     def bursts(endpoint: str, pid: int) -> dict:
-        measure(endpoint, pid, load(SPLIT_LENGTHS[0]), warmup=True)
+        measure(endpoint, pid, paced_load(args, SPLIT_LENGTHS[0]), warmup=True)
         points = {}
         for tokens in SPLIT_LENGTHS:
-            runs = [measure(endpoint, pid, load(tokens)) for _ in range(args.paced_runs)]
+            load = paced_load(args, tokens)
+            runs = [measure(endpoint, pid, load) for _ in range(args.paced_runs)]
             per_burst = streams * tokens / 1e3  # µs per token -> ms per burst
             points[tokens] = {
                 "cpu_ms": statistics.median(r["server_cpu_us_per_token"] for r in runs) * per_burst,
@@ -417,7 +415,7 @@ def paced_split(args) -> dict:
     results: dict = {"step_ms": args.step_ms, "streams": streams, "connections": conns}
     with Floor(args.step_ms) as floor:
         results["pump"] = bursts(floor.endpoint, floor.proc.pid)
-    with Daemon(env) as d:
+    with Daemon(paced_env(args)) as d:
         results["zerolayer"] = bursts(d.endpoint, d.proc.pid)
         d.terminate()
     return results
