@@ -214,3 +214,12 @@ def test_inter_token_many_equals_repeated_observe() -> None:
         ]
 
     assert series(text_a) and series(text_a) == series(text_b)
+
+
+def test_a_label_outside_the_tables_is_exported_not_raised(m: Metrics) -> None:
+    m.request_finished("not_a_reason", 1, 1, 0.0, 0.0, 0.0)
+    m.request_finished("not_a_reason", 1, 1, 0.0, 0.0, 0.0)
+    m.request_error(999, api="openai")
+    odd = {"finished_reason": "not_a_reason", "api": "frames"}
+    assert v(m, "zerolayer_request_success_total", **odd) == 2
+    assert v(m, "zerolayer_request_errors_total", code="999", api="openai") == 1
