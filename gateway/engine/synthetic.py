@@ -6,11 +6,14 @@ is a hash of (digest, p) mapped onto lowercase letters and spaces of the byte-le
 text deltas are readable and a request's output is a pure function of prompt, seed and position.
 It never emits EOS: streams end on max_tokens, stop ids, stop sequences or cancel.
 
-Its "KV cache" is the running digest at every prompt position of every slot (uint64 [slots,
-max_context]): a chunk continues from the digest of the position before it, so a range saved from
-one slot and loaded into another (``save_kv`` / ``load_kv``, the prefix store) gives exactly the
-digest, and so the tokens, that prefilling those ids would. Reused positions are never sent to
-``prefill``, so with a per-token cost (``prefill_us_per_token``) they cost nothing, as on a model.
+A prompt folds into its digest id by id, ``d = d * _FOLD + mix(id)`` (mod 2**64): a polynomial
+hash, so a chunk's digests at all its positions come from one cumulative sum (``_fold``) instead
+of a numpy call per position. Its "KV cache" is the running digest at every prompt position of
+every slot (uint64 [slots, max_context]): a chunk continues from the digest of the position
+before it, so a range saved from one slot and loaded into another (``save_kv`` / ``load_kv``,
+the prefix store) gives exactly the digest, and so the tokens, that prefilling those ids would.
+Reused positions are never sent to ``prefill``, so with a per-token cost
+(``prefill_us_per_token``) they cost nothing, as on a model.
 
 Hashing costs about as much per step as the rest of the engine, and this backend stands in for a
 model in the serving benchmark, so while a batch keeps its rows (the engine passes the same
@@ -37,7 +40,8 @@ import numpy as np
 from gateway.engine.backend import Backend, ModelInfo, PrefixKV
 from gateway.engine.types import DecodeBatch, PrefillChunk
 
-_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8).astype(np.int32)
+# 64 entries, indexed by the top 6 bits of a token's hash: letters twice, then spaces.
+_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz" * 2 + b" " * 12, np.uint8).astype(np.int32)
 _U64 = np.uint64
 _GOLDEN, _M1, _M2, _POS = (
     _U64(0x9E3779B97F4A7C15),
@@ -55,13 +59,33 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
+_FOLD = 0x100000001B3  # odd, so invertible mod 2**64
+_UNFOLD = pow(_FOLD, -1, 2**64)
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    """base**0 .. base**(n-1) mod 2**64 (uint64 [n])."""
+    out = np.full(n, base, _U64)
+    out[0] = 1
+    return np.cumprod(out, dtype=_U64)
+
+
+def fold_one(digest: int, token: int) -> int:
+    """One id into a digest, as ``_fold`` does for every id of a chunk (the reference)."""
+    return (digest * _FOLD + int(_mix(np.array([token], _U64))[0])) % 2**64
+
+
 _MIN_BLOCK, _MAX_BLOCK = 4, 64  # decode steps hashed at once; doubles while the rows stay
 
 
 def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Token ids for (digest, position) pairs, broadcast: int32 of their shape."""
-    h = _mix(digests ^ (positions.astype(_U64) * _POS))
-    return _ALPHABET[(h % _U64(len(_ALPHABET))).astype(np.intp)]
+    """Token ids for (digest, position) pairs, broadcast: int32 of their shape. One multiply
+    spreads (digest, position) into the top bits, which pick the letter: few numpy calls, as
+    this runs whenever the decode rows change."""
+    h = digests ^ (positions.astype(_U64) * _POS)
+    h *= _M1
+    h >>= _U64(58)
+    return _ALPHABET[h]
 
 
 class SyntheticBackend(Backend, PrefixKV):
@@ -83,6 +107,8 @@ class SyntheticBackend(Backend, PrefixKV):
         self._just_prefilled: set[int] | None = None
         self._digest = np.zeros(num_slots, _U64)  # what decode hashes: the prompt's, seeded
         self._kv = np.zeros((num_slots, max_context), _U64)  # unseeded digest after position p
+        self._up = _powers(_FOLD, max_context + 1)  # _FOLD ** k, for _fold
+        self._down = _powers(_UNFOLD, max_context + 1)  # _FOLD ** -k
         # Tokens of coming decode steps for one batch of rows: the slots array they are for,
         # the positions each step's batch will carry (int32 [k, b]), the tokens (int32 [k, b]),
         # the next step to hand out, and the size of the next block.
@@ -117,24 +143,20 @@ class SyntheticBackend(Backend, PrefixKV):
 
     def _prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         """Each chunk's ids fold into its slot's digest in order; the chunks (distinct slots)
-        fold side by side, one id position at a time."""
+        fold side by side, all positions at once (``_fold``)."""
         n = len(chunks)
         kv = self._kv
         digests = np.array([0 if c.start == 0 else kv[c.slot, c.start - 1] for c in chunks], _U64)
-        lengths = np.array([len(c.tokens) for c in chunks])
-        ids = np.zeros((n, int(lengths.max(initial=0))), _U64)
+        lengths = [len(c.tokens) for c in chunks]
+        ids = np.zeros((n, max(lengths, default=0)), _U64)
         for i, chunk in enumerate(chunks):
-            ids[i, : len(chunk.tokens)] = chunk.tokens.astype(_U64)
-        history = np.empty_like(ids)  # the digest after each id: the chunk's "KV"
-        for j in range(ids.shape[1]):
-            live = lengths > j
-            if live.all():
-                digests = _mix(digests ^ ids[:, j])
-            else:
-                digests[live] = _mix(digests[live] ^ ids[live, j])
-            history[:, j] = digests
+            ids[i, : lengths[i]] = chunk.tokens
+        history = self._fold(digests, ids)  # the digest after each id: the chunk's "KV"
         for i, chunk in enumerate(chunks):
             kv[chunk.slot, chunk.start : chunk.start + lengths[i]] = history[i, : lengths[i]]
+        if ids.shape[1]:  # each chunk's digest after its last id (an empty chunk keeps its own)
+            lens = np.array(lengths, np.intp)
+            digests = np.where(lens > 0, history[np.arange(n), np.maximum(lens - 1, 0)], digests)
         last = np.array([c.last for c in chunks], np.bool_)
         seeded = np.array([c.last and c.sampling.seeded for c in chunks], np.bool_)
         if seeded.any():
@@ -146,6 +168,15 @@ class SyntheticBackend(Backend, PrefixKV):
             out[last] = synthetic_tokens(digests[last], ends[last])
         self._digest[[c.slot for c in chunks]] = digests
         return out
+
+    def _fold(self, digests: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Row i's digest after each of its ids, from ``digests[i]``: with P = _FOLD,
+        h[j] = d * P**(j+1) + sum over i <= j of mix(id[i]) * P**(j-i)
+             = d * P**(j+1) + P**j * cumsum(mix(id[i]) * P**-i)  (all mod 2**64)."""
+        width = ids.shape[1]  # at most max_context: the tables' length - 1
+        up, down = self._up, self._down
+        acc = np.cumsum(_mix(ids) * down[:width], axis=1, dtype=_U64)
+        return acc * up[:width] + digests[:, None] * up[1 : width + 1]
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         self._pause_decode(batch)
