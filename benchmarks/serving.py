@@ -10,13 +10,18 @@ flat-out: the synthetic backend with no step time, so the engine runs ahead and 
   a closed loop of STREAMS concurrent streams x TOKENS tokens on one connection.
 paced: the synthetic backend paced like a model (ENGINE__SYNTHETIC_STEP_MS, one pause per engine
   step; see gateway/engine/synthetic.py), 256 concurrent streams over 16 connections x 150
-  tokens, each round a burst of 256 requests into an idle server. Floor: a uvloop pump with the
+  tokens, each run a burst of 256 requests into an idle server. Floor: a uvloop pump with the
   same pace: every tick one TOKEN frame per active stream and one write per connection. Measured:
   server CPU per token, ITL P50/P99 (per token) and TTFT P50/P99 at the client.
 
 paced-split (a diagnostic, its own section): the paced burst at several output lengths, for the
   pump and ZeroLayer: a straight line through server CPU per burst against tokens per stream
   splits the cost into a part per step (256 tokens) and a part per request.
+
+Both paced scenarios interleave: every server is started first (all alive at once; an idle one
+costs next to nothing), warmed up once, then each round runs every burst once, the order rotated
+round by round (``rotations``). A shared VM's speed drifts by tens of percent over minutes, so a
+ratio to the pump is taken within each round and the median taken over rounds (``paired_ratio``).
 engine-step (a diagnostic, its own section): the engine and the synthetic backend in this
   process on their own thread, no server (outputs dropped), 256 streams x 150 tokens of 16-id
   prompts at several step times: the engine thread's CPU per step, back to back and paced.
@@ -27,6 +32,7 @@ engine-step (a diagnostic, its own section): the engine and the synthetic backen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -35,7 +41,9 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -300,6 +308,7 @@ def cover_steps(n: int, prompt_len: int, step_tokens: int, chunk: int) -> list[i
 
 
 PACED_STREAMS, PACED_CONNECTIONS = 256, 16  # the paced burst (paced and paced-split)
+PACED_TOKENS = 150  # tokens per stream of the paced scenario's burst
 
 
 def paced_load(args, tokens: int) -> dict:
@@ -324,23 +333,74 @@ def paced_env(args) -> dict[str, str]:
     }
 
 
+T = TypeVar("T")
+
+
+def rotations(items: Sequence[T], rounds: int) -> list[list[T]]:
+    """The order of each round: ``items`` rotated left by the round's index, so over len(items)
+    rounds each item goes first once, and neighbours stay neighbours (but for the wrap)."""
+    n = len(items)
+    return [[items[(r + i) % n] for i in range(n)] for r in range(rounds)]
+
+
+def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float]) -> tuple[float, list[float]]:
+    """The median over rounds of a / b within a round, and those per-round ratios: run i of
+    ``a_runs`` and of ``b_runs`` come from the same round, so the host's drift between rounds
+    cancels (a ratio of medians taken minutes apart keeps it)."""
+    ratios = [a / b for a, b in zip(a_runs, b_runs, strict=True)]  # unequal: ValueError
+    if not ratios:
+        raise ValueError("paired_ratio of no runs")
+    return statistics.median(ratios), ratios
+
+
+Servers = dict[str, tuple[str, int]]  # server name -> (endpoint, pid)
+
+
+@contextlib.contextmanager
+def paced_servers(args, variants: dict[str, dict[str, str]]):
+    """The pump ("pump") and a daemon for each variant's env, all started before any is
+    measured and alive together; yields name -> (endpoint, pid)."""
+    with contextlib.ExitStack() as stack:
+        floor = stack.enter_context(Floor(args.step_ms))
+        servers: Servers = {"pump": (floor.endpoint, floor.proc.pid)}
+        daemons = []
+        for name, env in variants.items():
+            d = stack.enter_context(Daemon(env))
+            daemons.append(d)
+            servers[name] = (d.endpoint, d.proc.pid)
+        yield servers
+        for d in daemons:
+            d.terminate()
+
+
+def interleaved_runs(
+    servers: Servers, lengths: Sequence[int], args, detailed: bool = False
+) -> tuple[dict[tuple[str, int], list[dict]], list[list[str]]]:
+    """Warm every server up with one burst, then ``args.paced_runs`` rounds, each running one
+    burst per server and length in ``rotations`` order: the reports of each (server, tokens),
+    in round order, and each round's order."""
+    for endpoint, pid in servers.values():
+        measure(endpoint, pid, paced_load(args, lengths[0]), warmup=True)
+    units = [(name, tokens) for tokens in lengths for name in servers]
+    reports: dict[tuple[str, int], list[dict]] = {u: [] for u in units}
+    orders = rotations(units, args.paced_runs)
+    for i, order in enumerate(orders, 1):
+        for name, tokens in order:
+            endpoint, pid = servers[name]
+            r = measure(endpoint, pid, paced_load(args, tokens), detailed=detailed)
+            reports[(name, tokens)].append(r)
+            print(
+                f"round {i}/{len(orders)}: {name}, {tokens} tokens: "
+                f"{r['server_cpu_us_per_token']:.2f} µs/token, other load {r['foreign_load']:.2f}",
+                file=sys.stderr,
+            )
+    return reports, [[f"{name}@{tokens}" for name, tokens in order] for order in orders]
+
+
 def paced(args, plots: Path | None) -> dict:
     streams, prompt_len = PACED_STREAMS, args.paced_prompt_len
-    load, env = paced_load(args, 150), paced_env(args)
+    load, env = paced_load(args, PACED_TOKENS), paced_env(args)
     step_tokens, chunk = 512, 256  # the engine defaults (gateway/config.py)
-    results: dict = {
-        "load": load,
-        "step_ms": args.step_ms,
-        "prefill_us_per_token": args.prefill_us_per_token,
-        "prompt_len": prompt_len,
-    }
-    reports: dict[str, list[dict]] = {}
-    with Floor(args.step_ms) as floor:
-        measure(floor.endpoint, floor.proc.pid, load, warmup=True)
-        reports["pump"] = [
-            measure(floor.endpoint, floor.proc.pid, load, detailed=True)
-            for _ in range(args.paced_runs)
-        ]
     # A step budget that covers the whole burst's prompts (plus a row per stream) at once: how
     # much of the TTFT tail is the admission ramp of the default budget.
     wide = streams * prompt_len + streams
@@ -349,15 +409,28 @@ def paced(args, plots: Path | None) -> dict:
         "zerolayer_cache_off": {**env, "CACHE__ENABLED": "false"},
         "zerolayer_wide_budget": {**env, "ENGINE__MAX_STEP_TOKENS": str(wide)},
     }
-    for name, variant in variants.items():
-        with Daemon(variant) as d:
-            measure(d.endpoint, d.proc.pid, load, warmup=True)
-            reports[name] = [
-                measure(d.endpoint, d.proc.pid, load, detailed=True) for _ in range(args.paced_runs)
-            ]
-            d.terminate()
-    for name, runs in reports.items():
-        results[name] = median_of(runs)
+    with paced_servers(args, variants) as servers:
+        runs, orders = interleaved_runs(servers, (PACED_TOKENS,), args, detailed=True)
+    reports = {name: runs[(name, PACED_TOKENS)] for name in servers}
+    results: dict = {
+        "load": load,
+        "step_ms": args.step_ms,
+        "prefill_us_per_token": args.prefill_us_per_token,
+        "prompt_len": prompt_len,
+        "rounds": args.paced_runs,
+        "round_orders": orders,
+    }
+    for name, rs in reports.items():
+        results[name] = median_of(rs)
+    pump_cpu = [r["server_cpu_us_per_token"] for r in reports["pump"]]
+    for name in variants:
+        x = results[name]
+        x["cpu_vs_pump"], x["cpu_vs_pump_rounds"] = paired_ratio(
+            [r["server_cpu_us_per_token"] for r in reports[name]], pump_cpu
+        )
+        x["cpu_vs_pump_of_medians"] = (
+            x["server_cpu_us_per_token"] / results["pump"]["server_cpu_us_per_token"]
+        )
     # A step lasts the pause plus the engine's own work: its length is the variant's median ITL.
     for key, budget in (("", step_tokens), ("_wide_budget", wide)):
         steps = cover_steps(streams, prompt_len, budget, chunk)
@@ -370,7 +443,10 @@ def paced(args, plots: Path | None) -> dict:
     results["aims"] = {
         "itl_ratio": z["itl_p99_over_p50"],
         "itl_ratio_vs_pump": z["itl_p99_over_p50"] / f["itl_p99_over_p50"],
-        "cpu_vs_pump": z["server_cpu_us_per_token"] / f["server_cpu_us_per_token"],
+        # The median of per-round ratios (paired_ratio); the ratio of medians for comparison.
+        "cpu_vs_pump": z["cpu_vs_pump"],
+        "cpu_vs_pump_rounds": z["cpu_vs_pump_rounds"],
+        "cpu_vs_pump_of_medians": z["cpu_vs_pump_of_medians"],
         "ttft_p99_ms": z["p99_ttft_ms"],
         "ttft_p99_ms_wide_budget": results["zerolayer_wide_budget"]["p99_ttft_ms"],
     }
@@ -386,38 +462,56 @@ def paced(args, plots: Path | None) -> dict:
 SPLIT_LENGTHS = (50, 150, 300)  # tokens per stream of the paced-split bursts
 
 
-def paced_split(args) -> dict:
-    """Server CPU per burst at each of SPLIT_LENGTHS, and the least-squares line through them:
-    the slope is the cost of a step (one token for each of the 256 streams), the intercept the
-    cost of the burst's requests themselves (admission, prefill, endings, their frames)."""
-    streams, conns = PACED_STREAMS, PACED_CONNECTIONS
+def split_fit(cpu_ms: Sequence[float]) -> dict[str, float]:
+    """The least-squares line through CPU ms per burst at SPLIT_LENGTHS: its slope as µs per step
+    (a token for each stream), its intercept as µs per request."""
+    slope, intercept = statistics.linear_regression(SPLIT_LENGTHS, cpu_ms)
+    return {"per_step_us": slope * 1e3, "per_request_us": intercept * 1e3 / PACED_STREAMS}
 
-    def bursts(endpoint: str, pid: int) -> dict:
-        measure(endpoint, pid, paced_load(args, SPLIT_LENGTHS[0]), warmup=True)
+
+def paced_split(args) -> dict:
+    """Server CPU per burst at each of SPLIT_LENGTHS (median over rounds), the least-squares
+    line through those medians: the slope is the cost of a step (one token for each of the 256
+    streams), the intercept the cost of the burst's requests themselves (admission, prefill,
+    endings, their frames); and ZeroLayer's cost per step against the pump's, paired by round."""
+    with paced_servers(args, {"zerolayer": paced_env(args)}) as servers:
+        runs, orders = interleaved_runs(servers, SPLIT_LENGTHS, args)
+    results: dict = {
+        "step_ms": args.step_ms,
+        "streams": PACED_STREAMS,
+        "connections": PACED_CONNECTIONS,
+        "rounds": args.paced_runs,
+        "round_orders": orders,
+    }
+    per_round_step: dict[str, list[float]] = {}
+    for name in servers:
         points = {}
         for tokens in SPLIT_LENGTHS:
-            load = paced_load(args, tokens)
-            runs = [measure(endpoint, pid, load) for _ in range(args.paced_runs)]
-            per_burst = streams * tokens / 1e3  # µs per token -> ms per burst
+            rs = runs[(name, tokens)]
+            per_burst = PACED_STREAMS * tokens / 1e3  # µs per token -> ms per burst
             points[tokens] = {
-                "cpu_ms": statistics.median(r["server_cpu_us_per_token"] for r in runs) * per_burst,
-                "loop_cpu_ms": statistics.median(r["loop_cpu_us_per_token"] for r in runs)
+                "cpu_ms": statistics.median(r["server_cpu_us_per_token"] for r in rs) * per_burst,
+                "loop_cpu_ms": statistics.median(r["loop_cpu_us_per_token"] for r in rs)
                 * per_burst,
-                "foreign_load": statistics.median(r["foreign_load"] for r in runs),
+                "foreign_load": statistics.median(r["foreign_load"] for r in rs),
             }
-        xs = list(SPLIT_LENGTHS)
-        fit = {}
-        for key in ("cpu_ms", "loop_cpu_ms"):
-            slope, intercept = statistics.linear_regression(xs, [points[x][key] for x in xs])
-            fit[key] = {"per_step_us": slope * 1e3, "per_request_us": intercept * 1e3 / streams}
-        return {"points": points, "fit": fit}
-
-    results: dict = {"step_ms": args.step_ms, "streams": streams, "connections": conns}
-    with Floor(args.step_ms) as floor:
-        results["pump"] = bursts(floor.endpoint, floor.proc.pid)
-    with Daemon(paced_env(args)) as d:
-        results["zerolayer"] = bursts(d.endpoint, d.proc.pid)
-        d.terminate()
+        fit = {
+            key: split_fit([points[t][key] for t in SPLIT_LENGTHS])
+            for key in ("cpu_ms", "loop_cpu_ms")
+        }
+        per_round_step[name] = [
+            split_fit(
+                [
+                    runs[(name, t)][i]["server_cpu_us_per_token"] * PACED_STREAMS * t / 1e3
+                    for t in SPLIT_LENGTHS
+                ]
+            )["per_step_us"]
+            for i in range(args.paced_runs)
+        ]
+        results[name] = {"points": points, "fit": fit, "per_step_us_rounds": per_round_step[name]}
+    results["per_step_vs_pump"], results["per_step_vs_pump_rounds"] = paired_ratio(
+        per_round_step["zerolayer"], per_round_step["pump"]
+    )
     return results
 
 
@@ -442,10 +536,12 @@ def paced_split_md(r: dict, args) -> str:
         "`python benchmarks/serving.py --scenario paced-split` — the paced burst (synthetic "
         f"step time {r['step_ms']:g} ms, {r['streams']} streams over {r['connections']} "
         f"connections, {args.paced_prompt_len}-id prompts) at "
-        f"{', '.join(map(str, SPLIT_LENGTHS))} tokens per stream, median of "
-        f"{args.paced_runs} runs each; a least-squares line through server CPU per burst "
-        "against tokens per stream: its slope is the cost of one step (a token for each "
-        "stream), its intercept per stream the cost of a request apart from its tokens. "
+        f"{', '.join(map(str, SPLIT_LENGTHS))} tokens per stream; a least-squares line "
+        "through server CPU per burst against tokens per stream: its slope is the cost of one "
+        "step (a token for each stream), its intercept per stream the cost of a request apart "
+        "from its tokens. "
+        + interleaved_md(r["rounds"], "every server at every length")
+        + " "
         + OTHER_LOAD
         + "\n\n"
         + table(
@@ -460,17 +556,38 @@ def paced_split_md(r: dict, args) -> str:
             ],
             rows,
         )
-        + f"\n\nPer step ZeroLayer costs {z['per_step_us'] / f['per_step_us']:.2f}x the pump, "
-        f"per request {z['per_request_us']:.0f} against {f['per_request_us']:.0f} µs."
+        + f"\n\nPer step ZeroLayer costs {r['per_step_vs_pump']:.2f}x the pump (median of the "
+        "per-round ratios of the lines fitted to each round's bursts; per round, in order: "
+        f"{ratio_list(r['per_step_vs_pump_rounds'])}; the lines through the medians give "
+        f"{z['per_step_us'] / f['per_step_us']:.2f}x), per request {z['per_request_us']:.0f} "
+        f"against {f['per_request_us']:.0f} µs."
     )
 
 
 OTHER_LOAD = (
     "Other load: the share of the machine's cores that other processes used during the run "
-    "(median over runs; each measured run first waits up to 20 s for it to fall under 0.10). "
+    "(median over runs; each measured run first waits up to 20 s for it to fall under 0.10)."
+)
+RUN_TO_RUN = (
     "Short runs on a shared VM vary by tens of percent from run to run; compare the rows of one "
     "run."
 )
+
+
+def interleaved_md(rounds: int, each: str) -> str:
+    """The paced scenarios' sentence on how their runs were ordered (``interleaved_runs``)."""
+    return (
+        "A shared VM's speed drifts by tens of percent within minutes, so the runs are "
+        "interleaved round by round: every server is started first (all alive at once) and "
+        f"warmed up with one burst, then {rounds} round{'s' if rounds != 1 else ''}, each "
+        f"running {each} once, in an order rotated round by round so that no server always goes "
+        "first. A figure in the table is the median over rounds; a ratio to the pump is the "
+        "median of the per-round ratios (each against the pump's run of the same round)."
+    )
+
+
+def ratio_list(ratios: Sequence[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in ratios)
 
 
 def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> dict:
@@ -517,10 +634,52 @@ def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> d
     return {"step_ms": step_ms, "steps": steps, "cpu_us_per_step": cpu / max(steps, 1) * 1e6}
 
 
-def cold_call_cost(pause_s: float, calls: int = 60) -> dict[str, float]:
+# A busy loop pinned to one CPU at SCHED_IDLE priority, for at most argv[2] seconds; it prints an
+# empty line once pinned and demoted.
+SPINNER = (
+    "import os, sys, time\n"
+    "cpu, limit = int(sys.argv[1]), float(sys.argv[2])\n"
+    "os.sched_setaffinity(0, {cpu})\n"
+    "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "print(flush=True)\n"
+    "end = time.monotonic() + limit\n"
+    "while time.monotonic() < end:\n"
+    "    pass\n"
+)
+
+
+def can_keep_busy() -> bool:
+    """Whether ``idle_spinner`` can run here: Linux, and at least 2 CPUs this process may use."""
+    return hasattr(os, "SCHED_IDLE") and len(os.sched_getaffinity(0)) >= 2
+
+
+@contextlib.contextmanager
+def idle_spinner(cpu: int, limit_s: float):
+    """A child process busy-looping on ``cpu`` at SCHED_IDLE priority while the block runs (and
+    never longer than ``limit_s``): that CPU never idles, yet a thread waking on it preempts the
+    spinner at once."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPINNER, str(cpu), str(limit_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=child_preexec(),
+    )
+    try:
+        if proc.stdout.readline() != "\n" or os.sched_getscheduler(proc.pid) != os.SCHED_IDLE:
+            raise RuntimeError("the SCHED_IDLE spinner did not start")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def cold_call_cost(pause_s: float, calls: int = 60, keep_busy: bool = False) -> dict[str, float]:
     """Thread CPU (µs) of a few single calls the engine thread could make once per step, each
     measured right after ``pause_s`` of sleep (0: back to back), median over ``calls``: what a
-    call costs on a thread that wakes from a backend call with cold caches."""
+    call costs on a thread that wakes from a backend call. With ``keep_busy`` the measuring
+    thread is pinned to one CPU and an ``idle_spinner`` runs there while it sleeps: a call that
+    then costs what it does back to back pays, after a plain sleep, for the CPU waking from idle
+    (its caches cold after the host ran something else), not for its own working set."""
     import threading
 
     import numpy as np
@@ -534,8 +693,11 @@ def cold_call_cost(pause_s: float, calls: int = 60) -> dict[str, float]:
         "Python loop over 256 ints": lambda: sum(range(256)),
     }
     out: dict[str, float] = {}
+    cpu = max(os.sched_getaffinity(0)) if keep_busy else -1
 
     def body() -> None:
+        if keep_busy:
+            os.sched_setaffinity(0, {cpu})  # this thread only
         for name, op in ops.items():
             times = []
             for _ in range(calls):
@@ -546,9 +708,12 @@ def cold_call_cost(pause_s: float, calls: int = 60) -> dict[str, float]:
                 times.append(time.thread_time_ns() - t0)
             out[name] = statistics.median(times) / 1e3
 
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
+    with contextlib.ExitStack() as stack:
+        if keep_busy:  # started from this thread: child_preexec ties it to the main thread
+            stack.enter_context(idle_spinner(cpu, len(ops) * calls * (pause_s + 0.01) + 30))
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
     return out
 
 
@@ -562,7 +727,12 @@ def engine_step(args) -> dict:
             }
             for ms, rs in runs.items()
         },
-        "cold_calls": {"back_to_back": cold_call_cost(0.0), "after_20ms": cold_call_cost(0.02)},
+        "cold_calls": {
+            "back_to_back": cold_call_cost(0.0),
+            "after_20ms": cold_call_cost(0.02),
+            # None where the CPU cannot be kept busy (not Linux, or a single CPU).
+            "after_20ms_busy": cold_call_cost(0.02, keep_busy=True) if can_keep_busy() else None,
+        },
     }
 
 
@@ -572,8 +742,14 @@ def engine_step_md(r: dict, args) -> str:
         for ms, v in r["steps"].items()
     ]
     cold = r["cold_calls"]
+    busy = cold["after_20ms_busy"]
     call_rows = [
-        [name, f"{us:.1f}", f"{cold['after_20ms'][name]:.1f}"]
+        [
+            name,
+            f"{us:.1f}",
+            f"{cold['after_20ms'][name]:.1f}",
+            f"{busy[name]:.1f}" if busy else "n/a (needs Linux and 2 CPUs)",
+        ]
         for name, us in cold["back_to_back"].items()
     ]
     return (
@@ -586,8 +762,17 @@ def engine_step_md(r: dict, args) -> str:
         + table(["step time ms", "steps", "engine thread CPU µs / step"], rows)
         + "\n\nWhy the pause matters: single calls on a thread of their own, thread CPU "
         "(`time.thread_time_ns`) of one call, median of 60, back to back and right after a "
-        "20 ms sleep (as the engine thread runs after a 20 ms backend call).\n\n"
-        + table(["call", "back to back µs", "after 20 ms µs"], call_rows)
+        "20 ms sleep (as the engine thread runs after a 20 ms backend call); the last column "
+        "sleeps 20 ms too, but with the measuring thread pinned to one CPU and, pinned to the "
+        "same CPU, a child process busy-looping at SCHED_IDLE priority, so the CPU never idles "
+        "while the thread sleeps yet the thread preempts the spinner as soon as it wakes: where a "
+        "call costs there about what it costs back to back, its cost after a plain sleep is the "
+        "CPU waking from idle (caches cold after the host ran something else), not the thread's "
+        "own working set.\n\n"
+        + table(
+            ["call", "back to back µs", "after 20 ms µs", "after 20 ms, CPU kept busy µs"],
+            call_rows,
+        )
     )
 
 
@@ -631,7 +816,10 @@ def flat_md(r: dict, args) -> str:
         )
         + "\n\nZeroLayer's CPU includes its engine thread (scheduling, stop checks, the "
         "hand-off to the event loop) as well as the loop (framing, writes, metrics). Every "
-        "prompt is unique, so the response cache only records (never replays). " + OTHER_LOAD
+        "prompt is unique, so the response cache only records (never replays). "
+        + OTHER_LOAD
+        + " "
+        + RUN_TO_RUN
     )
 
 
@@ -647,6 +835,7 @@ def paced_md(r: dict, args) -> str:
         [
             name,
             f"{x['server_cpu_us_per_token']:.2f}",
+            f"{x['cpu_vs_pump']:.2f}x" if "cpu_vs_pump" in x else "—",
             f"{x['loop_cpu_us_per_token']:.2f}",
             f"{x['server_cpu_us_per_token'] - x['loop_cpu_us_per_token']:.2f}",
             f"{x['median_itl_ms']:.1f}",
@@ -676,7 +865,8 @@ def paced_md(r: dict, args) -> str:
         ],
         [
             "server CPU / token ≤ 1.25x the pump",
-            f"{a['cpu_vs_pump']:.2f}x",
+            f"{a['cpu_vs_pump']:.2f}x (median of the per-round ratios; ratio of the medians "
+            f"{a['cpu_vs_pump_of_medians']:.2f}x)",
             verdict(a["cpu_vs_pump"] <= 1.25),
         ],
         [
@@ -700,16 +890,19 @@ def paced_md(r: dict, args) -> str:
         f"{load['concurrency']} concurrent streams over "
         f"{load['connections']} connections x {load['output_len']} tokens, {r['prompt_len']}-id "
         "prompts, each run one burst of "
-        f"{load['num_requests']} requests into an idle server (closed loop, token ids, no text); "
-        f"median of {args.paced_runs} runs after a warm-up. The pump is a no-logic uvloop server "
+        f"{load['num_requests']} requests into an idle server (closed loop, token ids, no text). "
+        "The pump is a no-logic uvloop server "
         "paced the same way (a tick every step: one TOKEN frame per active stream, one write per "
         "connection). ITL is per token at the client, TTFT from send to first TOKEN frame. "
+        + interleaved_md(r["rounds"], "every server")
+        + " "
         + OTHER_LOAD
         + "\n\n"
         + table(
             [
                 "server",
                 "CPU µs / token",
+                "vs pump",
                 "event loop",
                 "other threads",
                 "ITL P50 ms",
@@ -722,6 +915,11 @@ def paced_md(r: dict, args) -> str:
             ],
             rows,
         )
+        + "\n\nServer CPU per token against the pump, round by round (in round order): "
+        + "; ".join(
+            f"{name}: {ratio_list(x['cpu_vs_pump_rounds'])}" for name, x in servers if x is not f
+        )
+        + "."
         + "\n\nAims (issue 13):\n\n"
         + table(["aim", "measured", ""], aims)
         + "\n\nThe TTFT bound: with the engine defaults (max_step_tokens 512, prefill_chunk "
@@ -748,7 +946,12 @@ def main() -> None:
         default=0.0,
         help="paced: added to a step's pause per prefill token (the pump has no prefill)",
     )
-    ap.add_argument("--paced-runs", type=int, default=3)
+    ap.add_argument(
+        "--paced-runs",
+        type=int,
+        default=3,
+        help="paced, paced-split: rounds, each running every server (at every length) once",
+    )
     ap.add_argument("--paced-prompt-len", type=int, default=16)
     ap.add_argument("--floor-server", type=float, help=argparse_suppress())
     args = ap.parse_args()

@@ -1,0 +1,67 @@
+"""benchmarks/serving.py's helpers: the round-robin order and paired ratios of the interleaved
+paced scenarios, and the SCHED_IDLE spinner of the cold-call diagnostic."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks.serving import can_keep_busy, idle_spinner, paired_ratio, rotations
+
+
+def test_rotations_lead_with_each_item_in_turn():
+    assert rotations(["pump", "a", "b"], 4) == [
+        ["pump", "a", "b"],
+        ["a", "b", "pump"],
+        ["b", "pump", "a"],
+        ["pump", "a", "b"],
+    ]
+    assert rotations(["only"], 2) == [["only"], ["only"]]
+    assert rotations(["pump", "a"], 0) == []
+
+
+def test_rotations_of_server_length_pairs_keep_each_length_together():
+    units = [(name, t) for t in (50, 150) for name in ("pump", "z")]
+    assert rotations(units, 2)[1] == [("z", 50), ("pump", 150), ("z", 150), ("pump", 50)]
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    # The pump drifts 1.0 -> 2.0 -> 1.5 between rounds; ZeroLayer tracks it at 1.2x, 1.3x, 1.1x.
+    pump = [1.0, 2.0, 1.5]
+    zerolayer = [1.2, 2.6, 1.65]
+    median, ratios = paired_ratio(zerolayer, pump)
+    assert ratios == pytest.approx([1.2, 1.3, 1.1])
+    assert median == pytest.approx(1.2)
+    # The ratio of medians mixes rounds: 1.65 / 1.5 = 1.1, not the paired 1.2.
+    assert median != pytest.approx(sorted(zerolayer)[1] / sorted(pump)[1])
+    even, _ = paired_ratio([2.0, 3.0], [1.0, 1.0])
+    assert even == pytest.approx(2.5)
+
+
+def test_paired_ratio_rejects_unpaired_runs():
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        paired_ratio([], [])
+
+
+@pytest.mark.skipif(not can_keep_busy(), reason="needs Linux and 2 CPUs")
+def test_idle_spinner_runs_pinned_at_idle_priority_and_always_dies():
+    cpu = max(os.sched_getaffinity(0))
+    before = _children()
+    with pytest.raises(KeyError), idle_spinner(cpu, 30):
+        new = _children() - before
+        assert len(new) == 1
+        (pid,) = new
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        assert os.sched_getaffinity(pid) == {cpu}
+        raise KeyError("the block fails")
+    assert not os.path.exists(f"/proc/{pid}")  # killed and reaped
+
+
+def _children() -> set[int]:
+    """Child processes started by this process's main thread (as ``idle_spinner`` is here)."""
+    me = os.getpid()
+    with open(f"/proc/{me}/task/{me}/children") as fh:
+        return {int(c) for c in fh.read().split()}
