@@ -26,7 +26,8 @@ engine-step (a diagnostic, its own section): the engine and the synthetic backen
   process on their own thread, no server (outputs dropped), 256 streams x 150 tokens of 16-id
   prompts at several step times: the engine thread's CPU per step, back to back and paced.
 
-    python benchmarks/serving.py [--scenario both|flat|paced|paced-split|engine-step] [--write]
+    python benchmarks/serving.py [--scenario both|flat|paced|paced-split|paced-instructions|
+                                  engine-step] [--write]
 """
 
 from __future__ import annotations
@@ -164,9 +165,9 @@ def run_floor_server(pace_ms: float) -> None:
 class Floor:
     """A floor server subprocess (dies with this process)."""
 
-    def __init__(self, pace_ms: float) -> None:
+    def __init__(self, pace_ms: float, wrapper: Sequence[str] = ()) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--floor-server", str(pace_ms)],
+            [*wrapper, sys.executable, __file__, "--floor-server", str(pace_ms)],
             stdout=subprocess.PIPE,
             text=True,
             preexec_fn=child_preexec(),
@@ -467,6 +468,92 @@ def split_fit(cpu_ms: Sequence[float]) -> dict[str, float]:
     (a token for each stream), its intercept as µs per request."""
     slope, intercept = statistics.linear_regression(SPLIT_LENGTHS, cpu_ms)
     return {"per_step_us": slope * 1e3, "per_request_us": intercept * 1e3 / PACED_STREAMS}
+
+
+def callgrind_total(out_dir: str, pid: int) -> int:
+    """The instruction total of the newest callgrind dump of process ``pid`` in ``out_dir``."""
+    dumps = sorted(Path(out_dir).glob(f"cg.{pid}.*"), key=lambda f: f.stat().st_mtime)
+    if not dumps:
+        raise SystemExit(f"no callgrind dump of process {pid} in {out_dir}")
+    for line in dumps[-1].read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise SystemExit(f"{dumps[-1]}: no instruction total")
+
+
+def paced_instructions(args) -> dict:
+    """User-space instructions per paced burst of the pump and of ZeroLayer, each server run
+    under callgrind: a warm-up burst, counters zeroed, ``--paced-runs`` bursts, one dump."""
+    import shutil
+    import tempfile
+
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        raise SystemExit("--scenario paced-instructions needs valgrind (Debian: valgrind)")
+    load = paced_load(args, PACED_TOKENS)
+    results: dict = {"step_ms": args.step_ms, "bursts": args.paced_runs, "load": load}
+    with tempfile.TemporaryDirectory() as tmp:
+        wrapper = ["valgrind", "--tool=callgrind", f"--log-file={tmp}/log.%p",
+                   f"--callgrind-out-file={tmp}/cg.%p"]  # fmt: skip
+
+        def count(endpoint: str, pid: int) -> dict:
+            measure(endpoint, pid, load, warmup=True)
+            control = ["callgrind_control"]
+            subprocess.run([*control, "-z", str(pid)], check=True, capture_output=True)
+            runs = [measure(endpoint, pid, load, warmup=True) for _ in range(args.paced_runs)]
+            subprocess.run([*control, "-d", str(pid)], check=True, capture_output=True)
+            total = callgrind_total(tmp, pid)
+            return {
+                "instructions_per_burst": total / args.paced_runs,
+                "instructions_per_token": total / sum(r["total_output_tokens"] for r in runs),
+                "median_itl_ms": statistics.median(r["median_itl_ms"] for r in runs),
+            }
+
+        with Floor(args.step_ms, wrapper) as floor:
+            results["pump"] = count(floor.endpoint, floor.proc.pid)
+        with Daemon(paced_env(args), wrapper=wrapper) as d:
+            results["zerolayer"] = count(d.endpoint, d.proc.pid)
+            d.terminate()
+    results["instructions_vs_pump"] = (
+        results["zerolayer"]["instructions_per_token"] / results["pump"]["instructions_per_token"]
+    )
+    return results
+
+
+def paced_instructions_md(r: dict, args) -> str:
+    rows = [
+        [
+            label,
+            f"{r[name]['instructions_per_burst'] / 1e6:.1f}",
+            f"{r[name]['instructions_per_token']:,.0f}",
+            f"{r[name]['instructions_per_token'] / r['pump']['instructions_per_token']:.2f}x",
+            f"{r[name]['median_itl_ms']:.1f}",
+        ]
+        for name, label in (("pump", "uvloop pump (floor)"), ("zerolayer", "zerolayer, default"))
+    ]
+    return (
+        "## Serving layer at a model's pace: instructions per token (callgrind)\n\n"
+        "`python benchmarks/serving.py --scenario paced-instructions` — the paced burst "
+        f"(synthetic step time {r['step_ms']:g} ms, {PACED_STREAMS} streams over "
+        f"{PACED_CONNECTIONS} connections x {PACED_TOKENS} tokens, "
+        f"{args.paced_prompt_len}-id prompts), each server run under valgrind's callgrind: one "
+        f"warm-up burst, then the counters zeroed and {r['bursts']} bursts counted. Callgrind "
+        "counts the server's user-space instructions, all threads: the same count on any load, "
+        "unlike CPU time. It counts no kernel work (the same socket writes for both servers) and "
+        "none of what an instruction costs more on a CPU just woken from idle (the engine-step "
+        "diagnostic), so it is the code's share of the paced CPU, not all of it. Under "
+        "valgrind a server runs tens of times slower: the ITL column shows whether it still "
+        "kept the pace.\n\n"
+        + table(
+            [
+                "server",
+                "M instructions / burst",
+                "instructions / token",
+                "vs pump",
+                "ITL P50 ms (under valgrind)",
+            ],
+            rows,
+        )  # fmt: skip
+    )
 
 
 def paced_split(args) -> dict:
@@ -933,7 +1020,7 @@ def paced_md(r: dict, args) -> str:
 
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    scenarios = ("both", "flat", "paced", "paced-split", "engine-step")
+    scenarios = ("both", "flat", "paced", "paced-split", "paced-instructions", "engine-step")
     ap.add_argument("--scenario", choices=scenarios, default="both")
     ap.add_argument("--streams", type=int, default=64, help="flat: concurrent streams")
     ap.add_argument("--tokens", type=int, default=256, help="flat: tokens per stream")
@@ -972,6 +1059,11 @@ def main() -> None:
         md = paced_split_md(results["paced_split"], args)
         md += "\n\n" + machine_line(results["machine"])
         publish(args, "serving-paced-split", results, md)
+    if args.scenario == "paced-instructions":
+        results = {"machine": machine(), "paced_instructions": paced_instructions(args)}
+        md = paced_instructions_md(results["paced_instructions"], args)
+        md += "\n\n" + machine_line(results["machine"])
+        publish(args, "serving-paced-instructions", results, md)
     if args.scenario in ("both", "paced"):
         plots = RESULTS / "plots" if args.write else None
         results = {"machine": machine(), "paced": paced(args, plots)}

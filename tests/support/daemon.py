@@ -71,7 +71,9 @@ class Daemon:
         env: dict[str, str] | None = None,
         config: str | None = None,
         raw_env: dict[str, str] | None = None,
+        wrapper: list[str] | None = None,
     ) -> None:
+        """``wrapper``: a command the daemon runs under (e.g. valgrind and its options)."""
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
         full_env.update(
             {
@@ -84,7 +86,7 @@ class Daemon:
         )
         full_env.update({f"ZEROLAYER_{k}": str(v) for k, v in (env or {}).items()})
         full_env.update(raw_env or {})
-        cmd = [sys.executable, "-m", "gateway.cli", "serve"]
+        cmd = [*(wrapper or ()), sys.executable, "-m", "gateway.cli", "serve"]
         if config:
             cmd += ["--config", config]
         self.proc = subprocess.Popen(
