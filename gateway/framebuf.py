@@ -7,14 +7,11 @@ offset. Sans-IO like the codec: no socket, no asyncio.
 
 from __future__ import annotations
 
-import numpy as np
-
 from gateway import protocol as p
 
 _pack_token1 = p.TOKEN1_FRAME.pack_into
 _TOKEN = int(p.FrameType.TOKEN)
 _TOKEN1_SIZE = p.TOKEN1_FRAME_SIZE
-_TOKEN1_ID = p.TOKEN1_ID
 _DONE_SIZE = p.DONE_FRAME_SIZE
 
 
@@ -83,15 +80,13 @@ class FrameBuffer:
         self._buf[self._len : self._len + n] = data
         self._len += n
 
-    def token1_column(self, frames: np.ndarray, tokens: np.ndarray) -> None:
-        """One TOKEN frame per stream: ``frames`` is ``p.token1_frames(streams)`` (its header
-        words built once); ``tokens[i]`` goes into frame i, and the frames are appended."""
-        frames[:, _TOKEN1_ID] = tokens
-        n = frames.nbytes
+    def append(self, frames: memoryview) -> None:
+        """Frames encoded elsewhere (a columnar step's TOKEN frames), appended as they are."""
+        n = len(frames)
         end = self._len + n
         if end > len(self._buf):
             self._reserve(n)
-        self._buf[self._len : end] = frames.data
+        self._buf[self._len : end] = frames
         self._len = end
 
     def shrink(self, size: int) -> None:

@@ -27,7 +27,6 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -80,9 +79,10 @@ class Door(Protocol):
     def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
         """The stream ended in an error."""
 
-    def column_writer(self, streams: list[Stream]) -> Callable[[np.ndarray], None]:
-        """A function writing one token per stream per step (``tokens[i]`` to
-        ``streams[i]``), for these streams of this door; made once per engine row set."""
+    def write_frames(self, frames: memoryview) -> None:
+        """Encoded one-id TOKEN frames of a columnar step, for this door's streams (the output
+        processor's ColumnPlan): only streams that take ids without text are columnar, and
+        only the frame door serves those."""
 
     def stream_ended(self, st: Stream) -> None:
         """After the ending was written: forget the stream (and close when draining)."""

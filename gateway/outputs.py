@@ -6,20 +6,23 @@ sequence to ``RequestPath.finished`` (which ends the stream). Outputs of a strea
 ended (cancelled, disconnected) are dropped by looking at the stream, not by a counter.
 
 A columnar step (TokenColumn: one token for each plain decode row) is written through a
-``ColumnPlan`` built once per row set (``TokenColumn.version``): per door, a writer made for its
-rows. The rows' streams are not touched per step: ``settle`` brings their token counts and
-response-cache recordings up to date, and the request path calls ``stream_ended`` (which
-settles, and drops the plan when the stream is one of its rows) before it reads a stream's counts.
+``ColumnPlan`` built once per row set (``TokenColumn.version``). Its rows are streams that take
+ids without text, which only the frame door serves, so the plan holds their TOKEN frames in one
+array, grouped by door: a step fills in the ids (one numpy call) and hands each door its span of
+bytes (``Door.write_frames``). The rows' streams are not touched per step: ``settle`` brings
+their token counts and response-cache recordings up to date, and the request path calls
+``stream_ended`` (which settles, and drops the plan when the stream is one of its rows) before
+it reads a stream's counts.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gateway import protocol as p
 from gateway.engine.engine import NO_TOKEN, NOT_FINISHED, Output, TokenColumn
 from gateway.engine.outbox import Step
 from gateway.ops.metrics import Metrics
@@ -28,40 +31,53 @@ if TYPE_CHECKING:
     from gateway.lifecycle import Door, RequestPath, Stream
 
 _perf = time.perf_counter
+_FRAME, _ID = p.TOKEN1_FRAME_SIZE, p.TOKEN1_ID  # a one-id TOKEN frame: its bytes, its id's word
 
 
 class ColumnPlan:
-    """Writers for the columnar steps of one engine row set; valid while that set is."""
+    """The TOKEN frames of one engine row set's columnar steps, grouped by door; valid while
+    that set is."""
 
-    __slots__ = ("version", "groups", "streams", "members", "recording", "held", "steps")
+    __slots__ = ("version", "perm", "frames", "spans", "streams", "members", "recording",
+                 "held", "steps")  # fmt: skip
 
     def __init__(self, version: int, owners: list[Stream]) -> None:
         self.version = version
         rows_by_door: dict[Door, list[int]] = {}
-        self.streams: list[Stream] = []
         self.recording: list[tuple[int, Stream]] = []
         now = _perf()
         for i, st in enumerate(owners):
             if st.ended:
                 continue
-            rows_by_door.setdefault(st.door, []).append(i)
-            self.streams.append(st)
+            rows = rows_by_door.get(st.door)
+            if rows is None:
+                rows_by_door[st.door] = rows = []
+            rows.append(i)
             if st.rec_ids is not None:
                 self.recording.append((i, st))
             if not st.t_first:  # not reached: a stream's first token comes from its prefill
                 st.t_first = now
+        # The live rows grouped by door: row j of ``frames`` is the frame of ``owners[perm[j]]``.
+        order = [i for rows in rows_by_door.values() for i in rows]
+        self.streams = [owners[i] for i in order]
         self.members = {id(st) for st in self.streams}
-        self.groups: list[tuple[Door, np.ndarray | None, Callable[[np.ndarray], None]]] = []
+        self.perm = None if order == list(range(len(owners))) else np.array(order, np.intp)
+        self.frames = p.token1_frames(np.array([st.key for st in self.streams], np.int64))
+        view = memoryview(self.frames.reshape(-1).view(np.uint8))
+        self.spans: list[tuple[Door, memoryview]] = []
+        start = 0
         for door, rows in rows_by_door.items():
-            index = None if len(rows) == len(owners) else np.array(rows, np.intp)
-            self.groups.append((door, index, door.column_writer([owners[i] for i in rows])))
+            end = start + len(rows) * _FRAME
+            self.spans.append((door, view[start:end]))
+            start = end
         self.held: list[np.ndarray] = []  # the steps' ids since the last settle, when recording
         self.steps = 0  # steps written since the last settle
 
     def write(self, tokens: np.ndarray, dirty: list[Door]) -> int:
         """Write one step's ids; returns the tokens written."""
-        for door, index, write in self.groups:
-            write(tokens if index is None else tokens[index])
+        self.frames[:, _ID] = tokens if self.perm is None else tokens[self.perm]
+        for door, frames in self.spans:
+            door.write_frames(frames)
             if not door.dirty:
                 door.dirty = True
                 dirty.append(door)

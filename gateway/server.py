@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import itertools
 import logging
 import time
 from collections.abc import Callable
-
-import numpy as np
 
 from gateway import protocol as p
 from gateway.codes import ErrorCode, FinishReason
@@ -447,11 +444,8 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._queue_frame(p.encode_error(st.key, code, message, retry_after_ms), "ERROR")
 
-    def column_writer(self, streams: list[Stream]) -> Callable[[np.ndarray], None]:
-        """One TOKEN frame per stream per step; the frames' header words are built once."""
-        return functools.partial(
-            self.out.token1_column, p.token1_frames(np.array([st.key for st in streams]))
-        )
+    def write_frames(self, frames: memoryview) -> None:
+        self.out.append(frames)
 
     def stream_ended(self, st: Stream) -> None:
         if self.streams.get(st.key) is st:

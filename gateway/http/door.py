@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
 from gateway.codes import ErrorCode, FinishReason
 from gateway.engine.backend import ModelInfo
 from gateway.hooks import HookError, Principal
@@ -74,14 +72,6 @@ class Exchange:
         self.stream = reply.stream
         self.started = False  # the streamed response's head and first events are written
         self.parts: list[str] = []  # the text so far (non-streaming)
-
-
-class _NoColumn:
-    """Column steps carry ids without text; an HTTP stream always wants text, so the engine
-    never puts one in a column: nothing is ever written here."""
-
-    def write(self, tokens: np.ndarray) -> None:
-        pass
 
 
 class ApiConnection(HttpConnection):
@@ -230,8 +220,8 @@ class ApiConnection(HttpConnection):
         if self.api.log_requests:
             self._log(ex.request, st.api, err.status, st, detail=message)
 
-    def column_writer(self, streams: list[Stream]) -> _NoColumn:
-        return _NoColumn()
+    def write_frames(self, frames: memoryview) -> None:
+        raise AssertionError("an HTTP stream always wants text: it is never in a column")
 
     def stream_ended(self, st: Stream) -> None:
         if self.st is st:
