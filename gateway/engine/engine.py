@@ -123,7 +123,7 @@ class Sequence:
         self.ignore_eos = ignore_eos  # generate past EOS (vLLM's extension, HTTP only)
         self.fair_key = fair_key  # sequences sharing a key share one turn at admission
         self.matched_stop: str | None = None  # the stop sequence that ended it (finish STOP)
-        self._max_stop = max((len(s) for s in stop_sequences), default=0)
+        self._max_stop = max(map(len, stop_sequences)) if stop_sequences else 0
 
 
 # What one step produced for one sequence, as a plain tuple (one is made per token, so no class):
@@ -262,6 +262,8 @@ class Engine:
         self._last_sampled = np.empty(0, np.int32)
         self._eos = tokenizer.eos_token_ids
         self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
+        # The one EOS id as a decode step's int32 bytes (_any_eos); the backend contract's dtype.
+        self._eos_bytes = np.array(self._eos_ids[:1], np.int32).tobytes()
         self._col: _Columnar | None = None
         # (version, rows) of the column a split step went on with (_split_column)
         self._handoff: tuple[int, list[Sequence]] | None = None
@@ -740,9 +742,15 @@ class Engine:
 
     def _any_eos(self, sampled: np.ndarray) -> bool:
         eos = self._eos_ids
-        if len(eos) == 1:  # the usual case. Not a numpy comparison: after a long backend call
-            # a ufunc costs tens of µs of cold caches, a list search a few (docs/benchmarks.md).
-            return eos[0] in sampled.tolist()
+        if len(eos) == 1:  # the usual case: a byte search, no numpy ufunc and no Python int
+            # per row (after a long backend call a ufunc costs tens of µs; docs/benchmarks.md)
+            data, pattern = sampled.tobytes(), self._eos_bytes
+            at = data.find(pattern)
+            while at >= 0:
+                if at % 4 == 0:  # at an element, not across two
+                    return True
+                at = data.find(pattern, at + 1)
+            return False
         return bool(len(eos) and np.isin(sampled, eos).any())
 
     def _accept_token(

@@ -672,3 +672,15 @@ def test_admission_is_round_robin_across_fairness_keys():
             break
     assert len(order) == 13
     assert order.index("b") <= 3  # after at most the two running and one more of A's
+
+
+def test_the_columnar_eos_check_finds_eos_only_as_a_whole_row():
+    """EOS (257: bytes 01 01 00 00) is found by a byte search of the step's int32 ids: a match
+    across two rows (... 00 00 00 01 | 01 00 00 00 ...) is not EOS."""
+    engine, _ = make_engine(SyntheticBackend(num_slots=2, vocab_size=300, max_context=64))
+    assert TOK.eos_token_ids == frozenset({257})
+    straddle = np.array([7, 0x01000000, 1, 9], np.int32)
+    assert not engine._any_eos(straddle)
+    assert engine._any_eos(np.array([7, 0x01000000, 1, 257], np.int32))
+    assert engine._any_eos(np.array([257], np.int32))
+    assert not engine._any_eos(np.array([256, 258, 0x0102, 0x01010000], np.int32))
