@@ -94,11 +94,16 @@ class ColumnPlan:
         self.steps = 0
         for st in self.streams:
             st.n_ids += k
-        if self.recording:
-            ids = np.stack(self.held)  # [k, rows]
-            self.held = []
-            for i, st in self.recording:
-                st.rec_ids.extend(ids[:, i].tolist())  # type: ignore[union-attr]
+        if self.recording:  # one tolist for all rows, then plain list work per stream
+            held, self.held = self.held, []
+            if k == 1:  # the common case while rows come and go: a settle after every step
+                ids = held[0].tolist()
+                for i, st in self.recording:
+                    st.rec_ids.append(ids[i])  # type: ignore[union-attr]
+            else:
+                rows = np.stack(held, axis=1).tolist()  # [rows][k]
+                for i, st in self.recording:
+                    st.rec_ids.extend(rows[i])  # type: ignore[union-attr]
 
 
 class OutputProcessor:
