@@ -1067,31 +1067,26 @@ def main() -> None:
     args = ap.parse_args()
     if args.floor_server is not None:
         return run_floor_server(args.floor_server)
-    # Each scenario has its own results file and docs section, whichever way it is run.
-    if args.scenario in ("both", "flat"):
-        results = {"machine": machine(), "flat": flat_out(args)}
-        md = flat_md(results["flat"], args) + "\n\n" + machine_line(results["machine"])
-        publish(args, "serving", results, md)
-    if args.scenario == "engine-step":
-        results = {"machine": machine(), "engine_step": engine_step(args)}
-        md = engine_step_md(results["engine_step"], args)
-        md += "\n\n" + machine_line(results["machine"])
-        publish(args, "serving-engine-step", results, md)
-    if args.scenario == "paced-split":
-        results = {"machine": machine(), "paced_split": paced_split(args)}
-        md = paced_split_md(results["paced_split"], args)
-        md += "\n\n" + machine_line(results["machine"])
-        publish(args, "serving-paced-split", results, md)
-    if args.scenario == "paced-instructions":
-        results = {"machine": machine(), "paced_instructions": paced_instructions(args)}
-        md = paced_instructions_md(results["paced_instructions"], args)
-        md += "\n\n" + machine_line(results["machine"])
-        publish(args, "serving-paced-instructions", results, md)
-    if args.scenario in ("both", "paced"):
-        plots = RESULTS / "plots" if args.write else None
-        results = {"machine": machine(), "paced": paced(args, plots)}
-        md = paced_md(results["paced"], args) + "\n\n" + machine_line(results["machine"])
-        publish(args, "serving-paced", results, md)
+    # Each scenario has its own results file and docs section, whichever way it is run:
+    # scenario -> (results name, results key, run, markdown); "both" runs flat and paced.
+    plots = RESULTS / "plots" if args.write else None
+    scenarios_run = {
+        "flat": ("serving", "flat", flat_out, flat_md),
+        "engine-step": ("serving-engine-step", "engine_step", engine_step, engine_step_md),
+        "paced-split": ("serving-paced-split", "paced_split", paced_split, paced_split_md),
+        "paced-instructions": (
+            "serving-paced-instructions",
+            "paced_instructions",
+            paced_instructions,
+            paced_instructions_md,
+        ),
+        "paced": ("serving-paced", "paced", lambda a: paced(a, plots), paced_md),
+    }
+    for scenario in ("flat", "paced") if args.scenario == "both" else (args.scenario,):
+        name, key, run_scenario, md_of = scenarios_run[scenario]
+        results = {"machine": machine(), key: run_scenario(args)}
+        md = md_of(results[key], args) + "\n\n" + machine_line(results["machine"])
+        publish(args, name, results, md)
 
 
 def argparse_suppress() -> str:
