@@ -70,11 +70,6 @@ def _powers(base: int, n: int) -> np.ndarray:
     return np.cumprod(out, dtype=_U64)
 
 
-def fold_one(digest: int, token: int) -> int:
-    """One id into a digest, as ``_fold`` does for every id of a chunk (the reference)."""
-    return (digest * _FOLD + int(_mix(np.array([token], _U64))[0])) % 2**64
-
-
 _MIN_BLOCK, _MAX_BLOCK = 4, 64  # decode steps hashed at once; doubles while the rows stay
 
 

@@ -537,12 +537,12 @@ def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
 def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
     """Chunks fold side by side; the digests and first tokens are those of folding each chunk
     alone, in order, id by id (the reference below)."""
-    from gateway.engine.synthetic import _mix, fold_one, synthetic_tokens
+    from gateway.engine.synthetic import _FOLD, _mix, synthetic_tokens
 
     def reference(digest: np.ndarray, chunk: PrefillChunk) -> int:
         d0 = 0 if chunk.start == 0 else int(digest[chunk.slot])
-        for t in chunk.tokens.tolist():
-            d0 = fold_one(d0, t)
+        for t in chunk.tokens.tolist():  # d = d * _FOLD + mix(id), id by id, in Python ints
+            d0 = (d0 * _FOLD + int(_mix(np.array([t], np.uint64))[0])) % 2**64
         d = np.array([d0], np.uint64)
         token = -1
         if chunk.last:
