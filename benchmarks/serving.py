@@ -11,8 +11,9 @@ flat-out: the synthetic backend with no step time, so the engine runs ahead and 
 paced: the synthetic backend paced like a model (ENGINE__SYNTHETIC_STEP_MS, one pause per engine
   step; see gateway/engine/synthetic.py), 256 concurrent streams over 16 connections x 150
   tokens, each run a burst of 256 requests into an idle server. Floor: a uvloop pump with the
-  same pace: every tick one TOKEN frame per active stream and one write per connection. Measured:
-  server CPU per token, ITL P50/P99 (per token) and TTFT P50/P99 at the client.
+  same pace: every tick one TOKEN frame per active stream and one write per connection; beside
+  it the same pump with its pause on a thread of its own (``Ticker``), as the engine thread's.
+  Measured: server CPU per token, ITL P50/P99 (per token) and TTFT P50/P99 at the client.
 
 paced-split (a diagnostic, its own section): the paced burst at several output lengths, for the
   pump and ZeroLayer: a straight line through server CPU per burst against tokens per stream
@@ -41,6 +42,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,9 +83,10 @@ def _done(stream: int, sent: int) -> bytes:
 class FloorProtocol(asyncio.Protocol):
     """Reads REQUESTs (max_tokens only) and HELLO; ``step`` writes one token per stream."""
 
-    pace_s = 0.0  # 0: flat out (call_soon); > 0: the pump (a shared ticker)
+    pace_s = 0.0  # 0: flat out (call_soon); > 0: the pump (a shared tick)
     conns: set[FloorProtocol] = set()
     ticking = False
+    ticker: Ticker | None = None  # the threaded pump's; None: the loop's own timer paces
 
     def __init__(self) -> None:
         self.buf = bytearray()
@@ -114,8 +117,7 @@ class FloorProtocol(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         if self.pace_s:
             if self.active and not FloorProtocol.ticking:
-                FloorProtocol.ticking = True
-                loop.call_later(self.pace_s, FloorProtocol.tick)
+                FloorProtocol.start_ticking()
         elif self.active and not self.scheduled:
             self.scheduled = True
             loop.call_soon(self.step)
@@ -143,18 +145,48 @@ class FloorProtocol(asyncio.Protocol):
     def tick(cls) -> None:
         for conn in list(cls.conns):
             conn.emit()
-        if any(c.active for c in cls.conns):
-            asyncio.get_running_loop().call_later(cls.pace_s, cls.tick)
-        else:
+        if not any(c.active for c in cls.conns):
             cls.ticking = False
+            if cls.ticker is not None:
+                cls.ticker.wanted.clear()
+        elif cls.ticker is None:
+            asyncio.get_running_loop().call_later(cls.pace_s, cls.tick)
+
+    @classmethod
+    def start_ticking(cls) -> None:
+        cls.ticking = True
+        if cls.ticker is not None:
+            cls.ticker.wanted.set()
+        else:
+            asyncio.get_running_loop().call_later(cls.pace_s, cls.tick)
 
 
-def run_floor_server(pace_ms: float) -> None:
+class Ticker:
+    """The threaded pump's pace: a thread of its own sleeps the step time, then hands the tick
+    to the event loop (``call_soon_threadsafe``) and sleeps again, as ZeroLayer's engine thread
+    hands each step over after its backend call. Its cost against the plain pump's is what
+    running the step's pause on a second thread costs, with no logic on either thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pace_s: float) -> None:
+        self.loop, self.pace_s = loop, pace_s
+        self.wanted = threading.Event()  # set while streams are active
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.wanted.wait()
+            time.sleep(self.pace_s)
+            self.loop.call_soon_threadsafe(FloorProtocol.tick)
+
+
+def run_floor_server(pace_ms: float, threaded: bool = False) -> None:
     import uvloop
 
     FloorProtocol.pace_s = pace_ms / 1000.0
 
     async def main() -> None:
+        if threaded:
+            FloorProtocol.ticker = Ticker(asyncio.get_running_loop(), FloorProtocol.pace_s)
         server = await asyncio.get_running_loop().create_server(FloorProtocol, "127.0.0.1", 0)
         print(server.sockets[0].getsockname()[1], flush=True)
         await asyncio.Event().wait()
@@ -165,9 +197,10 @@ def run_floor_server(pace_ms: float) -> None:
 class Floor:
     """A floor server subprocess (dies with this process)."""
 
-    def __init__(self, pace_ms: float, wrapper: Sequence[str] = ()) -> None:
+    def __init__(self, pace_ms: float, wrapper: Sequence[str] = (), threaded: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, __file__, "--floor-server", str(pace_ms)],
+            [*wrapper, sys.executable, __file__, "--floor-server", str(pace_ms)]
+            + (["--floor-threaded"] if threaded else []),
             stdout=subprocess.PIPE,
             text=True,
             preexec_fn=child_preexec(),
@@ -359,11 +392,14 @@ Servers = dict[str, tuple[str, int]]  # server name -> (endpoint, pid)
 
 @contextlib.contextmanager
 def paced_servers(args, variants: dict[str, dict[str, str]]):
-    """The pump ("pump") and a daemon for each variant's env, all started before any is
-    measured and alive together; yields name -> (endpoint, pid)."""
+    """The pump ("pump"), the threaded pump ("pump_threaded": the pause on a thread of its own,
+    ``Ticker``) and a daemon for each variant's env, all started before any is measured and
+    alive together; yields name -> (endpoint, pid)."""
     with contextlib.ExitStack() as stack:
-        floor = stack.enter_context(Floor(args.step_ms))
-        servers: Servers = {"pump": (floor.endpoint, floor.proc.pid)}
+        servers: Servers = {}
+        for name, threaded in (("pump", False), ("pump_threaded", True)):
+            floor = stack.enter_context(Floor(args.step_ms, threaded=threaded))
+            servers[name] = (floor.endpoint, floor.proc.pid)
         daemons = []
         for name, env in variants.items():
             d = stack.enter_context(Daemon(env))
@@ -423,14 +459,17 @@ def paced(args, plots: Path | None) -> dict:
     }
     for name, rs in reports.items():
         results[name] = median_of(rs)
-    pump_cpu = [r["server_cpu_us_per_token"] for r in reports["pump"]]
-    for name in variants:
+    cpu = {name: [r["server_cpu_us_per_token"] for r in rs] for name, rs in reports.items()}
+    for name in ("pump_threaded", *variants):
         x = results[name]
-        x["cpu_vs_pump"], x["cpu_vs_pump_rounds"] = paired_ratio(
-            [r["server_cpu_us_per_token"] for r in reports[name]], pump_cpu
-        )
+        x["cpu_vs_pump"], x["cpu_vs_pump_rounds"] = paired_ratio(cpu[name], cpu["pump"])
         x["cpu_vs_pump_of_medians"] = (
             x["server_cpu_us_per_token"] / results["pump"]["server_cpu_us_per_token"]
+        )
+    for name in variants:
+        x = results[name]
+        x["cpu_vs_pump_threaded"], x["cpu_vs_pump_threaded_rounds"] = paired_ratio(
+            cpu[name], cpu["pump_threaded"]
         )
     # A step lasts the pause plus the engine's own work: its length is the variant's median ITL.
     for key, budget in (("", step_tokens), ("_wide_budget", wide)):
@@ -448,6 +487,9 @@ def paced(args, plots: Path | None) -> dict:
         "cpu_vs_pump": z["cpu_vs_pump"],
         "cpu_vs_pump_rounds": z["cpu_vs_pump_rounds"],
         "cpu_vs_pump_of_medians": z["cpu_vs_pump_of_medians"],
+        # The pause on a thread of its own, no logic (Ticker): what that part of the design costs.
+        "pump_threaded_vs_pump": results["pump_threaded"]["cpu_vs_pump"],
+        "cpu_vs_pump_threaded": z["cpu_vs_pump_threaded"],
         "ttft_p99_ms": z["p99_ttft_ms"],
         "ttft_p99_ms_wide_budget": results["zerolayer_wide_budget"]["p99_ttft_ms"],
     }
@@ -622,12 +664,23 @@ def paced_split(args) -> dict:
     results["per_step_vs_pump"], results["per_step_vs_pump_rounds"] = paired_ratio(
         per_round_step["zerolayer"], per_round_step["pump"]
     )
+    results["per_step_vs_pump_threaded"], _ = paired_ratio(
+        per_round_step["zerolayer"], per_round_step["pump_threaded"]
+    )
+    results["pump_threaded_per_step_vs_pump"], _ = paired_ratio(
+        per_round_step["pump_threaded"], per_round_step["pump"]
+    )
     return results
 
 
 def paced_split_md(r: dict, args) -> str:
     rows = []
-    for name, label in (("pump", "uvloop pump (floor)"), ("zerolayer", "zerolayer, default")):
+    labels = (
+        ("pump", "uvloop pump (floor)"),
+        ("pump_threaded", "uvloop pump, pause on a thread"),
+        ("zerolayer", "zerolayer, default"),
+    )
+    for name, label in labels:
         fit, points = r[name]["fit"], r[name]["points"]
         rows.append(
             [
@@ -670,7 +723,10 @@ def paced_split_md(r: dict, args) -> str:
         "per-round ratios of the lines fitted to each round's bursts; per round, in order: "
         f"{ratio_list(r['per_step_vs_pump_rounds'])}; the lines through the medians give "
         f"{z['per_step_us'] / f['per_step_us']:.2f}x), per request {z['per_request_us']:.0f} "
-        f"against {f['per_request_us']:.0f} µs."
+        f"against {f['per_request_us']:.0f} µs. Against the pump with its pause on a thread, "
+        f"ZeroLayer's step costs {r['per_step_vs_pump_threaded']:.2f}x, and that pump's step "
+        f"{r['pump_threaded_per_step_vs_pump']:.2f}x the plain pump's (medians of per-round "
+        "ratios)."
     )
 
 
@@ -702,8 +758,6 @@ def ratio_list(ratios: Sequence[float]) -> str:
 
 def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> dict:
     """The engine thread's CPU per step for one burst, with outputs dropped (no server)."""
-    import threading
-
     import numpy as np
 
     from gateway.engine.engine import Engine, Sequence
@@ -790,8 +844,6 @@ def cold_call_cost(pause_s: float, calls: int = 60, keep_busy: bool = False) -> 
     thread is pinned to one CPU and an ``idle_spinner`` runs there while it sleeps: a call that
     then costs what it does back to back pays, after a plain sleep, for the CPU waking from idle
     (its caches cold after the host ran something else), not for its own working set."""
-    import threading
-
     import numpy as np
 
     a = np.arange(256, dtype=np.int32)
@@ -937,6 +989,7 @@ def paced_md(r: dict, args) -> str:
     z, f, a = r["zerolayer"], r["pump"], r["aims"]
     servers = (
         ("uvloop pump (floor)", f),
+        ("uvloop pump, pause on a thread", r["pump_threaded"]),
         ("zerolayer (synthetic, paced)", z),
         ("zerolayer, response cache off", r["zerolayer_cache_off"]),
         (f"zerolayer, max_step_tokens {r['wide_budget']}", r["zerolayer_wide_budget"]),
@@ -980,6 +1033,12 @@ def paced_md(r: dict, args) -> str:
             verdict(a["cpu_vs_pump"] <= 1.25),
         ],
         [
+            "(context, not an aim) the same against the pump with its pause on a thread",
+            f"{a['cpu_vs_pump_threaded']:.2f}x; that pump itself {a['pump_threaded_vs_pump']:.2f}x "
+            "the pump",
+            "",
+        ],
+        [
             f"TTFT P99 ≤ {r['ttft_p99_bound_ms']:.0f} ms (step {r['cover_step_p99']} + 2)",
             f"{a['ttft_p99_ms']:.0f} ms",
             verdict(a["ttft_p99_ms"] <= r["ttft_p99_bound_ms"]),
@@ -1003,7 +1062,11 @@ def paced_md(r: dict, args) -> str:
         f"{load['num_requests']} requests into an idle server (closed loop, token ids, no text). "
         "The pump is a no-logic uvloop server "
         "paced the same way (a tick every step: one TOKEN frame per active stream, one write per "
-        "connection). ITL is per token at the client, TTFT from send to first TOKEN frame. "
+        "connection), its pause a timer of its event loop; the pump with its pause on a thread "
+        "does the same, but a second thread sleeps the step time and hands each tick to the "
+        "event loop, as ZeroLayer's engine thread hands over each step after its backend call "
+        "(which a real backend needs: a device call blocks its thread). "
+        "ITL is per token at the client, TTFT from send to first TOKEN frame. "
         + interleaved_md(r["rounds"], "every server")
         + " "
         + OTHER_LOAD
@@ -1064,9 +1127,10 @@ def main() -> None:
     )
     ap.add_argument("--paced-prompt-len", type=int, default=16)
     ap.add_argument("--floor-server", type=float, help=argparse_suppress())
+    ap.add_argument("--floor-threaded", action="store_true", help=argparse_suppress())
     args = ap.parse_args()
     if args.floor_server is not None:
-        return run_floor_server(args.floor_server)
+        return run_floor_server(args.floor_server, args.floor_threaded)
     # Each scenario has its own results file and docs section, whichever way it is run:
     # scenario -> (results name, results key, run, markdown); "both" runs flat and paced.
     plots = RESULTS / "plots" if args.write else None

@@ -65,3 +65,22 @@ def _children() -> set[int]:
     me = os.getpid()
     with open(f"/proc/{me}/task/{me}/children") as fh:
         return {int(c) for c in fh.read().split()}
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_paced_pumps_serve_every_token_and_done(threaded: bool):
+    """Both paced pumps, the loop's timer or a thread pacing (``Ticker``), answer a small
+    burst in full: every stream gets all its tokens and its DONE."""
+    import asyncio
+
+    from benchmarks.serving import Floor
+    from gateway.bench import BenchOptions, run
+
+    with Floor(2.0, threaded=threaded) as floor:
+        opts = BenchOptions(
+            endpoint=floor.endpoint, concurrency=6, num_requests=12, input_len="4",
+            output_len="5", connections=2, text_deltas=False, seed=1,
+        )  # fmt: skip
+        report = asyncio.run(run(opts))
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["total_output_tokens"] == 12 * 5
