@@ -138,20 +138,26 @@ class SyntheticBackend(Backend, PrefixKV):
 
     def _prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         """Each chunk's ids fold into its slot's digest in order; the chunks (distinct slots)
-        fold side by side, all positions at once (``_fold``)."""
+        fold side by side, all positions at once (``_fold``). Every id is addressed by its
+        (chunk, column) pair, so gathering the ids and storing the "KV" are one numpy call each
+        whatever the number of chunks (this runs on the engine thread, where a call costs)."""
         n = len(chunks)
         kv = self._kv
-        digests = np.array([0 if c.start == 0 else kv[c.slot, c.start - 1] for c in chunks], _U64)
-        lengths = [len(c.tokens) for c in chunks]
-        ids = np.zeros((n, max(lengths, default=0)), _U64)
-        for i, chunk in enumerate(chunks):
-            ids[i, : lengths[i]] = chunk.tokens
+        slots = np.fromiter([c.slot for c in chunks], np.intp, n)
+        starts = np.fromiter([c.start for c in chunks], np.intp, n)
+        lengths = np.fromiter([len(c.tokens) for c in chunks], np.intp, n)
+        # A chunk goes on from the digest of the position before it (0 at the prompt's start).
+        digests = np.where(starts > 0, kv[slots, np.maximum(starts - 1, 0)], _U64(0))
+        row = np.repeat(np.arange(n), lengths)  # each id's chunk ...
+        col = np.arange(len(row)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # ... column
+        ids = np.zeros((n, int(lengths.max(initial=0))), _U64)
+        ids[row, col] = np.concatenate([c.tokens for c in chunks])
         history = self._fold(digests, ids)  # the digest after each id: the chunk's "KV"
-        for i, chunk in enumerate(chunks):
-            kv[chunk.slot, chunk.start : chunk.start + lengths[i]] = history[i, : lengths[i]]
+        kv[slots[row], starts[row] + col] = history[row, col]
         if ids.shape[1]:  # each chunk's digest after its last id (an empty chunk keeps its own)
-            lens = np.array(lengths, np.intp)
-            digests = np.where(lens > 0, history[np.arange(n), np.maximum(lens - 1, 0)], digests)
+            digests = np.where(
+                lengths > 0, history[np.arange(n), np.maximum(lengths - 1, 0)], digests
+            )
         last = np.array([c.last for c in chunks], np.bool_)
         seeded = np.array([c.last and c.sampling.seeded for c in chunks], np.bool_)
         if seeded.any():
@@ -159,9 +165,8 @@ class SyntheticBackend(Backend, PrefixKV):
             digests[seeded] = _mix(digests[seeded] ^ seeds[seeded])
         out = np.full(n, -1, np.int32)
         if last.any():
-            ends = np.array([c.start + len(c.tokens) for c in chunks], _U64)
-            out[last] = synthetic_tokens(digests[last], ends[last])
-        self._digest[[c.slot for c in chunks]] = digests
+            out[last] = synthetic_tokens(digests[last], (starts + lengths)[last])
+        self._digest[slots] = digests
         return out
 
     def _fold(self, digests: np.ndarray, ids: np.ndarray) -> np.ndarray:
