@@ -24,8 +24,10 @@ costs next to nothing), warmed up once, then each round runs every burst once, t
 round by round (``rotations``). A shared VM's speed drifts by tens of percent over minutes, so a
 ratio to the pump is taken within each round and the median taken over rounds (``paired_ratio``).
 engine-step (a diagnostic, its own section): the engine and the synthetic backend in this
-  process on their own thread, no server (outputs dropped), 256 streams x 150 tokens of 16-id
-  prompts at several step times: the engine thread's CPU per step, back to back and paced.
+  process on their own thread, no server (outputs through the Outbox to an event loop that
+  drops them), 256 streams x 150 tokens of 16-id prompts at several step times: the engine
+  thread's CPU per step, back to back and paced, by kind of step, and what parts of a steady
+  step cost (``ablations``: each left out of every other step, paired within a burst).
 
     python benchmarks/serving.py [--scenario both|flat|paced|paced-split|paced-instructions|
                                   engine-step] [--write]
@@ -44,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -765,16 +767,36 @@ def ratio_list(ratios: Sequence[float]) -> str:
 
 
 STEP_KINDS = ("admitting", "ending", "steady")
+# Parts of a steady step that engine_step_cost(skip=...) leaves out of every other step: the
+# engine's attribute, and what stands in for it (given the real one and the call's arguments).
+ABLATIONS: dict[str, tuple[str, Callable[..., object]]] = {
+    # A step with outputs still hands them over (they end sequences): only a column is dropped.
+    "hand-off to the event loop": (
+        "_deliver",
+        lambda real, out, col: real(out, col) if out else None,
+    ),
+    "step metrics": ("_report", lambda real, *args: None),
+    "EOS check": ("_any_eos", lambda real, sampled: False),
+}
+NOTHING = "nothing"  # skip=NOTHING: steps split by turns as for a part, none left out
 
 
-def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> dict:
-    """The engine thread's CPU per step for one burst, with outputs dropped (no server); and
-    by kind of step, the thread CPU from one step's end to the next's: "admitting" (sequences
-    waiting or prefilling when it began: the admission ramp), "ending" (some sequence ended in
-    it), "steady" (neither: the decode rows go on unchanged)."""
+def engine_step_cost(
+    step_ms: float, streams: int = 256, tokens: int = 150, skip: str | None = None
+) -> dict:
+    """The engine thread's CPU per step for one burst, its outputs handed through the daemon's
+    Outbox to an event loop on a thread of its own, which drops them (no server); and by kind of
+    step, the thread CPU from one step's end to the next's: "admitting" (sequences waiting or
+    prefilling when it began: the admission ramp), "ending" (some sequence ended in it),
+    "steady" (neither: the decode rows go on unchanged). With ``skip`` (an ABLATIONS key, or
+    NOTHING) every other step leaves that part out, and the steady steps' median is kept apart
+    for steps with it and without it: a difference paired within one burst, free of the host's
+    drift between runs."""
     import numpy as np
+    import uvloop
 
     from gateway.engine.engine import Engine, Sequence
+    from gateway.engine.outbox import Outbox
     from gateway.engine.synthetic import SyntheticBackend
     from gateway.engine.types import SamplingRow
     from gateway.tokenizer import ByteTokenizer
@@ -782,21 +804,33 @@ def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> d
     finished = threading.Event()
     ended = [0]
 
-    def deliver(outputs, column) -> None:  # noqa: ANN001
-        ended[0] += sum(1 for o in outputs if o[3] >= 0)
+    def consume(steps) -> None:  # noqa: ANN001 - on the event loop
+        for outputs, _ in steps:
+            ended[0] += sum(1 for o in outputs if o[3] >= 0)
         if ended[0] >= streams:
             finished.set()
 
+    loop = uvloop.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    outbox = Outbox()
+    outbox.attach(loop, consume)
     backend = SyntheticBackend(streams, VOCAB, 2048, step_ms=step_ms)
     engine = Engine(
         backend,
         ByteTokenizer(VOCAB),
-        deliver,
+        outbox.put,
         max_queue=4 * streams,
         max_step_tokens=512,
         prefill_chunk=256,
     )
+    skipping = [False]  # whether the step under way leaves ``skip`` out
+    if skip is not None and skip != NOTHING:
+        attr, stand_in = ABLATIONS[skip]
+        real = getattr(engine, attr)
+        setattr(engine, attr, lambda *a: stand_in(real, *a) if skipping[0] else real(*a))
     kinds: dict[str, list[int]] = {kind: [] for kind in STEP_KINDS}
+    steady_by_skip: dict[bool, list[int]] = {False: [], True: []}
     last_end = [0]
     step_columns = engine.step_columns
 
@@ -808,7 +842,12 @@ def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> d
             ending = any(o[3] >= 0 for o in outputs)
             kind = "admitting" if admitting else "ending" if ending else "steady"
             kinds[kind].append(now - last_end[0])
+            if kind == "steady":
+                steady_by_skip[skipping[0]].append(now - last_end[0])
         last_end[0] = now
+        # The next step's turn; this step's hand-off comes after this, so it counts (in time
+        # and in being skipped) with the next step, as it does in that step's interval.
+        skipping[0] = skip is not None and not skipping[0]
         return outputs, column
 
     engine.step_columns = timed_step  # type: ignore[method-assign]
@@ -825,19 +864,38 @@ def engine_step_cost(step_ms: float, streams: int = 256, tokens: int = 150) -> d
         cpu, steps = cpu_seconds(os.getpid(), tid) - cpu0, engine.steps - steps0
     finally:
         engine.stop()
+        outbox.close()
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join()
+        loop.close()
+
+    def median_us(ns: list[int]) -> float:
+        return statistics.median(ns) / 1e3 if ns else 0.0
+
     return {
         "step_ms": step_ms,
         "steps": steps,
         "cpu_us_per_step": cpu / max(steps, 1) * 1e6,
+        "steady_us_with": median_us(steady_by_skip[False]),
+        "steady_us_without": median_us(steady_by_skip[True]),
         "kinds": {
-            kind: {
-                "steps": len(ns),
-                "median_us": statistics.median(ns) / 1e3 if ns else 0.0,
-                "ms_per_burst": sum(ns) / 1e6,
-            }
+            kind: {"steps": len(ns), "median_us": median_us(ns), "ms_per_burst": sum(ns) / 1e6}
             for kind, ns in kinds.items()
         },
     }
+
+
+def ablations(runs: int) -> dict[str, dict[str, float]]:
+    """At 20 ms, per ABLATIONS part (and NOTHING, where both halves keep everything: the
+    pairing's own spread), the steady steps' median with the part and without it, medians over
+    ``runs`` bursts, and their difference: what the part costs a steady step."""
+    out = {}
+    for name in (NOTHING, *ABLATIONS):
+        rs = [engine_step_cost(20.0, skip=name) for _ in range(runs)]
+        with_us = statistics.median(r["steady_us_with"] for r in rs)
+        without_us = statistics.median(r["steady_us_without"] for r in rs)
+        out[name] = {"with_us": with_us, "without_us": without_us, "cost_us": with_us - without_us}
+    return out
 
 
 def sleep_floor(pause_s: float, n: int = 150) -> float:
@@ -957,6 +1015,7 @@ def engine_step(args) -> dict:
             for kind in STEP_KINDS
         },
         "sleep_floor_20ms_us": sleep_floor(0.02),
+        "ablations_20ms": ablations(args.runs),
         "cold_calls": {
             "back_to_back": cold_call_cost(0.0),
             "after_20ms": cold_call_cost(0.02),
@@ -985,7 +1044,8 @@ def engine_step_md(r: dict, args) -> str:
     return (
         "## Engine thread CPU per step, back to back and paced (diagnostic)\n\n"
         "`python benchmarks/serving.py --scenario engine-step` — the engine and the synthetic "
-        "backend in the benchmark's process on their own thread, no server (outputs dropped), "
+        "backend in the benchmark's process on their own thread, no server (outputs handed "
+        "through the daemon's Outbox to an event loop thread that drops them), "
         "one burst of 256 streams x 150 tokens with 16-id prompts; CPU of the engine thread "
         f"(schedstat) per step, median of {args.runs} runs. The work per step is the same at "
         "every step time; what changes is the pause before it.\n\n"
@@ -1001,6 +1061,19 @@ def engine_step_md(r: dict, args) -> str:
             [
                 [kind, f"{k['steps']:.0f}", f"{k['median_us']:.0f}", f"{k['ms_per_burst']:.1f}"]
                 for kind, k in r["kinds_20ms"].items()
+            ],
+        )
+        + "\n\nWhat parts of a steady step cost at 20 ms, paired within each burst: every other "
+        "step leaves the part out (the hand-off of a step that has only a column to hand over; "
+        "the step's metrics call; the columnar EOS check), and the steady steps' median with it "
+        "is set against the median without it, both medians over "
+        f"{args.runs} bursts. The first row leaves nothing out: its difference is the pairing's "
+        "own spread.\n\n"
+        + table(
+            ["left out of every other step", "steady step with it µs", "without it µs", "cost µs"],
+            [
+                [name, f"{a['with_us']:.0f}", f"{a['without_us']:.0f}", f"{a['cost_us']:+.0f}"]
+                for name, a in r["ablations_20ms"].items()
             ],
         )
         + "\n\nWhy the pause matters: single calls on a thread of their own, thread CPU "

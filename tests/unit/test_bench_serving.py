@@ -84,3 +84,17 @@ def test_paced_pumps_serve_every_token_and_done(threaded: bool):
         report = asyncio.run(run(opts))
     assert report["completed"] == 12 and report["failed"] == 0
     assert report["total_output_tokens"] == 12 * 5
+
+
+@pytest.mark.parametrize("skip", [None, "nothing", "hand-off to the event loop", "EOS check"])
+def test_engine_step_burst_ends_whatever_part_every_other_step_leaves_out(skip):
+    """The engine-step diagnostic's burst runs to its end with a part left out of every other
+    step (outputs that end sequences are still handed over), and splits its steady steps into
+    the two halves it compares only when asked to."""
+    from benchmarks.serving import engine_step_cost
+
+    r = engine_step_cost(0.0, streams=8, tokens=40, skip=skip)
+    assert r["steps"] >= 40
+    assert r["kinds"]["steady"]["steps"] > 20
+    assert r["steady_us_with"] > 0
+    assert (r["steady_us_without"] > 0) == (skip is not None)
