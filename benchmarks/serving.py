@@ -1041,6 +1041,14 @@ def engine_step_md(r: dict, args) -> str:
         ]
         for name, us in cold["back_to_back"].items()
     ]
+    kind_rows = [
+        [kind, f"{k['steps']:.0f}", f"{k['median_us']:.0f}", f"{k['ms_per_burst']:.1f}"]
+        for kind, k in r["kinds_20ms"].items()
+    ]
+    part_rows = [
+        [name, f"{a['with_us']:.0f}", f"{a['without_us']:.0f}", f"{a['cost_us']:+.0f}"]
+        for name, a in r["ablations_20ms"].items()
+    ]
     return (
         "## Engine thread CPU per step, back to back and paced (diagnostic)\n\n"
         "`python benchmarks/serving.py --scenario engine-step` — the engine and the synthetic "
@@ -1056,13 +1064,7 @@ def engine_step_md(r: dict, args) -> str:
         "ending steps ended some sequence, steady steps did neither. A thread that only sleeps "
         f"20 ms a step costs {r['sleep_floor_20ms_us']:.0f} µs a step (median of 150): the "
         "floor of any step after a backend call.\n\n"
-        + table(
-            ["kind of step", "steps / burst", "median µs / step", "ms / burst"],
-            [
-                [kind, f"{k['steps']:.0f}", f"{k['median_us']:.0f}", f"{k['ms_per_burst']:.1f}"]
-                for kind, k in r["kinds_20ms"].items()
-            ],
-        )
+        + table(["kind of step", "steps / burst", "median µs / step", "ms / burst"], kind_rows)
         + "\n\nWhat parts of a steady step cost at 20 ms, paired within each burst: every other "
         "step leaves the part out (the hand-off of a step that has only a column to hand over; "
         "the step's metrics call; the columnar EOS check), and the steady steps' median with it "
@@ -1071,10 +1073,7 @@ def engine_step_md(r: dict, args) -> str:
         "own spread.\n\n"
         + table(
             ["left out of every other step", "steady step with it µs", "without it µs", "cost µs"],
-            [
-                [name, f"{a['with_us']:.0f}", f"{a['without_us']:.0f}", f"{a['cost_us']:+.0f}"]
-                for name, a in r["ablations_20ms"].items()
-            ],
+            part_rows,
         )
         + "\n\nWhy the pause matters: single calls on a thread of their own, thread CPU "
         "(`time.thread_time_ns`) of one call, median of 60, back to back and right after a "
