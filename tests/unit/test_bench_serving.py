@@ -79,7 +79,7 @@ def test_paced_pumps_serve_every_token_and_done(threaded: bool):
     with Floor(2.0, threaded=threaded) as floor:
         opts = BenchOptions(
             endpoint=floor.endpoint, concurrency=6, num_requests=12, input_len="4",
-            output_len="5", connections=2, text_deltas=False, seed=1,
+            output_len="5", connections=2, text_deltas=False, seed=1, request_timeout=30,
         )  # fmt: skip
         report = asyncio.run(run(opts))
     assert report["completed"] == 12 and report["failed"] == 0
