@@ -451,6 +451,7 @@ def paced(args, plots: Path | None) -> dict:
     variants = {
         "zerolayer": env,
         "zerolayer_cache_off": {**env, "CACHE__ENABLED": "false"},
+        "zerolayer_prefix_off": {**env, "ENGINE__PREFIX_CACHE": "false"},
         "zerolayer_wide_budget": {**env, "ENGINE__MAX_STEP_TOKENS": str(wide)},
     }
     with paced_servers(args, variants) as servers:
@@ -1145,6 +1146,7 @@ def paced_md(r: dict, args) -> str:
         ("uvloop pump, pause on a thread", r["pump_threaded"]),
         ("zerolayer (synthetic, paced)", z),
         ("zerolayer, response cache off", r["zerolayer_cache_off"]),
+        ("zerolayer, prefix cache off", r["zerolayer_prefix_off"]),
         (f"zerolayer, max_step_tokens {r['wide_budget']}", r["zerolayer_wide_budget"]),
     )
     rows = [
