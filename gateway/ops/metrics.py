@@ -15,7 +15,12 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
 from gateway.codes import DONE_REASONS, ErrorCode
@@ -60,10 +65,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512
 
 
 class Tally:
-    """A counter that ONE thread writes (the event loop, or the engine thread), so ``inc`` takes
-    no lock: one attribute add. prometheus-client's children lock and check on every call, which
-    per engine step and per write costs more than the work they count (docs/benchmarks.md, paced
-    serving). A scrape reads ``value`` through ``TallyFamilies``."""
+    """A counter or gauge that ONE thread writes (the event loop, or the engine thread), so
+    ``inc`` and ``set`` take no lock: one attribute write. prometheus-client's children lock and
+    check on every call, which per engine step and per write costs more than the work they count
+    (docs/benchmarks.md, paced serving). A scrape reads ``value`` through ``TallyFamilies``."""
 
     __slots__ = ("value",)
 
@@ -72,6 +77,9 @@ class Tally:
 
     def inc(self, amount: float = 1.0) -> None:
         self.value += amount
+
+    def set(self, value: float) -> None:
+        self.value = value
 
 
 class TallyHistogram:
@@ -96,6 +104,7 @@ class TallyFamilies:
     def __init__(self) -> None:
         self.created = time.time()
         self._counters: list[tuple[str, str, list[str], dict[tuple[str, ...], Tally]]] = []
+        self._gauges: list[tuple[str, str, list[str], dict[tuple[str, ...], Tally]]] = []
         self._histograms: list[tuple[str, str, TallyHistogram]] = []
 
     def counter(
@@ -105,6 +114,14 @@ class TallyFamilies:
         value tuple."""
         children = {values: Tally() for values in label_values}
         self._counters.append((name, doc, labelnames, children))
+        return children
+
+    def gauge(
+        self, name: str, doc: str, labelnames: list[str], label_values: list[tuple[str, ...]]
+    ) -> dict[tuple[str, ...], Tally]:
+        """A gauge family with one Tally per label value tuple (``set`` by its one writer)."""
+        children = {values: Tally() for values in label_values}
+        self._gauges.append((name, doc, labelnames, children))
         return children
 
     def histogram(self, name: str, doc: str, bounds: tuple[float, ...]) -> TallyHistogram:
@@ -118,6 +135,11 @@ class TallyFamilies:
             for values, tally in list(children.items()):  # a copy: _new_child may add one
                 family.add_metric(values, tally.value, created=self.created)
             yield family
+        for name, doc, labelnames, children in self._gauges:
+            gauge = GaugeMetricFamily(name, doc, labels=labelnames)
+            for values, tally in children.items():
+                gauge.add_metric(values, tally.value)
+            yield gauge
         for name, doc, hist in self._histograms:
             cumulative = list(itertools.accumulate(hist.counts))
             les = [*map(floatToGoString, hist.bounds), "+Inf"]
@@ -130,9 +152,9 @@ class Metrics:
 
     Callable from the event loop and the engine thread alike: prometheus-client locks each
     child, except for the Tally metrics, each of which has one writer: the engine thread
-    (``engine_step``) or the event loop (the per-request families: ``request_finished``,
-    ``request_error``, ``inter_token``; and ``frames``, ``bytes``). ``registry`` is where
-    other collectors (neuron-monitor) register too.
+    (``engine_step``, ``prefix_lookup``, ``prefix_bytes``) or the event loop (the per-request
+    families: ``request_finished``, ``request_error``, ``inter_token``; and ``frames``,
+    ``bytes``). ``registry`` is where other collectors (neuron-monitor) register too.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -203,24 +225,28 @@ class Metrics:
         self.kv_slots_used = Gauge(
             p + "kv_slots_used_ratio", "Fraction of KV-cache slots in use (0..1).", registry=r
         )
-        self.prefix_queries = Counter(
+        # Written by the prefix store's owner: the engine thread (once per admitted request and
+        # per prompt whose blocks it keeps), or start-up before it runs.
+        self._prefix_queries = tallies.counter(
             p + "prefix_cache_queries",
             "Prompt tokens of requests looked up in the prefix store.",
-            registry=r,
-        )
-        self.prefix_hits = Counter(
+            [],
+            [()],
+        )[()]
+        self._prefix_hits = tallies.counter(
             p + "prefix_cache_hits",
             "Prompt tokens whose KV was copied from the prefix store instead of prefilled.",
-            registry=r,
-        )
-        prefix_bytes = Gauge(
+            [],
+            [()],
+        )[()]
+        prefix_bytes = tallies.gauge(
             p + "prefix_cache_bytes",
             "KV bytes held by the prefix store: pinned (registered prompts) and cached (LRU).",
             ["kind"],
-            registry=r,
+            [("pinned",), ("cached",)],
         )
-        self._prefix_pinned = prefix_bytes.labels("pinned")
-        self._prefix_cached = prefix_bytes.labels("cached")
+        self._prefix_pinned = prefix_bytes[("pinned",)]
+        self._prefix_cached = prefix_bytes[("cached",)]
         self.response_cache_hits = Counter(
             p + "response_cache_hits", "Requests answered from the response cache.", registry=r
         )
@@ -328,9 +354,9 @@ class Metrics:
     def prefix_lookup(self, queried: int, hit: int) -> None:
         """The prefix store was asked for a ``queried``-token prompt and supplied ``hit`` tokens
         of KV (engine thread, once per admitted request)."""
-        self.prefix_queries.inc(queried)
+        self._prefix_queries.inc(queried)
         if hit:
-            self.prefix_hits.inc(hit)
+            self._prefix_hits.inc(hit)
 
     def prefix_bytes(self, pinned: int, cached: int) -> None:
         """What the prefix store holds now."""
