@@ -826,10 +826,18 @@ def engine_step_cost(
         prefill_chunk=256,
     )
     skipping = [False]  # whether the step under way leaves ``skip`` out
+    left_out = [0]  # calls the stand-in took: 0 would mean the engine no longer makes this call
     if skip is not None and skip != NOTHING:
         attr, stand_in = ABLATIONS[skip]
         real = getattr(engine, attr)
-        setattr(engine, attr, lambda *a: stand_in(real, *a) if skipping[0] else real(*a))
+
+        def either(*args):  # noqa: ANN002, ANN202
+            if not skipping[0]:
+                return real(*args)
+            left_out[0] += 1
+            return stand_in(real, *args)
+
+        setattr(engine, attr, either)
     kinds: dict[str, list[int]] = {kind: [] for kind in STEP_KINDS}
     steady_by_skip: dict[bool, list[int]] = {False: [], True: []}
     last_end = [0]
@@ -879,6 +887,7 @@ def engine_step_cost(
         "cpu_us_per_step": cpu / max(steps, 1) * 1e6,
         "steady_us_with": median_us(steady_by_skip[False]),
         "steady_us_without": median_us(steady_by_skip[True]),
+        "left_out_calls": left_out[0],
         "kinds": {
             kind: {"steps": len(ns), "median_us": median_us(ns), "ms_per_burst": sum(ns) / 1e6}
             for kind, ns in kinds.items()
@@ -902,18 +911,8 @@ def ablations(runs: int) -> dict[str, dict[str, float]]:
 def sleep_floor(pause_s: float, n: int = 150) -> float:
     """Thread CPU (µs, median of ``n``) of a thread that only sleeps ``pause_s`` per step: what
     waking from a backend call costs before any work."""
-    times: list[int] = []
-
-    def body() -> None:
-        for _ in range(n):
-            t0 = time.thread_time_ns()
-            time.sleep(pause_s)
-            times.append(time.thread_time_ns() - t0)
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
-    return statistics.median(times) / 1e3
+    sleep = "sleep"
+    return cold_call_cost(0.0, calls=n, ops={sleep: lambda: time.sleep(pause_s)})[sleep]
 
 
 # A busy loop pinned to one CPU at SCHED_IDLE priority, for at most argv[2] seconds; it prints an
@@ -955,23 +954,30 @@ def idle_spinner(cpu: int, limit_s: float):
         proc.wait()
 
 
-def cold_call_cost(pause_s: float, calls: int = 60, keep_busy: bool = False) -> dict[str, float]:
-    """Thread CPU (µs) of a few single calls the engine thread could make once per step, each
-    measured right after ``pause_s`` of sleep (0: back to back), median over ``calls``: what a
-    call costs on a thread that wakes from a backend call. With ``keep_busy`` the measuring
-    thread is pinned to one CPU and an ``idle_spinner`` runs there while it sleeps: a call that
-    then costs what it does back to back pays, after a plain sleep, for the CPU waking from idle
-    (its caches cold after the host ran something else), not for its own working set."""
+def cold_call_cost(
+    pause_s: float,
+    calls: int = 60,
+    keep_busy: bool = False,
+    ops: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, float]:
+    """Thread CPU (µs) of single calls on a thread of their own (by default a few the engine
+    thread could make once per step), each measured right after ``pause_s`` of sleep (0: back
+    to back), median over ``calls``: what a call costs on a thread that wakes from a backend
+    call. With ``keep_busy`` the measuring thread is pinned to one CPU and an ``idle_spinner``
+    runs there while it sleeps: a call that then costs what it does back to back pays, after a
+    plain sleep, for the CPU waking from idle (its caches cold after the host ran something
+    else), not for its own working set."""
     import numpy as np
 
     a = np.arange(256, dtype=np.int32)
-    ops = {
-        "nothing (the clock read alone)": lambda: None,
-        "numpy ufunc: (a == 2).any() on 256 int32": lambda: bool((a == 2).any()),
-        "numpy ufunc: a + 1 on 256 int32": lambda: a + 1,
-        "a.tolist() and a list search": lambda: 2 in a.tolist(),
-        "Python loop over 256 ints": lambda: sum(range(256)),
-    }
+    if ops is None:
+        ops = {
+            "nothing (the clock read alone)": lambda: None,
+            "numpy ufunc: (a == 2).any() on 256 int32": lambda: bool((a == 2).any()),
+            "numpy ufunc: a + 1 on 256 int32": lambda: a + 1,
+            "a.tolist() and a list search": lambda: 2 in a.tolist(),
+            "Python loop over 256 ints": lambda: sum(range(256)),
+        }
     out: dict[str, float] = {}
     cpu = max(os.sched_getaffinity(0)) if keep_busy else -1
 

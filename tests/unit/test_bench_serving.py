@@ -89,8 +89,9 @@ def test_paced_pumps_serve_every_token_and_done(threaded: bool):
 @pytest.mark.parametrize("skip", [None, "nothing", "hand-off to the event loop", "EOS check"])
 def test_engine_step_burst_ends_whatever_part_every_other_step_leaves_out(skip):
     """The engine-step diagnostic's burst runs to its end with a part left out of every other
-    step (outputs that end sequences are still handed over), and splits its steady steps into
-    the two halves it compares only when asked to."""
+    step (outputs that end sequences are still handed over), the part's stand-in really takes
+    the engine's calls (a renamed engine method would leave nothing out), and the steady steps
+    split into the two halves it compares only when asked to."""
     from benchmarks.serving import engine_step_cost
 
     r = engine_step_cost(0.0, streams=8, tokens=40, skip=skip)
@@ -98,3 +99,10 @@ def test_engine_step_burst_ends_whatever_part_every_other_step_leaves_out(skip):
     assert r["kinds"]["steady"]["steps"] > 20
     assert r["steady_us_with"] > 0
     assert (r["steady_us_without"] > 0) == (skip is not None)
+    assert (r["left_out_calls"] > 10) == (skip not in (None, "nothing"))
+
+
+def test_sleep_floor_measures_a_thread_that_sleeps():
+    from benchmarks.serving import sleep_floor
+
+    assert sleep_floor(0.001, n=5) > 0
