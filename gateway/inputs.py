@@ -38,6 +38,16 @@ def _invalid(message: str) -> RequestRefused:
     return RequestRefused(ErrorCode.INVALID_REQUEST, message)
 
 
+_NO_STOP_IDS: frozenset[int] = frozenset()
+_UMAX = np.maximum.reduce  # the ufunc itself: ndarray.max() goes through a Python wrapper
+
+
+def _outside(ids: np.ndarray, vocab: int) -> bool:
+    """Whether any of the int32 ``ids`` is outside [0, vocab): read as uint32, a negative id is
+    at least 2**31, so one reduction checks both ends."""
+    return bool(len(ids)) and int(_UMAX(ids.view(np.uint32))) >= vocab
+
+
 @dataclass(slots=True)
 class Prepared:
     """A validated request: its prompt ids, and how to sample and stop."""
@@ -72,7 +82,7 @@ class InputProcessor:
         ids = self._prompt_ids(req, compiled, system)
         if not len(ids):
             raise _invalid("the prompt is empty after tokenization")
-        if len(req.stop_ids) and (int(req.stop_ids.min()) < 0 or int(req.stop_ids.max()) >= vocab):
+        if _outside(req.stop_ids, vocab):
             raise _invalid(f"stop token id outside the vocabulary [0, {vocab})")
         max_context = self.info.max_context
         max_tokens = req.max_tokens
@@ -95,7 +105,7 @@ class InputProcessor:
                 seeded=req.seed is not None,
             ),
             max_tokens=max_tokens,
-            stop_ids=frozenset(req.stop_ids.tolist()),
+            stop_ids=frozenset(req.stop_ids.tolist()) if len(req.stop_ids) else _NO_STOP_IDS,
             stop_sequences=req.stop_sequences,
             detokenizer=Detokenizer(self.tokenizer) if wants_detok else None,
             deterministic=req.temperature == 0 or req.seed is not None,
@@ -114,7 +124,7 @@ class InputProcessor:
         if req.prompt_ids is not None:
             ids = req.prompt_ids
             vocab = self.info.vocab_size
-            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            if _outside(ids, vocab):
                 raise _invalid(f"prompt token id outside the vocabulary [0, {vocab})")
             if compiled is not None:
                 ids = np.concatenate((compiled.ids, ids))

