@@ -94,16 +94,12 @@ class ColumnPlan:
         self.steps = 0
         for st in self.streams:
             st.n_ids += k
-        if self.recording:  # one tolist for all rows, then plain list work per stream
+        if self.recording:  # the steps as one block of bytes, then a slice per stream
             held, self.held = self.held, []
-            if k == 1:  # the common case while rows come and go: a settle after every step
-                ids = held[0].tolist()
-                for i, st in self.recording:
-                    st.rec_ids.append(ids[i])  # type: ignore[union-attr]
-            else:
-                rows = np.stack(held, axis=1).tolist()  # [rows][k]
-                for i, st in self.recording:
-                    st.rec_ids.extend(rows[i])  # type: ignore[union-attr]
+            data = np.stack(held, axis=1).astype(np.int32, copy=False).tobytes()  # [rows][k]
+            size = 4 * k
+            for i, st in self.recording:
+                st.rec_ids.frombytes(data[i * size : (i + 1) * size])  # type: ignore[union-attr]
 
 
 class OutputProcessor:
