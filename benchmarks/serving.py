@@ -15,12 +15,16 @@ paced: the synthetic backend paced like a model (ENGINE__SYNTHETIC_STEP_MS, one 
   it the same pump with its pause on a thread of its own (``Ticker``), as the engine thread's.
   Measured: server CPU per token, ITL P50/P99 (per token) and TTFT P50/P99 at the client.
 
+paced-open (its own section): the paced servers under the paced burst and under an open loop of
+  random (Poisson) arrivals that keeps about 90% of the slots busy, where the batch's rows change
+  at nearly every step (``open_load``).
+
 paced-split (a diagnostic, its own section): the paced burst at several output lengths, for the
   pump and ZeroLayer: a straight line through server CPU per burst against tokens per stream
   splits the cost into a part per step (256 tokens) and a part per request.
 
-Both paced scenarios interleave: every server is started first (all alive at once; an idle one
-costs next to nothing), warmed up once, then each round runs every burst once, the order rotated
+The paced scenarios interleave: every server is started first (all alive at once; an idle one
+costs next to nothing), warmed up once, then each round runs every load once, the order rotated
 round by round (``rotations``). A shared VM's speed drifts by tens of percent over minutes, so a
 ratio to the pump is taken within each round and the median taken over rounds (``paired_ratio``).
 engine-step (a diagnostic, its own section): the engine and the synthetic backend in this
@@ -29,8 +33,8 @@ engine-step (a diagnostic, its own section): the engine and the synthetic backen
   thread's CPU per step, back to back and paced, by kind of step, and what parts of a steady
   step cost (``ablations``: each left out of every other step, paired within a burst).
 
-    python benchmarks/serving.py [--scenario both|flat|paced|paced-split|paced-instructions|
-                                  engine-step] [--write]
+    python benchmarks/serving.py [--scenario both|flat|paced|paced-open|paced-split|
+                                  paced-instructions|engine-step] [--write]
 """
 
 from __future__ import annotations
@@ -417,28 +421,32 @@ def paced_servers(args, variants: dict[str, dict[str, str]]):
             d.terminate()
 
 
+K = TypeVar("K")
+
+
 def interleaved_runs(
-    servers: Servers, lengths: Sequence[int], args, detailed: bool = False
-) -> tuple[dict[tuple[str, int], list[dict]], list[list[str]]]:
-    """Warm every server up with one burst, then ``args.paced_runs`` rounds, each running one
-    burst per server and length in ``rotations`` order: the reports of each (server, tokens),
-    in round order, and each round's order."""
+    servers: Servers, loads: dict[K, dict], args, detailed: bool = False
+) -> tuple[dict[tuple[str, K], list[dict]], list[list[str]]]:
+    """Warm every server up with one paced burst, then ``args.paced_runs`` rounds, each running
+    every load (name -> bench options, e.g. ``paced_load``) once on every server in
+    ``rotations`` order: the reports of each (server, load name), in round order, and each
+    round's order."""
     for endpoint, pid in servers.values():
-        measure(endpoint, pid, paced_load(args, lengths[0]), warmup=True)
-    units = [(name, tokens) for tokens in lengths for name in servers]
-    reports: dict[tuple[str, int], list[dict]] = {u: [] for u in units}
+        measure(endpoint, pid, paced_load(args, PACED_TOKENS), warmup=True)
+    units = [(name, load) for load in loads for name in servers]
+    reports: dict[tuple[str, K], list[dict]] = {u: [] for u in units}
     orders = rotations(units, args.paced_runs)
     for i, order in enumerate(orders, 1):
-        for name, tokens in order:
+        for name, load in order:
             endpoint, pid = servers[name]
-            r = measure(endpoint, pid, paced_load(args, tokens), detailed=detailed)
-            reports[(name, tokens)].append(r)
+            r = measure(endpoint, pid, loads[load], detailed=detailed)
+            reports[(name, load)].append(r)
             print(
-                f"round {i}/{len(orders)}: {name}, {tokens} tokens: "
+                f"round {i}/{len(orders)}: {name}, {load}: "
                 f"{r['server_cpu_us_per_token']:.2f} µs/token, other load {r['foreign_load']:.2f}",
                 file=sys.stderr,
             )
-    return reports, [[f"{name}@{tokens}" for name, tokens in order] for order in orders]
+    return reports, [[f"{name}@{load}" for name, load in order] for order in orders]
 
 
 def paced(args, plots: Path | None) -> dict:
@@ -455,7 +463,8 @@ def paced(args, plots: Path | None) -> dict:
         "zerolayer_wide_budget": {**env, "ENGINE__MAX_STEP_TOKENS": str(wide)},
     }
     with paced_servers(args, variants) as servers:
-        runs, orders = interleaved_runs(servers, (PACED_TOKENS,), args, detailed=True)
+        loads = {PACED_TOKENS: load}
+        runs, orders = interleaved_runs(servers, loads, args, detailed=True)
     reports = {name: runs[(name, PACED_TOKENS)] for name in servers}
     results: dict = {
         "load": load,
@@ -511,6 +520,123 @@ def paced(args, plots: Path | None) -> dict:
             reports[name][0]["label"] = f"{name}, paced {args.step_ms:g} ms"
             plot(reports[name][0], plots / f"paced-{name}")
     return results
+
+
+OPEN_FILL = 0.9  # paced-open: the share of the slots its arrival rate keeps busy on average
+OPEN_REQUESTS = 3 * PACED_STREAMS  # paced-open: requests per run
+
+
+def open_load(args, tokens: int = PACED_TOKENS) -> dict:
+    """Requests arriving at random (Poisson) at the rate that keeps OPEN_FILL of the
+    PACED_STREAMS slots busy on average (Little's law: a stream lasts about ``tokens`` steps),
+    OPEN_REQUESTS of them over PACED_CONNECTIONS: rows join and leave the batch at nearly every
+    step, as in a server's everyday traffic, where the burst starts all of them together."""
+    lifetime_s = tokens * args.step_ms / 1e3
+    return {
+        "request_rate": OPEN_FILL * PACED_STREAMS / lifetime_s,
+        "num_requests": OPEN_REQUESTS,
+        "input_len": str(args.paced_prompt_len),
+        "output_len": str(tokens),
+        "connections": PACED_CONNECTIONS,
+    }
+
+
+OPEN_LOADS = ("burst", "open")
+
+
+def paced_open(args) -> dict:
+    """The paced burst and the open loop (``open_load``) side by side, interleaved, on the two
+    pumps and ZeroLayer: per server and load the medians over rounds and the CPU per token
+    against the pump's under the same load, paired by round."""
+    loads = {"burst": paced_load(args, PACED_TOKENS), "open": open_load(args)}
+    with paced_servers(args, {"zerolayer": paced_env(args)}) as servers:
+        runs, orders = interleaved_runs(servers, loads, args)
+    results: dict = {
+        "loads": loads,
+        "step_ms": args.step_ms,
+        "prompt_len": args.paced_prompt_len,
+        "rounds": args.paced_runs,
+        "round_orders": orders,
+    }
+    for load in OPEN_LOADS:
+        pump = [r["server_cpu_us_per_token"] for r in runs[("pump", load)]]
+        for name in servers:
+            x = median_of(runs[(name, load)])
+            x["cpu_vs_pump"], x["cpu_vs_pump_rounds"] = paired_ratio(
+                [r["server_cpu_us_per_token"] for r in runs[(name, load)]], pump
+            )
+            results.setdefault(name, {})[load] = x
+    return results
+
+
+def paced_open_md(r: dict, args) -> str:
+    labels = (
+        ("pump", "uvloop pump (floor)"),
+        ("pump_threaded", "uvloop pump, pause on a thread"),
+        ("zerolayer", "zerolayer (synthetic, paced)"),
+    )
+    rows = [
+        [
+            label,
+            load,
+            f"{x['server_cpu_us_per_token']:.2f}",
+            f"{x['cpu_vs_pump']:.2f}x" if name != "pump" else "—",
+            f"{x['loop_cpu_us_per_token']:.2f}",
+            f"{x['server_cpu_us_per_token'] - x['loop_cpu_us_per_token']:.2f}",
+            f"{x['median_itl_ms']:.1f}",
+            f"{x['p99_itl_ms']:.1f}",
+            f"{x['median_ttft_ms']:.1f}",
+            f"{x['p99_ttft_ms']:.1f}",
+            f"{x['output_throughput']:,.0f}",
+            f"{x['foreign_load']:.2f}",
+        ]
+        for load in OPEN_LOADS
+        for name, label in labels
+        for x in (r[name][load],)
+    ]
+    burst, open_ = r["loads"]["burst"], r["loads"]["open"]
+    z = r["zerolayer"]
+    return (
+        "## Serving layer at a model's pace: a burst against everyday arrivals (paced-open)\n\n"
+        f"`python benchmarks/serving.py --scenario paced-open` — the servers of the paced "
+        f"scenario (synthetic step time {r['step_ms']:g} ms), each under two loads of "
+        f"{burst['output_len']}-token streams with {r['prompt_len']}-id prompts over "
+        f"{burst['connections']} connections: **burst**, the paced scenario's "
+        f"{burst['num_requests']} requests sent together into an idle server; **open**, "
+        f"{open_['num_requests']} requests arriving at random (Poisson, "
+        f"{open_['request_rate']:.1f} a second: the rate that keeps {OPEN_FILL:.0%} of the "
+        f"{PACED_STREAMS} slots busy on average, since a stream lasts about "
+        f"{open_['output_len']} steps). In a burst the batch's rows change only while the "
+        "burst is admitted and while it ends; in the open loop some rows join or leave at "
+        "nearly every step, as in a server's everyday traffic. "
+        + interleaved_md(r["rounds"], "both loads on every server")
+        + " "
+        + OTHER_LOAD
+        + "\n\n"
+        + table(
+            [
+                "server",
+                "load",
+                "CPU µs / token",
+                "vs pump, same load",
+                "event loop",
+                "other threads",
+                "ITL P50 ms",
+                "ITL P99 ms",
+                "TTFT P50 ms",
+                "TTFT P99 ms",
+                "tokens / s",
+                "other load",
+            ],
+            rows,
+        )
+        + "\n\nZeroLayer's CPU per token against the pump's, round by round (in round order): "
+        f"burst {ratio_list(z['burst']['cpu_vs_pump_rounds'])}; "
+        f"open {ratio_list(z['open']['cpu_vs_pump_rounds'])}. "
+        "A pump's cost per token hardly depends on when streams start; ZeroLayer's engine and "
+        "output processor rebuild their per-row state (decode batch, columnar set, frame plan) "
+        "whenever the rows change, which in the open loop is nearly every step."
+    )
 
 
 SPLIT_LENGTHS = (50, 150, 300)  # tokens per stream of the paced-split bursts
@@ -638,7 +764,8 @@ def paced_split(args) -> dict:
     streams), the intercept the cost of the burst's requests themselves (admission, prefill,
     endings, their frames); and ZeroLayer's cost per step against the pump's, paired by round."""
     with paced_servers(args, {"zerolayer": paced_env(args)}) as servers:
-        runs, orders = interleaved_runs(servers, SPLIT_LENGTHS, args)
+        loads = {tokens: paced_load(args, tokens) for tokens in SPLIT_LENGTHS}
+        runs, orders = interleaved_runs(servers, loads, args)
     results: dict = {
         "step_ms": args.step_ms,
         "streams": PACED_STREAMS,
@@ -1267,7 +1394,9 @@ def paced_md(r: dict, args) -> str:
 
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    scenarios = ("both", "flat", "paced", "paced-split", "paced-instructions", "engine-step")
+    scenarios = (
+        "both", "flat", "paced", "paced-open", "paced-split", "paced-instructions", "engine-step"
+    )  # fmt: skip
     ap.add_argument("--scenario", choices=scenarios, default="both")
     ap.add_argument("--streams", type=int, default=64, help="flat: concurrent streams")
     ap.add_argument("--tokens", type=int, default=256, help="flat: tokens per stream")
@@ -1284,7 +1413,8 @@ def main() -> None:
         "--paced-runs",
         type=int,
         default=3,
-        help="paced, paced-split: rounds, each running every server (at every length) once",
+        help="paced, paced-open, paced-split: rounds, each running every server (under every "
+        "load) once",
     )
     ap.add_argument("--paced-prompt-len", type=int, default=16)
     ap.add_argument("--floor-server", type=float, help=argparse_suppress())
@@ -1299,6 +1429,7 @@ def main() -> None:
         "flat": ("serving", "flat", flat_out, flat_md),
         "engine-step": ("serving-engine-step", "engine_step", engine_step, engine_step_md),
         "paced-split": ("serving-paced-split", "paced_split", paced_split, paced_split_md),
+        "paced-open": ("serving-paced-open", "paced_open", paced_open, paced_open_md),
         "paced-instructions": (
             "serving-paced-instructions",
             "paced_instructions",

@@ -1,5 +1,6 @@
 """benchmarks/serving.py's helpers: the round-robin order and paired ratios of the interleaved
-paced scenarios, and the SCHED_IDLE spinner of the cold-call diagnostic."""
+paced scenarios, the open loop's arrival rate, and the SCHED_IDLE spinner of the cold-call
+diagnostic."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 
 import pytest
 
+from benchmarks import serving
 from benchmarks.serving import can_keep_busy, idle_spinner, paired_ratio, rotations
 
 
@@ -106,3 +108,17 @@ def test_sleep_floor_measures_a_thread_that_sleeps():
     from benchmarks.serving import sleep_floor
 
     assert sleep_floor(0.001, n=5) > 0
+
+
+def test_open_load_keeps_the_intended_share_of_slots_busy():
+    """Little's law: arrivals per second x a stream's life (tokens x step) = streams in flight."""
+
+    class Args:
+        step_ms, paced_prompt_len = 20.0, 16
+
+    load = serving.open_load(Args(), tokens=150)
+    in_flight = load["request_rate"] * 150 * Args.step_ms / 1e3
+    assert in_flight == pytest.approx(serving.OPEN_FILL * serving.PACED_STREAMS)
+    assert load["num_requests"] == serving.OPEN_REQUESTS
+    assert load["output_len"] == "150" and load["input_len"] == "16"
+    assert "concurrency" not in load  # an open loop: arrivals are not held back by completions
