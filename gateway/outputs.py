@@ -60,9 +60,11 @@ class ColumnPlan:
         # The live rows grouped by door: row j of ``frames`` is the frame of ``owners[perm[j]]``.
         order = [i for rows in rows_by_door.values() for i in rows]
         self.streams = [owners[i] for i in order]
-        self.members = {id(st) for st in self.streams}
-        self.perm = None if order == list(range(len(owners))) else np.array(order, np.intp)
-        self.frames = p.token1_frames(np.array([st.key for st in self.streams], np.int64))
+        self.members = set(self.streams)  # streams hash by identity: no Python call per row
+        n = len(order)
+        self.perm = None if order == list(range(len(owners))) else np.fromiter(order, np.intp, n)
+        # fromiter: a list of ints into an array without numpy's shape discovery per element
+        self.frames = p.token1_frames(np.fromiter([st.key for st in self.streams], np.int64, n))
         view = memoryview(self.frames.reshape(-1).view(np.uint8))
         self.spans: list[tuple[Door, memoryview]] = []
         start = 0
@@ -94,12 +96,17 @@ class ColumnPlan:
         self.steps = 0
         for st in self.streams:
             st.n_ids += k
-        if self.recording:  # the steps as one block of bytes, then a slice per stream
+        if self.recording:
             held, self.held = self.held, []
-            data = np.stack(held, axis=1).astype(np.int32, copy=False).tobytes()  # [rows][k]
-            size = 4 * k
-            for i, st in self.recording:
-                st.rec_ids.frombytes(data[i * size : (i + 1) * size])  # type: ignore[union-attr]
+            if k == 1:  # the common case while rows come and go: a settle after every step
+                ids = held[0].tolist()
+                for i, st in self.recording:
+                    st.rec_ids.append(ids[i])  # type: ignore[union-attr]
+            else:  # the steps as one block of bytes, then a slice per stream
+                data = np.stack(held, axis=1).astype(np.int32, copy=False).tobytes()  # [rows][k]
+                size = 4 * k
+                for i, st in self.recording:
+                    st.rec_ids.frombytes(data[i * size : (i + 1) * size])  # type: ignore[union-attr]
 
 
 class OutputProcessor:
@@ -135,7 +142,7 @@ class OutputProcessor:
         if plan is not None:
             if plan.steps:
                 plan.settle()
-            if id(st) in plan.members:
+            if st in plan.members:
                 self._plan = None
 
     def _column(self, column: TokenColumn, dirty: list[Door]) -> int:

@@ -191,10 +191,15 @@ class _Columnar:
             self.others_index = np.array(other, np.intp)
         self.owners = [seq.owner for seq in self.seqs]
         # A row ends on the token that brings it to max_tokens or max_context: every step
-        # before that one may go columnar.
+        # before that one may go columnar. (Two list minima: no Python call per row.)
+        seqs = self.seqs
         self.limit = (
-            min(min(s.max_tokens - s.generated, max_context - s.position) for s in self.seqs) - 1
-            if self.seqs
+            min(
+                min([s.max_tokens - s.generated for s in seqs]),
+                max_context - max([s.position for s in seqs]),
+            )
+            - 1
+            if seqs
             else 0
         )
 
@@ -520,11 +525,13 @@ class Engine:
                 seeded=last.seeded,
             )
         else:
-            slots = np.array([s.slot for s in rows], np.int32)
+            # fromiter: lists of ints into arrays without numpy's shape discovery per element
+            n = len(rows)
+            slots = np.fromiter([s.slot for s in rows], np.int32, n)
             batch = DecodeBatch(
                 slots=slots,
-                tokens=np.array([s.last_token for s in rows], np.int32),
-                positions=np.array([s.position - 1 for s in rows], np.int32),
+                tokens=np.fromiter([s.last_token for s in rows], np.int32, n),
+                positions=np.fromiter([s.position - 1 for s in rows], np.int32, n),
                 temperature=self._temperature[slots],
                 top_p=self._top_p[slots],
                 top_k=self._top_k[slots],
