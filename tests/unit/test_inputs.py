@@ -42,7 +42,11 @@ def test_text_prompt_is_tokenized_and_sampling_carried() -> None:
     ("kw", "code", "needle"),
     [
         ({"prompt_ids": np.array([1, 400], np.int32)}, ErrorCode.INVALID_REQUEST, "vocabulary"),
+        ({"prompt_ids": np.array([1, -1], np.int32)}, ErrorCode.INVALID_REQUEST, "vocabulary"),
+        ({"prompt_ids": np.array([2**31 - 1], np.int32)}, ErrorCode.INVALID_REQUEST, "vocabulary"),
         ({"stop_ids": np.array([-1], np.int32)}, ErrorCode.INVALID_REQUEST, "stop token"),
+        ({"stop_ids": np.array([3, 259], np.int32)}, ErrorCode.INVALID_REQUEST, "stop token"),
+        ({"stop_ids": np.array([-(2**31)], np.int32)}, ErrorCode.INVALID_REQUEST, "stop token"),
         ({"max_tokens": 63}, ErrorCode.PROMPT_TOO_LONG, "max_context 64"),
         ({"top_k": 2**31}, ErrorCode.INVALID_REQUEST, "top_k"),
         ({"temperature": float("inf")}, ErrorCode.INVALID_REQUEST, "temperature"),
@@ -98,3 +102,13 @@ def test_ignore_eos_is_carried_and_prompt_tokens_counted() -> None:
     assert proc.count_prompt_tokens(chat) == len(proc.prepare(chat).prompt)
     long = p.Request(max_tokens=1, prompt_text="y" * 100)  # counted, though it would not fit
     assert proc.count_prompt_tokens(long) == 101
+
+
+def test_ids_at_both_ends_of_the_vocabulary_are_accepted() -> None:
+    """The range check reads int32 ids as unsigned (a negative id is huge): 0 and vocab - 1
+    pass, for prompt ids and stop ids alike."""
+    edge = np.array([0, INFO.vocab_size - 1], np.int32)
+    prep = prepare(prompt_ids=edge, stop_ids=edge)
+    assert prep.prompt.tolist() == edge.tolist()
+    assert prep.stop_ids == frozenset(edge.tolist())
+    assert prepare(prompt_ids=edge).stop_ids == frozenset()
