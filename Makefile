@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serving.py --write
 	$(BIN)/python benchmarks/serving.py --scenario engine-step --write
 	$(BIN)/python benchmarks/serving.py --scenario paced-split --write
+	$(BIN)/python benchmarks/serving.py --scenario paced-open --write
 	$(BIN)/python benchmarks/http_serving.py --write
 	$(BIN)/python benchmarks/engine.py --dtype float32 --write
 	$(BIN)/python benchmarks/engine.py --dtype bfloat16 --runs 3 --write
