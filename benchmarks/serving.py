@@ -595,7 +595,7 @@ def paced_open_md(r: dict, args) -> str:
         for x in (r[name][load],)
     ]
     burst, open_ = r["loads"]["burst"], r["loads"]["open"]
-    z = r["zerolayer"]
+    z, pump = r["zerolayer"], r["pump"]
     return (
         "## Serving layer at a model's pace: a burst against everyday arrivals (paced-open)\n\n"
         f"`python benchmarks/serving.py --scenario paced-open` — the servers of the paced "
@@ -633,9 +633,15 @@ def paced_open_md(r: dict, args) -> str:
         + "\n\nZeroLayer's CPU per token against the pump's, round by round (in round order): "
         f"burst {ratio_list(z['burst']['cpu_vs_pump_rounds'])}; "
         f"open {ratio_list(z['open']['cpu_vs_pump_rounds'])}. "
-        "A pump's cost per token hardly depends on when streams start; ZeroLayer's engine and "
-        "output processor rebuild their per-row state (decode batch, columnar set, frame plan) "
-        "whenever the rows change, which in the open loop is nearly every step."
+        f"From the burst to the open loop the pump goes from "
+        f"{pump['burst']['server_cpu_us_per_token']:.2f} to "
+        f"{pump['open']['server_cpu_us_per_token']:.2f} µs per token (fewer tokens share each "
+        f"tick: {pump['open']['output_throughput']:,.0f} against "
+        f"{pump['burst']['output_throughput']:,.0f} a second), ZeroLayer from "
+        f"{z['burst']['server_cpu_us_per_token']:.2f} to "
+        f"{z['open']['server_cpu_us_per_token']:.2f}: its engine and output processor rebuild "
+        "their per-row state (decode batch, columnar set, frame plan) whenever the rows change, "
+        "which in the open loop is nearly every step."
     )
 
 
