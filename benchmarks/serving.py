@@ -541,9 +541,6 @@ def open_load(args, tokens: int = PACED_TOKENS) -> dict:
     }
 
 
-OPEN_LOADS = ("burst", "open")
-
-
 def paced_open(args) -> dict:
     """The paced burst and the open loop (``open_load``) side by side, interleaved, on the two
     pumps and ZeroLayer: per server and load the medians over rounds and the CPU per token
@@ -558,7 +555,7 @@ def paced_open(args) -> dict:
         "rounds": args.paced_runs,
         "round_orders": orders,
     }
-    for load in OPEN_LOADS:
+    for load in loads:
         pump = [r["server_cpu_us_per_token"] for r in runs[("pump", load)]]
         for name in servers:
             x = median_of(runs[(name, load)])
@@ -590,7 +587,7 @@ def paced_open_md(r: dict, args) -> str:
             f"{x['output_throughput']:,.0f}",
             f"{x['foreign_load']:.2f}",
         ]
-        for load in OPEN_LOADS
+        for load in r["loads"]
         for name, label in labels
         for x in (r[name][load],)
     ]
