@@ -45,7 +45,8 @@ class ColumnPlan:
         self.version = version
         rows_by_door: dict[Door, list[int]] = {}
         self.recording: list[tuple[int, Stream]] = []
-        now = _perf()
+        # A row's stream has its t_first already: its first token came from its prefill, as an
+        # Output (tests/e2e/test_protocol.py checks a columnar stream's TTFT).
         for i, st in enumerate(owners):
             if st.ended:
                 continue
@@ -55,8 +56,6 @@ class ColumnPlan:
             rows.append(i)
             if st.rec_ids is not None:
                 self.recording.append((i, st))
-            if not st.t_first:  # not reached: a stream's first token comes from its prefill
-                st.t_first = now
         # The live rows grouped by door: row j of ``frames`` is the frame of ``owners[perm[j]]``.
         order = [i for rows in rows_by_door.values() for i in rows]
         self.streams = [owners[i] for i in order]
