@@ -22,6 +22,7 @@ import numpy as np
 from gateway.codes import ErrorCode, FinishReason, Refusal, invalid  # noqa: F401 - re-exported
 from gateway.request import NO_STOP_IDS, Request  # noqa: F401 - Request: re-exported
 from gateway.validation import (
+    JsonObject,
     check_keys,
     get_float,
     get_int,
@@ -174,17 +175,17 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> None:
         """Copy ``data`` in (for tests and the client); equivalent to get_buffer + advance."""
-        data = memoryview(data)
-        while len(data):
+        rest = memoryview(data)
+        while len(rest):
             free = self.get_buffer()
             if not len(free):
                 # A frame larger than the buffer: make room for it now.
-                self._grow(self._end - self._start + len(data))
+                self._grow(self._end - self._start + len(rest))
                 continue
-            n = min(len(free), len(data))
-            free[:n] = data[:n]
+            n = min(len(free), len(rest))
+            free[:n] = rest[:n]
             self.advance(n)
-            data = data[n:]
+            rest = rest[n:]
 
     def _grow(self, need: int) -> None:
         size = len(self._buf)
@@ -475,7 +476,7 @@ def encode_request(
     return encode_frame(FrameType.REQUEST, stream, fixed + stops + body)
 
 
-def encode_json_request(stream: int, request: dict) -> bytes:
+def encode_json_request(stream: int, request: JsonObject) -> bytes:
     body = json.dumps(request, separators=(",", ":")).encode("utf-8")
     return encode_frame(FrameType.REQUEST, stream, body, FLAG_JSON)
 

@@ -20,11 +20,15 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from gateway.codes import Refusal, invalid
 from gateway.request import Request
+
+#: A decoded JSON object: its values are whatever JSON holds, checked by the getters below.
+JsonObject = dict[str, Any]
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -93,7 +97,7 @@ def validate(req: Request) -> Request:
 # ------------------------------------------------------------------------ JSON field getters
 
 
-def load_object(data: bytes | memoryview, what: str = "request body") -> dict:
+def load_object(data: bytes | memoryview, what: str = "request body") -> JsonObject:
     """``data`` as a JSON object with its null fields dropped."""
     try:
         obj = json.loads(str(data, "utf-8"))
@@ -108,12 +112,12 @@ def load_object(data: bytes | memoryview, what: str = "request body") -> dict:
     return present(obj)
 
 
-def present(obj: dict) -> dict:
+def present(obj: JsonObject) -> JsonObject:
     """``obj`` without its null fields."""
     return {k: v for k, v in obj.items() if v is not None}
 
 
-def check_keys(obj: dict, known: Iterable[str], where: str = "") -> None:
+def check_keys(obj: JsonObject, known: Iterable[str], where: str = "") -> None:
     """Refuse the fields of ``obj`` that are not in ``known``, by name (``field``: the first)."""
     known = frozenset(known)
     unknown = [f"{where}.{key}" if where else key for key in obj if key not in known]
@@ -123,7 +127,7 @@ def check_keys(obj: dict, known: Iterable[str], where: str = "") -> None:
         raise invalid(message, unknown[0], "unsupported_parameter")
 
 
-def get_int(obj: dict, key: str, default: int) -> int:
+def get_int(obj: JsonObject, key: str, default: int) -> int:
     """An integer field (its range is ``validate``'s, or the caller's)."""
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -131,7 +135,7 @@ def get_int(obj: dict, key: str, default: int) -> int:
     return value
 
 
-def get_float(obj: dict, key: str, default: float) -> float:
+def get_float(obj: JsonObject, key: str, default: float) -> float:
     """A number field as a float (a JSON integer too large for a double is refused)."""
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -145,7 +149,7 @@ def get_float(obj: dict, key: str, default: float) -> float:
     return value
 
 
-def get_bool(obj: dict, key: str, default: bool = False) -> bool:
+def get_bool(obj: JsonObject, key: str, default: bool = False) -> bool:
     value = obj.get(key, default)
     if not isinstance(value, bool):
         raise invalid(f"{key} must be true or false", key)
@@ -163,7 +167,7 @@ def get_text(value: object, name: str, allow_empty: bool = True) -> str:
     return value
 
 
-def get_object(value: object, name: str) -> dict:
+def get_object(value: object, name: str) -> JsonObject:
     """A JSON object (its null fields dropped)."""
     if not isinstance(value, dict):
         raise invalid(f"{name} must be an object", name)
@@ -189,7 +193,7 @@ def get_text_parts(value: object, name: str, type_key: str = "type") -> str:
     return "\n".join(texts)
 
 
-def get_messages(obj: dict, roles: tuple[str, ...]) -> list[tuple[str, str, str]]:
+def get_messages(obj: JsonObject, roles: tuple[str, ...]) -> list[tuple[str, str, str]]:
     """``messages``: a non-empty list of ``{"role", "content"}`` with a role in ``roles`` and
     the content a string or text parts; (role, text, where) for each, ``where`` naming it."""
     messages = obj.get("messages")
@@ -209,7 +213,7 @@ def get_messages(obj: dict, roles: tuple[str, ...]) -> list[tuple[str, str, str]
     return out
 
 
-def get_stops(obj: dict, key: str, allow_string: bool) -> tuple[str, ...]:
+def get_stops(obj: JsonObject, key: str, allow_string: bool) -> tuple[str, ...]:
     """Stop strings: a list of non-empty strings (or one string, where the API allows it)."""
     value = obj.get(key, ())
     if allow_string and isinstance(value, str):

@@ -7,6 +7,7 @@ here) so that a hook module needs nothing but ``gateway.hooks`` to refuse a requ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class RequestContext:
     stop_ids: tuple[int, ...]
     stop_sequences: tuple[str, ...]
     want_text: bool
-    state: dict = field(default_factory=dict)  # per-request scratch shared by the hooks
+    state: dict[str, Any] = field(default_factory=dict)  # per-request scratch shared by the hooks
 
 
 @dataclass(slots=True)

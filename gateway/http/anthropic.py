@@ -17,6 +17,7 @@ from gateway.http.fields import check_model, refuse_unless
 from gateway.http.reply import Ending, Reply, dumps, encode_basestring, new_id
 from gateway.request import Request
 from gateway.validation import (
+    JsonObject,
     check_keys,
     get_bool,
     get_float,
@@ -48,7 +49,7 @@ COUNT_TOKENS_KEYS = frozenset(_CONVERSATION)
 _STOP_REASON = FINISH_NAMES[ANTHROPIC]
 
 
-def _conversation(obj: dict, served: str, req: Request) -> str:
+def _conversation(obj: JsonObject, served: str, req: Request) -> str:
     """model, system and messages into ``req``; returns the model name."""
     refuse_unless(obj, "tools", obj.get("tools") == [], "tools are not supported")
     refuse_unless(
@@ -147,7 +148,13 @@ class MessagesReply(Reply):
                 stop = self.req.stop_sequences[0]
         return _STOP_REASON[ending.finish], stop
 
-    def _message(self, content: list, stop_reason: str | None, stop: str | None, usage: dict):
+    def _message(
+        self,
+        content: list[JsonObject],
+        stop_reason: str | None,
+        stop: str | None,
+        usage: JsonObject,
+    ) -> JsonObject:
         return {
             "id": self.id,
             "type": "message",

@@ -13,8 +13,11 @@ as ``HttpError`` with their status directly.
 
 from __future__ import annotations
 
-from gateway.codes import ANTHROPIC, OPENAI, ErrorCode, Refusal  # noqa: F401 - re-exported
+from gateway.codes import ANTHROPIC as ANTHROPIC  # re-exported: the API labels
+from gateway.codes import OPENAI as OPENAI
+from gateway.codes import ErrorCode, Refusal
 from gateway.http.reply import dumps
+from gateway.validation import JsonObject
 
 # ErrorCode → HTTP status: the one table. Codes that only the frame port can produce (framing,
 # streams per connection) still get a status so that no code is ever unmapped.
@@ -147,7 +150,7 @@ def error_body(api: str, err: HttpError) -> bytes:
     """The JSON error object of ``api`` for ``err``."""
     kind = _KINDS.get(err.status, _KINDS[500])
     if api == ANTHROPIC:
-        obj: dict = {"type": "error", "error": {"type": kind[1], "message": err.message}}
+        obj: JsonObject = {"type": "error", "error": {"type": kind[1], "message": err.message}}
     else:
         obj = {
             "error": {

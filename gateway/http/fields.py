@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from gateway.codes import invalid
 from gateway.http.errors import HttpError
+from gateway.validation import JsonObject
 
 
-def refuse_unless(obj: dict, key: str, ok: bool, why: str) -> None:
+def refuse_unless(obj: JsonObject, key: str, ok: bool, why: str) -> None:
     """A field that would change the result in a way we do not support."""
     if key in obj and not ok:
         raise invalid(f"{key}: {why}", key, "unsupported_parameter")
 
 
-def check_model(obj: dict, served: str) -> str:
+def check_model(obj: JsonObject, served: str) -> str:
     """The ``model`` field must name the served model (absent = the served model). A wrong
     model is HTTP's own 404 (frames name no model)."""
     model = obj.get("model", served)

@@ -19,6 +19,7 @@ from gateway.http.fields import check_model, refuse_unless
 from gateway.http.reply import Ending, Reply, dumps, encode_basestring, new_id, now
 from gateway.request import Request
 from gateway.validation import (
+    JsonObject,
     check_keys,
     get_bool,
     get_float,
@@ -59,7 +60,7 @@ COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's documented default for /v1/comple
 _FINISH = FINISH_NAMES[OPENAI]
 
 
-def _refuse_unsupported(obj: dict) -> None:
+def _refuse_unsupported(obj: JsonObject) -> None:
     refuse_unless(obj, "n", obj.get("n") == 1, "only n = 1 is supported")
     for key in ("frequency_penalty", "presence_penalty"):
         refuse_unless(obj, key, obj.get(key) == 0, "penalties are not supported (0 only)")
@@ -85,7 +86,7 @@ def _refuse_unsupported(obj: dict) -> None:
     refuse_unless(obj, "suffix", obj.get("suffix") == "", "suffix is not supported")
 
 
-def _sampling(obj: dict, req: Request) -> None:
+def _sampling(obj: JsonObject, req: Request) -> None:
     """The fields both endpoints share, read into ``req`` (their ranges: ``validate``)."""
     req.temperature = get_float(obj, "temperature", 1.0)
     req.top_p = get_float(obj, "top_p", 1.0)
@@ -97,7 +98,7 @@ def _sampling(obj: dict, req: Request) -> None:
     req.stop_sequences = get_stops(obj, "stop", allow_string=True)
 
 
-def _stream_flags(obj: dict) -> tuple[bool, bool]:
+def _stream_flags(obj: JsonObject) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream = get_bool(obj, "stream")
     options = obj.get("stream_options")
@@ -112,7 +113,7 @@ def _stream_flags(obj: dict) -> tuple[bool, bool]:
     return stream, get_bool(options, "include_usage")
 
 
-def _max_tokens(obj: dict, default: int | None) -> int | None:
+def _max_tokens(obj: JsonObject, default: int | None) -> int | None:
     """max_tokens / max_completion_tokens; when absent, ``default`` (None: whatever fits)."""
     values = {get_int(obj, k, 0) for k in ("max_completion_tokens", "max_tokens") if k in obj}
     if len(values) > 1:
@@ -120,7 +121,7 @@ def _max_tokens(obj: dict, default: int | None) -> int | None:
     return values.pop() if values else default
 
 
-def _messages(obj: dict) -> tuple[list[dict[str, str]], str | None]:
+def _messages(obj: JsonObject) -> tuple[list[dict[str, str]], str | None]:
     """Chat messages for the template, and the system text (system/developer messages first)."""
     out: list[dict[str, str]] = []
     system: list[str] = []
@@ -178,7 +179,7 @@ def parse_completion(body: bytes, served: str) -> CompletionReply:
 # ------------------------------------------------------------------------------------ replies
 
 
-def _usage(ending: Ending) -> dict:
+def _usage(ending: Ending) -> JsonObject:
     return {
         "prompt_tokens": ending.prompt_tokens,
         "completion_tokens": ending.completion_tokens,
@@ -194,6 +195,8 @@ class _OpenAIReply(Reply):
     api = OPENAI
     object_name = ""
     id_prefix = ""
+    _pre: bytes  # a token chunk's bytes before its text, set by each endpoint's reply
+    _post: bytes  # and after it
 
     def __init__(self, req: Request, stream: bool, model: str, include_usage: bool) -> None:
         super().__init__(req, stream, model)
@@ -212,7 +215,7 @@ class _OpenAIReply(Reply):
         out += self._post
 
     @abstractmethod
-    def _choice(self, text: str) -> dict:
+    def _choice(self, text: str) -> JsonObject:
         """The choice object of a non-streaming answer (chat: a message; completions: text)."""
 
     def body(self, text: str, ending: Ending) -> bytes:
@@ -265,7 +268,7 @@ class ChatReply(_OpenAIReply):
         out += b'"}]}\n\n'
         self._tail(out, ending)
 
-    def _choice(self, text: str) -> dict:
+    def _choice(self, text: str) -> JsonObject:
         return {"message": {"role": "assistant", "content": text}}
 
 
@@ -290,7 +293,7 @@ class CompletionReply(_OpenAIReply):
         out += b'"}]}\n\n'
         self._tail(out, ending)
 
-    def _choice(self, text: str) -> dict:
+    def _choice(self, text: str) -> JsonObject:
         return {"text": text}
 
 
@@ -313,7 +316,7 @@ def model_body(served: str, created: int) -> bytes:
     return dumps(model_object(served, created))
 
 
-def model_object(served: str, created: int) -> dict:
+def model_object(served: str, created: int) -> JsonObject:
     return {
         "id": served,
         "object": "model",

@@ -111,7 +111,7 @@ def binary_spellable(field: str, value: object) -> bool:
 def binary_frame(d: Daemon, field: str, value: object) -> ErrorCode | None:
     kw: dict = {"max_tokens": 2, field: value}
     if field in ("temperature", "top_p"):
-        kw[field] = f32(value)  # type: ignore[arg-type]
+        kw[field] = f32(float(value))  # type: ignore[arg-type]  # the case table gives a number
     max_tokens = kw.pop("max_tokens")
     return frame_outcome(d, lambda c: c.generate("hi", max_tokens, **kw))
 
