@@ -140,7 +140,8 @@ def test_byte_level_ids_and_text_follow_llama_cpp(smollm2, tmp_path: Path, pre: 
     _, vocab = smollm2
     tok, _ = smollm2_in_memory(vocab, pre)
     spec = PRE_TOKENIZERS[pre]
-    for text in TRICKY + LEADING + SMOLLM2_SPECIAL:
+    # "a\n\n2": whitespace before a digit, where transformers' smollm differs (docs/models.md).
+    for text in TRICKY + LEADING + SMOLLM2_SPECIAL + ["a\n\n2  3"]:
         ids = encode(tok, text)
         assert ids == ref.bpe_tokenize(vocab, text, spec.splits, spec.ignore_merges), text
         assert decode(tok, ids) == ref.detokenize(vocab, ids, byte_level=True), text
