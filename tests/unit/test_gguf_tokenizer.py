@@ -330,6 +330,9 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ref.Vocab, A
     return path, vocab, tok, cfg
 
 
+# Reading Gemma's 262,144 tokens (our importer and transformers each) takes tens of seconds.
+GEMMA_TIMEOUT_S = 900
+
 GEMMA_TEXT = [
     "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
     "<bos>The capital of France is",
@@ -337,6 +340,7 @@ GEMMA_TEXT = [
 ]
 
 
+@pytest.mark.timeout(GEMMA_TIMEOUT_S)
 def test_gemma3_vocabulary_follows_llama_cpp_and_transformers(gemma3) -> None:
     path, vocab, tok, cfg = gemma3
     unknown = next(chr(c) for c in range(0xF0000, 0xF0100) if chr(c) not in vocab.ids)
@@ -355,6 +359,7 @@ def test_gemma3_vocabulary_follows_llama_cpp_and_transformers(gemma3) -> None:
     assert "chat_template" not in cfg and theirs.chat_template is None
 
 
+@pytest.mark.timeout(GEMMA_TIMEOUT_S)
 def test_gemma3_checkpoint_tokenizer_stops_on_end_of_turn(gemma3, tmp_path: Path) -> None:
     path, vocab, tok, cfg = gemma3
     tok.save(str(tmp_path / "tokenizer.json"))
