@@ -228,7 +228,8 @@ def _byte_level_model(vocab: _Vocab, fields: Fields, pre: PreTokenizer) -> Any:
     for merge in fields.require("tokenizer.ggml.merges"):
         # llama.cpp splits at the first space after the first character (a merge of " " exists).
         cut = str(merge).find(" ", 1)
-        merges.append((merge[:cut], merge[cut + 1 :]))
+        if cut > 0:
+            merges.append((merge[:cut], merge[cut + 1 :]))
     tok = Tokenizer(
         models.BPE(vocab=vocab.ids, merges=merges, ignore_merges=pre.ignore_merges, fuse_unk=False)
     )
@@ -292,16 +293,19 @@ def build_tokenizer(fields: Fields, path: Path) -> tuple[Any, dict[str, Any]]:
         vocab.token(fields, key, defaults.get(key))
         for key in ("bos_token_id", "eos_token_id", "unknown_token_id")
     )
-    if spm:
-        add_bos_default = True
-        add_space_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-        tok = _sentencepiece_model(vocab, unk, add_space_prefix)
-    else:
-        if fields.get("tokenizer.ggml.pre") is None:
-            log.warning("%s: no tokenizer.ggml.pre; llama.cpp's 'default' pre-tokenizer", path)
-        pre = PRE_TOKENIZERS[_pre_name(fields)]
-        add_bos_default = pre.add_bos
-        tok = _byte_level_model(vocab, fields, pre)
+    try:
+        if spm:
+            add_bos_default = True
+            add_space_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+            tok = _sentencepiece_model(vocab, unk, add_space_prefix)
+        else:
+            if fields.get("tokenizer.ggml.pre") is None:
+                log.warning("%s: no tokenizer.ggml.pre; llama.cpp's 'default' pre-tokenizer", path)
+            pre = PRE_TOKENIZERS[_pre_name(fields)]
+            add_bos_default = pre.add_bos
+            tok = _byte_level_model(vocab, fields, pre)
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise GGUFImportError(f"{path}: its vocabulary does not form a tokenizer: {exc}") from exc
     eog = _end_of_generation(vocab, fields, eos)
     eog_set = set(eog)
 

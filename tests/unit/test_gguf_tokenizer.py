@@ -421,6 +421,13 @@ def test_unsupported_tokenizers_are_refused_from_the_header(
         build_tokenizer(fields, path)
 
 
+def test_merges_of_tokens_not_in_the_vocabulary_are_a_clear_error(tmp_path: Path) -> None:
+    vocab = ref.Vocab(tokens=["a", "b"], types=[1, 1], merges=["a c"])
+    path = ref.write_vocab_gguf(tmp_path / "broken.gguf", vocab, model="gpt2", pre="qwen2")
+    with pytest.raises(GGUFImportError, match="broken.gguf: its vocabulary does not form a"):
+        build(path)
+
+
 def test_a_file_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
     import gguf
 
