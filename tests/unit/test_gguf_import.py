@@ -109,8 +109,8 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
     ("options", "message"),
     [
         ({"arch": "qwen2"}, "unsupported architecture 'qwen2'; supported: llama"),
-        ({"tokenizer_model": "llama"}, "unsupported tokenizer model 'llama'"),
-        ({"pre": "qwen2"}, "unsupported pre-tokenizer 'qwen2'"),
+        ({"tokenizer_model": "bert"}, "unsupported tokenizer model 'bert'"),
+        ({"pre": "deepseek-coder"}, "unsupported pre-tokenizer 'deepseek-coder'"),
         ({"matrix_type": "I8"}, "unsupported tensor type I8 (e.g. blk.0.attn_q.weight)"),
         ({"extra_tensor": "rope_freqs.weight"}, "holds rope_freqs.weight"),
         ({"extra_tensor": "blk.0.attn_q_norm.weight"}, "unexpected tensor 'blk.0.attn_q_norm"),
