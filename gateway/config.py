@@ -84,6 +84,11 @@ class HttpConfig(_Section):
     max_body_bytes: int = Field(4 * 1_048_576, ge=1024)
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
+    # Connection caps (docs/operations.md, "Limits"): refused with 503 and Retry-After.
+    max_connections: int = Field(4096, ge=1)
+    max_connections_per_ip: int = Field(256, ge=0)  # per client source address; 0 = no limit
+    # Daemon-wide bound on request-body bytes held (declared Content-Length counts at once).
+    max_body_bytes_in_flight: int = Field(256 * 1_048_576, ge=0)
 
 
 class EngineConfig(_Section):

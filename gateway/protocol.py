@@ -513,7 +513,9 @@ def encode_cancel(stream: int) -> bytes:
 
 
 def encode_error(stream: int, code: int, message: str, retry_after_ms: int = 0) -> bytes:
-    body = ERROR_HEAD.pack(code, 0, retry_after_ms) + message.encode("utf-8")
+    # A message may quote the client (a JSON key with a lone surrogate): escaped, never raised.
+    text = message.encode("utf-8", "backslashreplace")
+    body = ERROR_HEAD.pack(code, 0, retry_after_ms) + text
     return encode_frame(FrameType.ERROR, stream, body)
 
 

@@ -366,8 +366,11 @@ class Connection(asyncio.BufferedProtocol):
             return
         if self.counted_principal is not None:  # the certificate's principal, replaced
             self.server.uncount_principal(self.counted_principal)
-        self.counted_principal = principal.name
-        if not self.server.count_principal(self, principal.name):
+        counted = principal.name
+        if principal is self.path.chain.anonymous():  # no key: one bucket per address
+            counted = f"{counted}@{self.peer_ip}"
+        self.counted_principal = counted
+        if not self.server.count_principal(self, counted):
             self.connection_error(
                 ErrorCode.OVERLOADED,
                 f"too many connections for principal {principal.name!r}",

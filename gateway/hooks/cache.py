@@ -3,8 +3,9 @@
 Only greedy (temperature 0) or seeded requests are cached: for them the same inputs give the same
 stream. The key is a BLAKE2b digest of the model and every input that shapes the stream: prompt
 ids (after the chat template), prompt_id, max_tokens, temperature, top_p, top_k, seed, stop ids
-and stop sequences. ``want_text`` is not part of it: the text is always stored and the server
-drops it when the client did not ask for it.
+and stop sequences, and the principal's name unless ``cache.shared_across_principals`` (so by
+default one API key is never served another's completion). ``want_text`` is not part of it:
+the text is always stored and the server drops it when the client did not ask for it.
 
 Entries are written at DONE, only for streams that finished normally (eos, max_tokens, stop) and
 were not themselves served from the cache; cancelled or failed streams are never stored.
@@ -38,8 +39,8 @@ _HEADER = struct.Struct("<IIddIBQIIII")
 _BLOB = struct.Struct("<BxxxII")  # Redis value header: finish_reason, prompt_tokens, n_ids
 
 
-def cache_key(ctx: Any) -> bytes:
-    """The 20-byte digest identifying a request's stream."""
+def cache_key(ctx: Any, scope: str = "") -> bytes:
+    """The 20-byte digest identifying a request's stream within ``scope`` ("" = shared)."""
     ids = ctx.prompt_ids
     if ids.dtype != np.int32 or not ids.flags.c_contiguous:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
@@ -61,6 +62,9 @@ def cache_key(ctx: Any) -> bytes:
         )
     )
     h.update(model)
+    if scope:
+        raw_scope = scope.encode("utf-8", "backslashreplace")
+        h.update(b"\x00scope" + len(raw_scope).to_bytes(4, "little") + raw_scope)
     h.update(ids)
     if ctx.stop_ids:
         h.update(np.asarray(ctx.stop_ids, dtype=np.int32).tobytes())
@@ -186,6 +190,7 @@ class ResponseCache:
     def __init__(self, settings: Any, store: MemoryCacheStore | RedisCacheStore | None = None):
         cfg = getattr(settings, "cache", None) or CacheConfig()
         self.enabled = cfg.enabled
+        self.shared = cfg.shared_across_principals
         if not self.enabled:
             return
         if store is None:
@@ -201,11 +206,10 @@ class ResponseCache:
         else:
             self.close = store.close
 
-    @staticmethod
-    def _key(ctx: Any) -> bytes | None:
+    def _key(self, ctx: Any) -> bytes | None:
         if ctx.temperature != 0.0 and ctx.seed is None:
             return None  # sampled without a seed: a new answer each time, never cached
-        key = cache_key(ctx)
+        key = cache_key(ctx, "" if self.shared else ctx.principal.name)
         ctx.state[STATE_KEY] = key
         return key
 

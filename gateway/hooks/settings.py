@@ -41,3 +41,6 @@ class CacheConfig(BaseModel):
     max_bytes: int = Field(64 * 1024 * 1024, ge=0)  # memory: LRU bound; both: largest entry
     ttl_s: int = Field(3600, ge=1)  # redis store only
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # False: each principal (API key) has its own entries. True: one principal may be served
+    # another's completion, which tells it that someone sent that exact request (docs/hooks.md).
+    shared_across_principals: bool = False

@@ -17,6 +17,7 @@ from gateway.codes import ANTHROPIC as ANTHROPIC  # re-exported: the API labels
 from gateway.codes import OPENAI as OPENAI
 from gateway.codes import ErrorCode, Refusal
 from gateway.http.reply import dumps
+from gateway.ops.escape import client_text
 from gateway.validation import JsonObject
 
 # ErrorCode → HTTP status: the one table. Codes that only the frame port can produce (framing,
@@ -149,14 +150,16 @@ def status_for(api: str, status: int) -> int:
 def error_body(api: str, err: HttpError) -> bytes:
     """The JSON error object of ``api`` for ``err``."""
     kind = _KINDS.get(err.status, _KINDS[500])
+    message = client_text(err.message)  # it may quote what the client sent
     if api == ANTHROPIC:
-        obj: JsonObject = {"type": "error", "error": {"type": kind[1], "message": err.message}}
+        obj: JsonObject = {"type": "error", "error": {"type": kind[1], "message": message}}
     else:
+        param = None if err.param is None else client_text(err.param)
         obj = {
             "error": {
-                "message": err.message,
+                "message": message,
                 "type": kind[0],
-                "param": err.param,
+                "param": param,
                 "code": err.code,
             }
         }

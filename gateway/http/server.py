@@ -15,6 +15,7 @@ the last flush form one HTTP chunk, its size patched in place.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections import deque
@@ -26,8 +27,10 @@ import httptools
 from gateway.codes import ErrorCode
 from gateway.config import HttpConfig
 from gateway.http.errors import OPENAI, REASONS, HttpError, error_body, status_for
+from gateway.ops.escape import client_text
+from gateway.ops.logging import LogThrottle
 from gateway.ops.metrics import Metrics
-from gateway.ops.sockets import apply_socket_options
+from gateway.ops.sockets import apply_socket_options, descriptors_low
 
 log = logging.getLogger("zerolayer.http")
 
@@ -46,12 +49,30 @@ WANTED_HEADERS = frozenset(
 )
 _CHUNK_HOLE = b"00000000\r\n"  # a chunk's size line, patched at flush (leading zeros are valid)
 _CHUNK_HOLE_LEN = len(_CHUNK_HOLE)
+RETRY_AFTER_S = 1  # the Retry-After of a connection or body refused for capacity
+# The answer when building the proper one failed: fixed bytes that cannot fail.
+_LAST_BODY = b'{"error":{"message":"internal server error","type":"server_error"}}'
+_LAST_RESORT = (
+    b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_LAST_BODY), _LAST_BODY)
+)
+_throttle = LogThrottle()
 
 
 class Incoming:
     """One parsed request. ``api`` picks the error shape (set by the router)."""
 
-    __slots__ = ("method", "path", "headers", "body", "keep_alive", "t_recv", "api", "state")
+    __slots__ = (
+        "method",
+        "path",
+        "headers",
+        "body",
+        "keep_alive",
+        "t_recv",
+        "api",
+        "state",
+        "held",
+    )
 
     def __init__(self, t_recv: float) -> None:
         self.method = b""
@@ -62,6 +83,7 @@ class Incoming:
         self.t_recv = t_recv
         self.api = OPENAI
         self.state: object = None  # the door's per-request object
+        self.held = 0  # body bytes counted in HttpServer.body_bytes for this request
 
 
 class HttpServer:
@@ -87,6 +109,8 @@ class HttpServer:
         self._idle = asyncio.Event()
         self.socket_options: object = None  # ServerConfig for apply_socket_options, if any
         self._ids = 0
+        self.per_ip: collections.Counter[str] = collections.Counter()
+        self.body_bytes = 0  # request-body bytes held by all connections (reserved or read)
 
     async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
         """Listen (on ``sock`` when given); with ``ssl`` every connection speaks TLS only."""
@@ -148,8 +172,42 @@ class HttpServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
 
+    def admit(self, conn: HttpConnection, sock: object) -> str:
+        """Count a new connection in; returns why it must be refused ("" = admitted)."""
+        self.connections.add(conn)
+        self.per_ip[conn.peer_ip] += 1
+        cfg = self.cfg
+        if descriptors_low(sock):
+            _throttle.warning(log, "fds", "file descriptors nearly exhausted: refusing HTTP")
+            return "the server is out of connection capacity"
+        if cfg.max_connections_per_ip and self.per_ip[conn.peer_ip] > cfg.max_connections_per_ip:
+            return f"too many connections from {conn.peer_ip}"
+        if len(self.connections) > cfg.max_connections:
+            return "too many connections"
+        return ""
+
+    def hold_body(self, conn: HttpConnection, n: int) -> bool:
+        """Count ``n`` more request-body bytes held by ``conn``; False (nothing counted) when
+        that would pass ``http.max_body_bytes_in_flight``."""
+        limit = self.cfg.max_body_bytes_in_flight
+        if limit and n > 0 and self.body_bytes + n > limit:
+            return False
+        self.body_bytes += n
+        conn.held += n
+        return True
+
+    def release_body(self, conn: HttpConnection, n: int) -> None:
+        n = min(n, conn.held)
+        self.body_bytes -= n
+        conn.held -= n
+
     def gone(self, conn: HttpConnection) -> None:
-        self.connections.discard(conn)
+        if conn in self.connections:
+            self.connections.discard(conn)
+            self.per_ip[conn.peer_ip] -= 1
+            if self.per_ip[conn.peer_ip] <= 0:
+                del self.per_ip[conn.peer_ip]
+        self.release_body(conn, conn.held)
         if not self.connections:
             self._idle.set()
 
@@ -183,26 +241,49 @@ class HttpConnection(asyncio.Protocol):
         self.chunk_at = -1  # offset of the open chunk's size line in ``out``; -1 = none
         self.close_after = False  # close once the active response ends
         self.dirty = False  # in the door's list of connections to flush
+        self.peer_ip = "?"
+        self.held = 0  # request-body bytes this connection holds (HttpServer.body_bytes)
+        self.in_head = True  # the bytes arriving are a request line / headers
+        self.head_fed = 0  # bytes fed to the parser since the current head began
 
     # ------------------------------------------------------------------ transport callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.connections.add(self)
-        if self.server.socket_options is not None:
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                apply_socket_options(sock, self.server.socket_options)
+        peer = transport.get_extra_info("peername")
+        self.peer_ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        sock = transport.get_extra_info("socket")
+        refusal = self.server.admit(self, sock)
+        if refusal:
+            self._refuse_connection(refusal)
+            return
+        if self.server.socket_options is not None and sock is not None:
+            apply_socket_options(sock, self.server.socket_options)
         transport.set_write_buffer_limits(high=self.server.write_buffer_limit)  # type: ignore[attr-defined]
         self.deadline = time.monotonic() + self.cfg.header_timeout_s
+
+    def _refuse_connection(self, reason: str) -> None:
+        """503 with Retry-After before reading anything, then close."""
+        self.closing = self.close_after = True
+        self.active = Incoming(time.perf_counter())
+        self.respond_error(
+            HttpError(503, reason, retry_after_ms=RETRY_AFTER_S * 1000, close=True), advance=False
+        )
+        self.active = None
+        self.close()
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
         try:
-            self.parser.feed_data(data)
+            self._feed(memoryview(data))
         except httptools.HttpParserUpgrade:
-            self._fail(HttpError(400, "protocol upgrades are not supported", close=True))
+            if self.cur is None:  # the request is complete: answered as HTTP/1.1, then close
+                self.closing = self.close_after = True
+                if self.active is None and not self.queue:
+                    self.close()
+            else:
+                self._fail(HttpError(400, "protocol upgrades are not supported", close=True))
         except httptools.HttpParserCallbackError:
             log.exception("internal error parsing a request")
             self._fail(HttpError(500, "internal server error", close=True))
@@ -210,12 +291,41 @@ class HttpConnection(asyncio.Protocol):
             self._fail(
                 HttpError(
                     400,
-                    f"malformed HTTP request: {exc}",
+                    client_text(f"malformed HTTP request: {exc}"),
                     close=True,
                     error=ErrorCode.MALFORMED_FRAME,
                 )
             )
+        except Exception:  # the guard: whatever failed, the client gets an answer or a close
+            log.exception("internal error reading a request")
+            self._last_resort()
+            return
         self.flush()
+
+    def _feed(self, data: memoryview) -> None:
+        """Feed the parser; bytes of a request head are counted as they arrive, so a head
+        over MAX_HEAD_BYTES is refused before the parser accumulates more of it."""
+        while data and not self.closing:
+            if not self.in_head:
+                self.parser.feed_data(data)
+                return
+            room = MAX_HEAD_BYTES + 1 - self.head_fed
+            piece, data = data[:room], data[room:]
+            self.head_fed += len(piece)
+            self.parser.feed_data(piece)
+            if self.in_head and self.head_fed > MAX_HEAD_BYTES and not self.closing:
+                self._fail(HttpError(431, "request headers too large", close=True))
+                return
+
+    def _last_resort(self) -> None:
+        """An answer that cannot fail, then close: for an error on the error path itself."""
+        self.closing = self.close_after = True
+        self.out.clear()
+        self.queue.clear()
+        self.streaming = False
+        if self.transport is not None:
+            self.transport.write(_LAST_RESORT)
+            self.transport.close()
 
     def eof_received(self) -> bool:
         # The client half-closed: answer what it sent (pipelined requests), then close.
@@ -229,9 +339,11 @@ class HttpConnection(asyncio.Protocol):
         self.transport = None
         active, self.active = self.active, None
         self.queue.clear()
-        if active is not None:
-            self.disconnected(active)
-        self.server.gone(self)
+        try:
+            if active is not None:
+                self.disconnected(active)
+        finally:
+            self.server.gone(self)
 
     # ------------------------------------------------------------------ what subclasses answer
 
@@ -287,6 +399,7 @@ class HttpConnection(asyncio.Protocol):
         cur.path = cur.path.split(b"?", 1)[0]
         cur.keep_alive = self.parser.should_keep_alive()
         cur.api = self.api_of(cur.path)  # the shape of any error, even before routing
+        self.in_head = False
         if self.head_bytes > MAX_HEAD_BYTES:
             self._refuse_unread(HttpError(431, "request headers too large", close=True))
             return
@@ -294,6 +407,11 @@ class HttpConnection(asyncio.Protocol):
         if length.isdigit() and int(length) > self.cfg.max_body_bytes:
             self._refuse_unread(self._too_large())
             return
+        if length.isdigit():
+            if not self.server.hold_body(self, int(length)):
+                self._refuse_unread(self._no_room())
+                return
+            cur.held = int(length)
         if self.active is None:
             self.deadline = time.monotonic() + self.cfg.body_timeout_s
         if cur.headers.get(b"expect", b"").lower() == b"100-continue" and self.transport:
@@ -306,7 +424,21 @@ class HttpConnection(asyncio.Protocol):
         if len(cur.body) + len(body) > self.cfg.max_body_bytes:
             self._refuse_unread(self._too_large())
             return
+        if b"content-length" not in cur.headers:  # a chunked body: counted as it arrives
+            if not self.server.hold_body(self, len(body)):
+                self._refuse_unread(self._no_room())
+                return
+            cur.held += len(body)
         cur.body += body
+
+    def _no_room(self) -> HttpError:
+        limit = self.cfg.max_body_bytes_in_flight
+        return HttpError(
+            503,
+            f"the server holds {limit} bytes of request bodies; retry later",
+            retry_after_ms=RETRY_AFTER_S * 1000,
+            close=True,
+        )
 
     def _too_large(self) -> HttpError:
         limit = self.cfg.max_body_bytes
@@ -314,6 +446,8 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         cur, self.cur = self.cur, None
+        self.in_head = True
+        self.head_fed = 0
         if cur is None or self.closing:
             return
         self.queue.append(cur)
@@ -344,15 +478,19 @@ class HttpConnection(asyncio.Protocol):
             self.active = request
             self.deadline = 0.0
             if isinstance(request.state, HttpError):
-                self.respond_error(request.state)
+                self._release(request)
+                self._answer_error(request.state)
                 continue
             try:
-                self.handle(request)
+                try:
+                    self.handle(request)
+                finally:  # the body is parsed (or refused): it no longer counts as in flight
+                    self._release(request)
             except HttpError as err:
-                self.respond_error(err)
+                self._answer_error(err)
             except Exception:
-                log.exception("internal error answering %s", request.path)
-                self.respond_error(HttpError(500, "internal server error"))
+                log.exception("internal error answering %r", request.path)
+                self._answer_error(HttpError(500, "internal server error"))
         if self.active is None:
             if self.close_after:
                 self.flush()
@@ -366,6 +504,20 @@ class HttpConnection(asyncio.Protocol):
                 if self.cur is not None and self.cur.method
                 else self.cfg.header_timeout_s
             )
+
+    def _release(self, request: Incoming) -> None:
+        self.server.release_body(self, request.held)
+        request.held = 0
+        request.body = bytearray()
+
+    def _answer_error(self, err: HttpError) -> None:
+        """``respond_error``, guarded: if even that fails, the fixed 500 and close."""
+        try:
+            self.respond_error(err)
+        except Exception:
+            log.exception("internal error answering with an error")
+            self._last_resort()
+            self.active = None
 
     def _head(self, status: int, content_type: bytes, length: int, extra: bytes) -> None:
         request = self.active

@@ -20,7 +20,16 @@ import time
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["REQUEST_LOG", "JsonFormatter", "announce", "installed_handler", "setup_logging"]
+from gateway.ops.escape import client_text
+
+__all__ = [
+    "REQUEST_LOG",
+    "JsonFormatter",
+    "LogThrottle",
+    "announce",
+    "installed_handler",
+    "setup_logging",
+]
 
 REQUEST_LOG = logging.getLogger("zerolayer.requests")
 
@@ -59,7 +68,8 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = self.formatException(record.exc_info)
         if record.stack_info:
             out["stack"] = record.stack_info
-        return json.dumps(out, ensure_ascii=False, default=str)
+        # A client's lone surrogate becomes its JSON escape (the line stays valid UTF-8).
+        return client_text(json.dumps(out, ensure_ascii=False, default=str))
 
 
 class _PlainFormatter(logging.Formatter):
@@ -68,14 +78,19 @@ class _PlainFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         extras = [
-            f"{k}={v}"
+            f"{k}={client_text(str(v))}"
             for k, v in record.__dict__.items()
             if k not in _STANDARD and not k.startswith("_")
         ]
         if extras:
             first, sep, rest = line.partition("\n")
             line = first + " " + " ".join(extras) + sep + rest
-        return line
+        return _surrogates_escaped(line)
+
+
+def _surrogates_escaped(line: str) -> str:
+    """``line`` encodable as UTF-8: a client's lone surrogate as its backslash escape."""
+    return line.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _OurHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -139,3 +154,30 @@ def announce(logger: str, msg: str, **fields: object) -> None:
         stream.write(line + "\n")
         return
     os.write(fd, (line + "\n").encode())
+
+
+class LogThrottle:
+    """At most one line per ``interval_s`` per key: for events a client can cause at will
+    (refused handshakes, descriptor exhaustion), so an attacker cannot flood the log. A line
+    says how many of its kind were held back since the last one."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, logger: logging.Logger, key: str, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` at warning unless ``key`` was logged less than interval_s ago;
+        True when the line was written."""
+        now = time.monotonic()
+        if now < self._next.get(key, 0.0):
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        self._next[key] = now + self.interval_s
+        held = self._held.pop(key, 0)
+        logger.warning(
+            msg + (" (%d more since the last such line)" if held else ""),
+            *args,
+            *((held,) if held else ()),
+        )
+        return True

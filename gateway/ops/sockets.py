@@ -9,12 +9,19 @@ spreads new connections across them.
 from __future__ import annotations
 
 import logging
+import resource
 import socket
 import sys
 import threading
 from typing import Protocol
 
-__all__ = ["SocketTuning", "apply_socket_options", "make_listen_socket", "refused_options"]
+__all__ = [
+    "SocketTuning",
+    "apply_socket_options",
+    "descriptors_low",
+    "make_listen_socket",
+    "refused_options",
+]
 
 log = logging.getLogger("zerolayer.ops.sockets")
 
@@ -103,3 +110,25 @@ def make_listen_socket(host: str, port: int, backlog: int, reuse_port: bool) -> 
         sock.close()
         raise
     return sock
+
+
+_FD_RESERVE = 64  # descriptors kept free for the other doors, metrics, logs and files
+
+
+def descriptors_low(sock: object) -> bool:
+    """True when an accepted socket's descriptor is within _FD_RESERVE of the process's soft
+    RLIMIT_NOFILE. The kernel hands out the lowest free number, so the number is a cheap proxy
+    for descriptors in use; refusing there keeps the other doors and /readyz alive."""
+    fileno = getattr(sock, "fileno", None)
+    if fileno is None:
+        return False
+    try:
+        fd = fileno()
+    except OSError:
+        return False
+    return fd >= _nofile() - _FD_RESERVE
+
+
+def _nofile() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 30

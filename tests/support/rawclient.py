@@ -71,9 +71,16 @@ def hello(key: bytes = b"", version: int = 1) -> bytes:
 
 class RawConnection:
     def __init__(
-        self, host: str, port: int, rcvbuf: int | None = None, timeout: float = 30
+        self,
+        host: str,
+        port: int,
+        rcvbuf: int | None = None,
+        timeout: float = 30,
+        source: str | None = None,
     ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if source:  # another client's loopback address (127.0.0.2 ...)
+            self.sock.bind((source, 0))
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.settimeout(timeout)

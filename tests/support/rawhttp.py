@@ -44,8 +44,12 @@ class Response:
 class RawHttp:
     """One client connection. ``send`` writes bytes as given; ``response`` reads the next one."""
 
-    def __init__(self, host: str, port: int, timeout: float = 10.0) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+    def __init__(
+        self, host: str, port: int, timeout: float = 10.0, source: str | None = None
+    ) -> None:
+        """``source``: the loopback address to connect from (127.0.0.2 ... for attackers)."""
+        src = (source, 0) if source else None
+        self.sock = socket.create_connection((host, port), timeout=timeout, source_address=src)
         self.conn = h11.Connection(h11.CLIENT)
 
     def send(self, data: bytes) -> None:

@@ -217,3 +217,15 @@ def test_redis_cache_errors_are_misses():
         return got
 
     assert asyncio.run(run()) is None
+
+
+def test_principals_do_not_share_entries_unless_configured():
+    """Issue #25 item 7: key B is never served key A's completion by default."""
+    a, b = Principal("key-a"), Principal("key-b")
+    chain = cache_chain()
+    assert serve(chain, make_ctx(principal=a)) is None
+    assert serve(chain, make_ctx(principal=b)) is None  # B's own miss, not A's entry
+    assert serve(chain, make_ctx(principal=a)) is not None
+    shared = cache_chain(shared_across_principals=True)
+    assert serve(shared, make_ctx(principal=a)) is None
+    assert serve(shared, make_ctx(principal=b)) is not None
