@@ -47,3 +47,14 @@ def test_throttle_writes_one_line_per_interval_and_counts_the_rest(caplog):
         assert not t.warning(log, "k", "refused %s", "y")
         assert t.warning(log, "other", "other")
     assert [r.getMessage() for r in caplog.records] == ["refused x", "other"]
+
+
+def test_a_prompt_token_id_of_2_63_is_reported_as_out_of_range():
+    """Issue #25 item 8: not "must be >= 0" for a number that is positive."""
+    import pytest
+
+    from gateway.http import openai
+
+    with pytest.raises(HttpError) as exc:
+        openai.parse_completion(b'{"model":"m","prompt":[9223372036854775808]}', "m", 512)
+    assert "must be in [0, 2147483647]" in exc.value.message
