@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.codes import FinishReason
+from gateway.engine.admission import QueueShares
 from gateway.engine.backend import Backend
 from gateway.engine.compute import ComputeThread
 from gateway.engine.prefix_store import PrefixStore
@@ -278,6 +279,7 @@ class Engine:
         self._compute: ComputeThread | None = None
         self._running_loop: Future[None] | None = None  # _run on the compute thread
         self._queued = 0  # inbox + waiting, maintained under _lock
+        self._shares = QueueShares(max_queue)  # each client's part of _queued (admission.py)
         self._lock = threading.Lock()
         self.last_beat = time.monotonic()  # the thread's heartbeat, for health checks
         self._avg_seq_s = 1.0  # moving average of admitted→finished, for retry hints
@@ -313,7 +315,7 @@ class Engine:
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("engine is shutting down")
-            if self._queued >= self._max_queue:
+            if self._queued >= self._max_queue or not self._shares.take(seq.fair_key):
                 raise EngineOverloaded(self.retry_after_ms())
             self._queued += 1
             self._inbox.append(seq)
@@ -456,6 +458,7 @@ class Engine:
                 waiting[key] = queue  # to the end of the round
             with self._lock:
                 self._queued -= 1
+                self._shares.give_back(seq.fair_key)
             seq.t_admit = time.perf_counter()
             if seq.cancelled:
                 outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
@@ -496,6 +499,7 @@ class Engine:
                 if seq.cancelled:
                     with self._lock:
                         self._queued -= 1
+                        self._shares.give_back(seq.fair_key)
                     outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
                 else:
                     keep.append(seq)

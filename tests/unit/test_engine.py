@@ -232,14 +232,32 @@ def test_cancel_while_waiting():
 
 def test_bounded_queue_refuses_with_retry_hint():
     engine, _ = make_engine(Scripted([1]), max_queue=2)
-    engine.submit(seq(1))
-    engine.submit(seq(2))
+    for n in (1, 2):  # two clients (fairness keys): one alone may hold only its share
+        one = seq(n)
+        one.fair_key = n
+        engine.submit(one)
     with pytest.raises(EngineOverloaded) as exc:
         engine.submit(seq(3))
     assert exc.value.retry_after_ms > 0
     engine.stop_accepting()
     with pytest.raises(EngineStopped):
         engine.submit(seq(4))
+
+
+def test_one_client_holds_a_fair_share_of_the_queue_and_a_newcomer_is_admitted():
+    """Issue #25 item 5: one client flooding does not lock the others out of the queue."""
+    engine, _ = make_engine(Scripted([1]), max_queue=8)
+    taken = 0
+    with pytest.raises(EngineOverloaded):
+        for n in range(8):
+            flood = seq(n)
+            flood.fair_key = "flood"
+            engine.submit(flood)
+            taken += 1
+    assert taken == 4
+    newcomer = seq("new")
+    newcomer.fair_key = "newcomer"
+    engine.submit(newcomer)  # admitted while the flood is queued
 
 
 def test_max_context_caps_generation():
@@ -658,7 +676,9 @@ def test_stop_closes_the_backend_on_the_engine_thread():
 def test_admission_is_round_robin_across_fairness_keys():
     """One client queues 12 sequences, another then sends one: it gets the next free slot
     instead of waiting behind all 12 (2 slots, each sequence 4 tokens)."""
-    engine, sink = make_engine(Scripted([5, 6, 7, 8], num_slots=2))
+    engine, sink = make_engine(
+        Scripted([5, 6, 7, 8], num_slots=2), max_queue=32
+    )  # A: 12 < its share
     order: list[str] = []
     for i in range(12):
         engine.submit(Sequence(f"a{i}", np.array([1, 2], np.int32), 4, SamplingRow(), fair_key="A"))
