@@ -309,7 +309,7 @@ def test_stream_limits_and_overload():
         {
             "SERVER__MAX_STREAMS_PER_CONNECTION": "2",
             "ENGINE__MAX_BATCH_SIZE": "1",
-            "ENGINE__MAX_QUEUE": "2",
+            "ENGINE__MAX_QUEUE": "4",  # one client's fair share of it: 2
             "ENGINE__SYNTHETIC_STEP_MS": "5",
         }
     ) as d:
@@ -318,8 +318,8 @@ def test_stream_limits_and_overload():
         res = rc.collect(conn, {1, 2, 3})
         assert res[3]["error"][0] == TOO_MANY
         assert res[1]["done"] and res[2]["done"]
-        # Queue of 2 behind one slot: the fourth concurrent request is refused with a hint.
-        conns = [connect(d) for _ in range(4)]
+        # Queue of 4 behind one slot: the sixth concurrent request is refused with a hint.
+        conns = [connect(d) for _ in range(6)]
         for c in conns:
             c.send(rc.request(1, b"q", 40))
         results = [rc.collect(c, {1})[1] for c in conns]
