@@ -23,6 +23,7 @@ from gateway.http import anthropic, openai
 from gateway.http.errors import HttpError, http_error, stream_error_event
 from gateway.http.reply import Ending, Reply
 from gateway.http.routes import (
+    CACHE_HIT_HEADER,
     CHAT,
     COMPLETION,
     COUNT_TOKENS,
@@ -33,6 +34,7 @@ from gateway.http.routes import (
     api_key,
     api_of,
     route,
+    wants_cache,
 )
 from gateway.http.server import HttpConnection, HttpServer, Incoming
 from gateway.lifecycle import RequestPath, Stream
@@ -62,7 +64,7 @@ class HttpApi:
 class Exchange:
     """The door's per-stream data (``Stream.state``)."""
 
-    __slots__ = ("request", "reply", "stream", "started", "parts")
+    __slots__ = ("request", "reply", "stream", "started", "parts", "cached")
 
     def __init__(self, request: Incoming, reply: Reply) -> None:
         self.request = request
@@ -70,6 +72,7 @@ class Exchange:
         self.stream = reply.stream
         self.started = False  # the streamed response's head and first events are written
         self.parts: list[str] = []  # the text so far (non-streaming)
+        self.cached = False  # replayed from the response cache (write_cached)
 
 
 class ApiConnection(HttpConnection):
@@ -132,6 +135,7 @@ class ApiConnection(HttpConnection):
         else:
             assert endpoint == MESSAGES
             reply = anthropic.parse_messages(body, api.model)
+        reply.req.use_cache = wants_cache(request)
         self._keys += 1
         st = Stream(self, self._keys, reply.api, want_text=True)
         st.state = Exchange(request, reply)
@@ -179,11 +183,12 @@ class ApiConnection(HttpConnection):
         return 0
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
+        st.state.cached = True  # type: ignore[attr-defined]
         return self.write_token(st, -1, text)
 
     def _start(self, st: Stream, ex: Exchange) -> None:
         ex.started = True
-        self.start_stream()
+        self.start_stream(extra=CACHE_HIT_HEADER if ex.cached else b"")
         ex.reply.start(self.out, st.prompt_tokens)
 
     def write_done(
@@ -200,7 +205,8 @@ class ApiConnection(HttpConnection):
             ex.reply.end(self.out, ending)
             self.end_stream(advance=False)
         else:
-            self.respond(200, ex.reply.body("".join(ex.parts), ending), advance=False)
+            extra = CACHE_HIT_HEADER if ex.cached else b""
+            self.respond(200, ex.reply.body("".join(ex.parts), ending), extra=extra, advance=False)
         if self.api.log_requests:
             self._log(ex.request, st.api, 200, st, ending, timings)
 

@@ -29,6 +29,9 @@ ROUTES: dict[bytes, tuple[bytes, str, str]] = {
     b"/v1/messages/count_tokens": (b"POST", ANTHROPIC, COUNT_TOKENS),
 }
 MODEL_PREFIX = b"/v1/models/"
+# Sent on an answer replayed from the response cache (the frame protocol's DONE cache bit 0).
+CACHE_HIT_HEADER = b"x-zerolayer-cache: hit\r\n"
+_NO_CACHE = (b"no-cache", b"no-store")
 
 
 def api_of(path: bytes) -> str:
@@ -82,3 +85,13 @@ def api_key(request: Incoming) -> bytes:
     if scheme.lower() != b"bearer":
         raise HttpError(401, "Authorization must use the Bearer scheme", code="invalid_api_key")
     return value.strip()
+
+
+def wants_cache(request: Incoming) -> bool:
+    """False when ``Cache-Control`` carries ``no-cache`` or ``no-store``: the request bypasses
+    the response cache (neither looked up nor stored)."""
+    value = request.headers.get(b"cache-control")
+    if value is None:
+        return True
+    directives = {d.split(b"=", 1)[0].strip().lower() for d in value.split(b",")}
+    return not any(d in directives for d in _NO_CACHE)

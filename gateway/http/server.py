@@ -42,6 +42,10 @@ WANTED_HEADERS = frozenset(
         b"x-api-key",
         b"expect",
         b"anthropic-version",
+        b"cache-control",
+        b"origin",
+        b"access-control-request-method",
+        b"access-control-request-headers",
     }
 )
 _CHUNK_HOLE = b"00000000\r\n"  # a chunk's size line, patched at flush (leading zeros are valid)
@@ -426,12 +430,12 @@ class HttpConnection(asyncio.Protocol):
             status_for(api, err.status), error_body(api, err), extra=extra, advance=advance
         )
 
-    def start_stream(self, content_type: bytes = b"text/event-stream") -> None:
+    def start_stream(self, content_type: bytes = b"text/event-stream", extra: bytes = b"") -> None:
         """Open a streamed response: write events into ``out``; ``end_stream`` ends it."""
         self.chunked = self.parser.get_http_version() == "1.1"
         if not self.chunked:  # HTTP/1.0: the body ends when the connection does
             self.close_after = True
-        self._head(200, content_type, -1, b"cache-control: no-cache\r\n")
+        self._head(200, content_type, -1, b"cache-control: no-cache\r\n" + extra)
         self.streaming = True
         if self.chunked:
             self.chunk_at = len(self.out)
