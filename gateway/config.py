@@ -84,6 +84,8 @@ class HttpConfig(_Section):
     max_body_bytes: int = Field(4 * 1_048_576, ge=1024)
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
+    # Browser origins allowed to call the API (CORS; "*" = any); empty = CORS off
+    cors_origins: list[str] = []
 
 
 class EngineConfig(_Section):

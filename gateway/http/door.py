@@ -31,6 +31,8 @@ from gateway.http.routes import (
     MODEL,
     MODEL_PREFIX,
     MODELS,
+    OPS,
+    OpsPages,
     api_key,
     api_of,
     route,
@@ -49,8 +51,11 @@ _perf = time.perf_counter
 class HttpApi:
     """What every HTTP connection shares: the request path, the model, prebuilt bodies."""
 
-    def __init__(self, path: RequestPath, info: ModelInfo) -> None:
+    def __init__(self, path: RequestPath, info: ModelInfo, ops: OpsPages | None = None) -> None:
         self.path = path
+        self.ops = ops or OpsPages(
+            None, None
+        )  # /health, /metrics, /version, the status page, CORS (routes.py)
         self.model = info.name
         created = int(time.time())
         self.models_body = openai.models_body(self.model, created)
@@ -108,7 +113,15 @@ class ApiConnection(HttpConnection):
 
     def _handle(self, request: Incoming) -> None:
         api = self.api
+        ops = api.ops
+        self.extra_head = ops.cors(request)
+        if request.method == b"OPTIONS":
+            self.respond(*ops.preflight(request))
+            return
         endpoint = route(request)
+        if endpoint in OPS:
+            self.respond(*ops.answer(endpoint))
+            return
         if endpoint == MODELS:
             self.respond(200, api.models_body)
             return

@@ -186,6 +186,7 @@ class HttpConnection(asyncio.Protocol):
         self.chunked = False
         self.chunk_at = -1  # offset of the open chunk's size line in ``out``; -1 = none
         self.close_after = False  # close once the active response ends
+        self.extra_head = b""  # header lines for every response to the active request (CORS)
         self.dirty = False  # in the door's list of connections to flush
 
     # ------------------------------------------------------------------ transport callbacks
@@ -395,6 +396,7 @@ class HttpConnection(asyncio.Protocol):
         if not keep:
             out += b"connection: close\r\n"
         out += extra
+        out += self.extra_head
         out += b"\r\n"
 
     def respond(
