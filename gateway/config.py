@@ -133,6 +133,8 @@ class ModelConfig(_Section):
 class AuthConfig(_Section):
     enabled: bool = False
     keys_file: str = "configs/keys.toml"
+    # Keys besides the file's (``zerolayer serve --api-key``), as principals api-key-1, ...
+    api_keys: list[str] = []
 
 
 class TLSConfig(_Section):
