@@ -14,6 +14,7 @@ names the browser origins allowed (``*`` for any), then an allowed origin's requ
 from __future__ import annotations
 
 import json
+import time
 from importlib import metadata, resources
 
 from gateway.http.errors import ANTHROPIC, OPENAI, HttpError
@@ -140,7 +141,8 @@ class OpsPages:
         self.metrics = metrics
         self._any_origin = "*" in cors_origins
         self._origins = frozenset(o.rstrip("/").encode() for o in cors_origins if o != "*")
-        self._version = json.dumps({"version": version()}).encode()
+        # started_at: when the daemon began serving (the status page's uptime)
+        self._version = json.dumps({"version": version(), "started_at": time.time()}).encode()
         page = resources.files("gateway.http") / "static" / "index.html"
         self._page = page.read_bytes()
 
