@@ -837,9 +837,9 @@ def test_protocol_error_fields() -> None:
 
 def test_request_cache_bypass_bit_and_json_key() -> None:
     binary = p.encode_request(1, "Hi", 4, cache=False)
-    assert p.parse_request(0, memoryview(binary)[HEADER.size :]).use_cache is False
+    assert p.parse_request(0, memoryview(binary)[p.HEADER.size :]).use_cache is False
     plain = p.encode_request(1, "Hi", 4)
-    assert p.parse_request(0, memoryview(plain)[HEADER.size :]).use_cache is True
+    assert p.parse_request(0, memoryview(plain)[p.HEADER.size :]).use_cache is True
     for value, want in ((False, False), (True, True)):
         body = json.dumps({"max_tokens": 4, "prompt": "Hi", "cache": value}).encode()
         assert p.parse_request(p.FLAG_JSON, memoryview(body)).use_cache is want
