@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 
-.PHONY: install run test test-unit redis compiler bench lint clean
+.PHONY: install run test test-unit redis chromium compiler bench lint clean
 
 $(STAMP): pyproject.toml configs/model-requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +24,15 @@ run: $(STAMP)
 redis:
 	@sh tests/support/install-redis.sh
 
+# The status page's test runs a real headless browser: Debian's chromium and chromedriver.
+chromium:
+	@sh tests/support/install-chromium.sh
+
 # The GGUF block kernel's tests build it: a C++ compiler, from Debian's g++ when missing.
 compiler:
 	@sh deploy/install-compiler.sh
 
-test: $(STAMP) redis compiler
+test: $(STAMP) redis chromium compiler
 	$(BIN)/python -m pytest -q
 
 test-unit: $(STAMP) compiler

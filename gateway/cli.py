@@ -23,14 +23,18 @@ from gateway.hooks.keys import add_keys_subparser, positive_int
 
 # One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
 COMMANDS = """\
-zerolayer serve [--config FILE]                   run the daemon (default configs/default.toml)
+zerolayer serve [MODEL] [--config FILE] [FLAGS]   run the daemon (default configs/default.toml)
+    [--host A] [--port N] [--http-port N] [--metrics-port N] [--dtype D] [--max-batch-size N]
+    [--max-context N] [--api-key KEY]... [--tls-cert PEM --tls-key PEM] [--log-format text|json]
+zerolayer models [--json]                         list servable models (bundled, installed, cached)
 zerolayer generate [OPTIONS] PROMPT               stream a completion (chat template unless --raw)
     [--endpoint tcp://H:P] [--raw] [--system TEXT] [--prompt-id N] [--max-tokens N]
     [--temperature T] [--seed N] [--api-key KEY] [--json] [-v] [--timeout S]
     [--endpoint tls://H:P --tls-ca CA [--tls-cert CERT --tls-key KEY]]
+zerolayer chat [--endpoint tcp://H:P] [--system TEXT]  interactive chat (/system /reset /exit)
 zerolayer keys add NAME [--rpm N] [--tpm N] [--cert-name CN] | keys list | keys revoke NAME
 zerolayer compile-check [FILE|-] [--config FILE]  validate system prompts for precompilation
-zerolayer config [--config FILE]                  print the effective configuration
+zerolayer config [--config FILE] [FLAGS]          print the effective configuration
 zerolayer bench [OPTIONS]                         load-test a daemon or an OpenAI-compatible server
     [--endpoint URL] [--protocol P] [--concurrency N | --request-rate R] [--num-requests N]
     [--input FILE | --input-len L --output-len L] [--output FILE] [--plot DIR]
@@ -63,8 +67,80 @@ def _is_user_error(exc: BaseException) -> bool:
     )
 
 
+# `zerolayer serve` / `zerolayer config` flags → the setting each one sets. A flag wins over the
+# environment and the file: it is applied as the ZEROLAYER_* variable of its setting, so a
+# SIGHUP re-read and the worker processes of server.workers see it too.
+SERVE_FLAGS: tuple[tuple[str, tuple[str, ...], dict], ...] = (
+    ("--host", ("server.host", "http.host"), {"metavar": "ADDR", "help": "frame and HTTP address"}),
+    ("--port", ("server.port",), {"type": int, "metavar": "N", "help": "frame-protocol port"}),
+    ("--http-port", ("http.port",), {"type": int, "metavar": "N", "help": "OpenAI/Anthropic port"}),
+    ("--metrics-port", ("metrics.port",), {"type": int, "metavar": "N", "help": "metrics port"}),
+    ("--dtype", ("model.dtype",), {"choices": ("float32", "bfloat16")}),
+    ("--max-batch-size", ("engine.max_batch_size",), {"type": int, "metavar": "N"}),
+    ("--max-context", ("engine.max_context",), {"type": int, "metavar": "N"}),
+    (
+        "--api-key",
+        ("auth.api_keys",),
+        {"action": "append", "metavar": "KEY", "help": "require this key (repeatable; auth on)"},
+    ),
+    ("--tls-cert", ("tls.cert_file",), {"metavar": "PEM", "help": "TLS certificate chain"}),
+    ("--tls-key", ("tls.key_file",), {"metavar": "PEM", "help": "TLS private key"}),
+    ("--log-format", ("logging.json_lines",), {"choices": ("text", "json")}),
+)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default=None, help="TOML file (default configs/default.toml of the source tree)"
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="a .gguf file, a checkpoint directory or a named model (@smollm2, @builtin); "
+        "see `zerolayer models`",
+    )
+    flags = parser.add_argument_group(
+        "settings (win over the environment and the file; docs/configuration.md)"
+    )
+    for flag, keys, kw in SERVE_FLAGS:
+        names = " and ".join(keys)
+        text = f"{kw['help']} ({names})" if "help" in kw else names
+        flags.add_argument(flag, default=None, **{**kw, "help": text})
+
+
+def flag_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The ZEROLAYER_* variables that the given serve flags stand for."""
+    env: dict[str, str] = {}
+
+    def put(key: str, value: object) -> None:
+        section, name = key.split(".", 1)
+        text = value if isinstance(value, str) else json.dumps(value)
+        env[f"ZEROLAYER_{section.upper()}__{name.upper()}"] = text
+
+    if args.model is not None:
+        put("model.path", args.model)
+    for flag, keys, _ in SERVE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if flag == "--log-format":
+            value = value == "json"
+        for key in keys:
+            put(key, value)
+        if flag == "--api-key":
+            put("auth.enabled", True)
+    return env
+
+
+def _settings(args: argparse.Namespace):  # noqa: ANN202 - Settings
+    os.environ.update(flag_environment(args))
+    return load_settings(args.config)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
+    settings = _settings(args)
     from gateway.daemon import run
 
     return run(settings, args.config)
@@ -147,13 +223,62 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompt == "-":  # the prompt from stdin, as `echo Hi | zerolayer generate -`
+        args.prompt = sys.stdin.read().rstrip("\n")
     return asyncio.run(_generate(args))
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from gateway.chat import run_chat
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = loop.run_until_complete(
+            Client.connect(args.endpoint, args.api_key or "", timeout=args.timeout, ssl=_tls(args))
+        )
+        try:
+            return run_chat(
+                client,
+                loop,
+                system=args.system,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                escape=terminal_safe if sys.stdout.isatty() else str,
+            )
+        finally:
+            loop.run_until_complete(client.close())
+    finally:
+        loop.close()
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config)
-    print(json.dumps(settings.model_dump(), indent=2))
+    data = _settings(args).model_dump()
+    data["auth"]["api_keys"] = ["***"] * len(data["auth"]["api_keys"])  # never print a key
+    print(json.dumps(data, indent=2))
     return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from gateway.models.catalog import list_models
+
+    rows = list_models(load_settings(args.config).model.data_dir)
+    if args.json:
+        print(json.dumps([row._asdict() for row in rows], indent=2))
+        return 0
+    print(f"{'MODEL':<44} {'KIND':<10} {'SIZE':>10}  WHERE")
+    for row in rows:
+        print(f"{row.name:<44} {row.kind:<10} {_size(row.size_bytes):>10}  {row.where}")
+    return 0
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,10 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the daemon")
-    serve.add_argument(
-        "--config", default=None, help="TOML file (default configs/default.toml of the source tree)"
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Serve MODEL (default: model.path of the configuration). Precedence, "
+        "highest first: these flags, ZEROLAYER_* environment variables, the TOML file, defaults.",
     )
+    add_serve_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser(
@@ -183,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
         "template) and stream the answer to stdout; control characters are escaped when "
         "stdout is a terminal.",
     )
-    gen.add_argument("prompt", metavar="PROMPT", help="the user message (with --raw: the text)")
+    gen.add_argument(
+        "prompt", metavar="PROMPT", help="the user message (with --raw: the text); - reads stdin"
+    )
     gen.add_argument(
         "--endpoint",
         default=DEFAULT_ENDPOINT,
@@ -231,13 +361,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=_cmd_generate)
 
+    chat = sub.add_parser(
+        "chat",
+        help="an interactive chat with a running daemon",
+        description="Chat with the daemon's model: answers stream, the conversation is kept; "
+        "/system TEXT, /reset, /exit; a message in triple quotes spans lines; Ctrl-C stops an "
+        "answer (cancelled on the server), Ctrl-D leaves.",
+    )
+    chat.add_argument(
+        "--endpoint",
+        default=DEFAULT_ENDPOINT,
+        metavar="tcp://H:P",
+        help=f"the daemon's frame port (default {DEFAULT_ENDPOINT})",
+    )
+    chat.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
+    chat.add_argument(
+        "--max-tokens", type=positive_int, default=512, metavar="N", help="per answer (512)"
+    )
+    chat.add_argument(
+        "--temperature", type=float, default=0.7, metavar="T", help="sampling temperature (0.7)"
+    )
+    chat.add_argument("--api-key", default=None, metavar="KEY", help="API key (auth on)")
+    chat.add_argument("--tls-ca", default=None, help="CA file for a tls:// endpoint (else system)")
+    chat.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
+    chat.add_argument("--tls-key", default=None, help="client certificate's key")
+    chat.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help="connect timeout"
+    )
+    chat.set_defaults(func=_cmd_chat)
+
     add_keys_subparser(sub)
     add_compile_check_subparser(sub)
     add_bench_subparser(sub)
 
-    cfg = sub.add_parser("config", help="print the effective configuration and exit")
-    cfg.add_argument("--config", default=None, help="TOML file (default as for serve)")
+    cfg = sub.add_parser(
+        "config",
+        help="print the effective configuration and exit",
+        description="Print the configuration `zerolayer serve` with the same arguments would "
+        "run with (flags over environment over file), API keys masked.",
+    )
+    add_serve_flags(cfg)
     cfg.set_defaults(func=_cmd_config)
+
+    models = sub.add_parser(
+        "models",
+        help="list the models that can be served here, with sizes",
+        description="Named models (bundled), models installed by Python packages, and the "
+        "converted caches under model.data_dir (default ~/.cache/zerolayer).",
+    )
+    models.add_argument("--config", default=None, help="TOML file (for model.data_dir)")
+    models.add_argument("--json", action="store_true", help="one JSON list")
+    models.set_defaults(func=_cmd_models)
     return parser
 
 

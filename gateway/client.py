@@ -19,8 +19,9 @@ import codecs
 import contextlib
 import os
 import ssl as _ssl
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -351,8 +352,10 @@ class Client:
         prompt_id: int = 0,
         stop_ids: list[int] | tuple[int, ...] = (),
         text: bool = True,
+        cache: bool = True,
     ) -> Stream:
-        """Send a binary REQUEST; a str prompt goes as UTF-8 text, a list as token ids."""
+        """Send a binary REQUEST; a str prompt goes as UTF-8 text, a list as token ids.
+        ``cache=False`` bypasses the server's response cache (a fresh run of the model)."""
         if self.closed_error is not None:
             raise ConnectionClosed(str(self.closed_error))
         stream = self._new_stream()
@@ -367,6 +370,7 @@ class Client:
             prompt_id=prompt_id,
             stop_ids=stop_ids,
             text_deltas=text,
+            cache=cache,
         )
         await self._send(frame)
         return stream
@@ -477,45 +481,106 @@ class Client:
 
 
 class SyncClient:
-    """A blocking wrapper around Client with its own event loop (scripts, notebooks)."""
+    """The blocking equivalent of Client, with its own event loop (scripts, notebooks): the same
+    constructor arguments as ``Client.connect``, and a method per Client method.
+
+    ``generate`` / ``generate_json`` wait for the whole answer and return its Result (ids, text,
+    DONE fields); ``stream`` / ``stream_json`` yield TokenEvents as they arrive, the Result being
+    the generator's return value (``.result`` of the last stream, too). Leaving a ``stream``
+    early cancels the request on the server."""
 
     def __init__(
         self,
         endpoint: str = DEFAULT_ENDPOINT,
-        api_key: str | None = None,
+        api_key: str | bytes | None = None,
         *,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        ssl: _ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
-        self._client = self._loop.run_until_complete(
-            Client.connect(endpoint, api_key, timeout=timeout)
-        )
+        try:
+            self._client = self._loop.run_until_complete(
+                Client.connect(
+                    endpoint, api_key, timeout=timeout, ssl=ssl, server_hostname=server_hostname
+                )
+            )
+        except BaseException:
+            self._loop.close()
+            raise
+        self.result: Result | None = None  # of the last stream
 
-    def generate(self, prompt: str | list[int], max_tokens: int, **kwargs: object) -> Result:
-        async def run() -> Result:
-            stream = await self._client.generate(prompt, max_tokens, **kwargs)  # type: ignore[arg-type]
-            return await stream.collect()
+    @property
+    def endpoint(self) -> str:
+        return self._client.endpoint
 
-        return self._loop.run_until_complete(run())
+    @property
+    def goaway(self) -> tuple[int, str] | None:
+        return self._client.goaway
+
+    def _run(self, coro):  # noqa: ANN001, ANN202 - any coroutine, its result
+        return self._loop.run_until_complete(coro)
+
+    def hello(
+        self, api_key: str | bytes = b"", *, timeout: float | None = DEFAULT_TIMEOUT_S
+    ) -> p.Welcome:
+        return self._run(self._client.hello(api_key, timeout=timeout))
+
+    def ping(self, data: bytes = b"") -> bytes:
+        return self._run(self._client.ping(data))
+
+    def generate(
+        self, prompt: str | list[int] | np.ndarray, max_tokens: int, **kwargs: Any
+    ) -> Result:
+        """Client.generate (same arguments), waited for: the Result with ids and text."""
+        return self._run(self._collect(self._client.generate(prompt, max_tokens, **kwargs)))
+
+    def generate_json(self, request: dict) -> Result:
+        """Client.generate_json, waited for: the Result with ids and text."""
+        return self._run(self._collect(self._client.generate_json(request)))
 
     def stream(
-        self, prompt: str | list[int], max_tokens: int, **kwargs: object
-    ) -> Iterator[TokenEvent]:
-        """Yield TokenEvents as they arrive; the Result is the generator's return value."""
-        stream = self._loop.run_until_complete(
-            self._client.generate(prompt, max_tokens, **kwargs)  # type: ignore[arg-type]
-        )
+        self, prompt: str | list[int] | np.ndarray, max_tokens: int, **kwargs: Any
+    ) -> Generator[TokenEvent, None, Result | None]:
+        """Yield TokenEvents of Client.generate as they arrive."""
+        return self._events(self._run(self._client.generate(prompt, max_tokens, **kwargs)))
+
+    def stream_json(self, request: dict) -> Generator[TokenEvent, None, Result | None]:
+        """Yield TokenEvents of Client.generate_json as they arrive."""
+        return self._events(self._run(self._client.generate_json(request)))
+
+    def send_raw(self, data: bytes) -> None:
+        self._run(self._client.send_raw(data))
+
+    @staticmethod
+    async def _collect(started) -> Result:  # noqa: ANN001 - the awaitable of a Stream
+        stream = await started
+        return await stream.collect()
+
+    def _events(self, stream: Stream) -> Generator[TokenEvent, None, Result | None]:
         iterator = stream.__aiter__()
-        while True:
-            try:
-                event = self._loop.run_until_complete(iterator.__anext__())
-            except StopAsyncIteration:
-                return stream.result
-            yield event
+        finished = False
+        try:
+            while True:
+                try:
+                    event = self._run(iterator.__anext__())
+                except StopAsyncIteration:
+                    finished = True
+                    self.result = stream.result
+                    return stream.result
+                except (ServerError, ConnectionClosed):
+                    finished = True  # the stream ended in an ERROR: nothing to cancel
+                    raise
+                yield event
+        finally:
+            if not finished and self._client.closed_error is None and not self._loop.is_closed():
+                with contextlib.suppress(Exception):
+                    self._run(stream.cancel())  # left early: free its slot on the server
 
     def close(self) -> None:
-        self._loop.run_until_complete(self._client.close())
-        self._loop.close()
+        if not self._loop.is_closed():
+            self._run(self._client.close())
+            self._loop.close()
 
     def __enter__(self) -> SyncClient:
         return self

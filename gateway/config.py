@@ -89,6 +89,8 @@ class HttpConfig(_Section):
     max_connections_per_ip: int = Field(256, ge=0)  # per client source address; 0 = no limit
     # Daemon-wide bound on request-body bytes held (declared Content-Length counts at once).
     max_body_bytes_in_flight: int = Field(256 * 1_048_576, ge=0)
+    # Browser origins allowed to call the API (CORS; "*" = any); empty = CORS off
+    cors_origins: list[str] = []
 
 
 class EngineConfig(_Section):
@@ -136,6 +138,8 @@ class ModelConfig(_Section):
 class AuthConfig(_Section):
     enabled: bool = False
     keys_file: str = "configs/keys.toml"
+    # Keys besides the file's (``zerolayer serve --api-key``), as principals api-key-1, ...
+    api_keys: list[str] = []
 
 
 class TLSConfig(_Section):

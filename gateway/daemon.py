@@ -39,6 +39,7 @@ from gateway.engine.factory import build_backend, build_prefix_store
 from gateway.engine.outbox import Outbox
 from gateway.hooks import Chain
 from gateway.http.door import HttpApi
+from gateway.http.routes import OpsPages
 from gateway.http.server import HttpServer
 from gateway.inputs import InputProcessor
 from gateway.lifecycle import RequestPath
@@ -264,7 +265,9 @@ async def _start_and_serve(
     if listeners.api is not None:
         api_server = HttpServer(
             settings.http,
-            HttpApi(path, backend.info).connection,
+            HttpApi(
+                path, backend.info, OpsPages(health, metrics, settings.http.cors_origins)
+            ).connection,
             settings.server.write_buffer_limit_bytes,
             metrics,
         )

@@ -269,6 +269,7 @@ class RequestPath:
             stop_ids=tuple(sorted(seq.stop_ids)),
             stop_sequences=req.stop_sequences,
             want_text=req.want_text,
+            use_cache=req.use_cache,
         )
 
     async def _run_hooks_async(self, st: Stream) -> None:

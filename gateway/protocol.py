@@ -24,6 +24,7 @@ from gateway.request import NO_STOP_IDS, Request  # noqa: F401 - Request: re-exp
 from gateway.validation import (
     JsonObject,
     check_keys,
+    get_bool,
     get_float,
     get_int,
     get_messages,
@@ -57,7 +58,8 @@ FLAG_JSON = 0x01
 OPT_TEXT_PROMPT = 0x01
 OPT_TEXT_DELTAS = 0x02
 OPT_SEED = 0x04
-KNOWN_OPTIONS = OPT_TEXT_PROMPT | OPT_TEXT_DELTAS | OPT_SEED
+OPT_NO_CACHE = 0x08  # bypass the response cache (JSON "cache": false)
+KNOWN_OPTIONS = OPT_TEXT_PROMPT | OPT_TEXT_DELTAS | OPT_SEED | OPT_NO_CACHE
 # DONE cache bits
 CACHE_RESPONSE = 0x01
 CACHE_PROMPT = 0x02
@@ -278,6 +280,7 @@ def parse_request(flags: int, payload: memoryview) -> Request:
         prompt_id=prompt_id,
         stop_ids=stop_ids,
         want_text=bool(options & OPT_TEXT_DELTAS),
+        use_cache=not options & OPT_NO_CACHE,
     )
     validate(req)
     rest = payload[prompt_at:]
@@ -308,6 +311,7 @@ _JSON_KEYS = frozenset(
         "top_k",
         "seed",
         "stop_sequences",
+        "cache",
     }
 )
 
@@ -328,6 +332,7 @@ def _parse_json_request(payload: memoryview) -> Request:
         prompt_id=get_int(obj, "prompt_id", 0),
         stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
         want_text=True,
+        use_cache=get_bool(obj, "cache", True),
     )
     if "system" in obj:
         req.system = get_text(obj["system"], "system") or None
@@ -449,9 +454,13 @@ def encode_request(
     prompt_id: int = 0,
     stop_ids: list[int] | tuple[int, ...] = (),
     text_deltas: bool = False,
+    cache: bool = True,
 ) -> bytes:
-    """A binary REQUEST. A str/bytes prompt is sent as UTF-8 text, a list/array as int32 ids."""
+    """A binary REQUEST. A str/bytes prompt is sent as UTF-8 text, a list/array as int32 ids;
+    ``cache=False`` bypasses the response cache."""
     options = OPT_TEXT_DELTAS if text_deltas else 0
+    if not cache:
+        options |= OPT_NO_CACHE
     if isinstance(prompt, str):
         body = prompt.encode("utf-8")
         options |= OPT_TEXT_PROMPT

@@ -35,3 +35,4 @@ class Request:
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False  # a stop rule: generate past EOS (vLLM's extension)
     want_text: bool = False  # the door wants text deltas
+    use_cache: bool = True  # False: the response cache is neither read nor written (#29)

@@ -99,6 +99,12 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
     opt.add_argument("--tls-key", default=None, metavar="KEY", help="client key (mTLS)")
     opt.add_argument("--ignore-eos", action="store_true", help="HTTP: ask to ignore EOS (vLLM)")
     opt.add_argument(
+        "--response-cache",
+        action="store_true",
+        help="let the server answer from its response cache (default: every request bypasses "
+        "it: frame option bit 3 / Cache-Control: no-cache)",
+    )
+    opt.add_argument(
         "--metrics-url", default=None, metavar="URL", help="the daemon's Prometheus endpoint"
     )
     out = bench.add_argument_group("report")
@@ -112,10 +118,24 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
         "--label", default="", metavar="TEXT", help="a name for this run in reports and plots"
     )
     out.add_argument(
+        "--max-failure-rate",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="exit 1 when more than this fraction of requests failed (default 0: any failure)",
+    )
+    out.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="progress line on stderr (default: when it is a terminal)",
+        help="progress on stderr (default on: a live line on a terminal, else a line every 5 s)",
+    )
+    out.add_argument(
+        "--progress-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between progress lines when stderr is not a terminal (default 5)",
     )
     bench.set_defaults(func=_cmd_bench)
     nested = bench.add_subparsers(dest="bench_command", required=False, metavar="compare")
@@ -156,6 +176,8 @@ def _options(args: argparse.Namespace):
         progress=args.progress,
         detailed=args.detailed or bool(args.plot),
         label=args.label,
+        use_cache=args.response_cache,
+        progress_interval_s=args.progress_interval,
     )
 
 
@@ -170,6 +192,40 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write(report.compare(a, b, Path(argv[0]).stem, Path(argv[1]).stem))
     return 0
+
+
+def _runs(result: dict) -> list[dict]:
+    return result.get("sweep", [result])
+
+
+def verdict(result: dict, max_failure_rate: float) -> tuple[int, list[str]]:
+    """The exit status of a finished (or interrupted) run and the lines to warn with: cache hits
+    (the run measured replays, not the model), failures beyond ``max_failure_rate`` (1), and an
+    interruption (130)."""
+    lines: list[str] = []
+    status = 0
+    for run in _runs(result):
+        level = f" at concurrency {run['max_concurrency']}" if "sweep" in result else ""
+        hits = run.get("response_cache_hits", 0)
+        if hits:
+            lines.append(
+                f"warning: {hits} of {run['completed']} answers{level} came from the server's "
+                "response cache: their latency and throughput are replays, not the model"
+            )
+        total = run["completed"] + run["failed"]
+        if run["failed"]:
+            rate = run["failed"] / total
+            lines.append(f"{run['failed']} of {total} requests{level} failed ({rate:.1%}):")
+            lines += [f"  {line}" for line in run.get("first_errors", [])]
+            if rate > max_failure_rate:
+                status = 1
+        elif total == 0 and not run.get("interrupted"):
+            lines.append(f"no request{level} ended")
+            status = 1
+    if any(run.get("interrupted") for run in _runs(result)):
+        lines.append("interrupted: the report covers the requests that ended before Ctrl-C")
+        status = 130
+    return status, lines
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -202,6 +258,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"zerolayer bench: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before or after the measured part (which reports instead)
         return 130
-    return 0
+    status, lines = verdict(result, args.max_failure_rate)
+    for line in lines:
+        print(f"zerolayer bench: {line}", file=sys.stderr)
+    return status

@@ -4,8 +4,10 @@ Each connection is an ``asyncio.BufferedProtocol`` around the sans-IO ``FrameDec
 bytes land in the decoder's buffer, and every frame of one read gets the same arrival time (read
 once per read, not per frame). A TOKEN frame appends (time, n_ids) to its request's record; no
 token ids, text or objects are kept, so the client stays cheap next to the server it measures.
-Every connection starts with HELLO (the API key, or empty) and waits for WELCOME, which names the
-model and its vocabulary (random token-id prompts stay below it).
+Requests bypass the response cache (option bit 3) unless ``use_cache``; DONE's cache bit 0 marks
+an answer that came from it anyway. Every connection starts with HELLO (the API key, or empty)
+and waits for WELCOME, which names the model and its vocabulary (random token-id prompts stay
+below it).
 
 The frame protocol has no "ignore EOS" option: ``max_tokens`` and stop conditions are all a
 REQUEST can say, so an EOS ends a stream early and the report counts it under finish_reasons.
@@ -92,6 +94,7 @@ class _Conn(asyncio.BufferedProtocol):
             elif (entry := self.streams.pop(sid, None)) is not None:
                 entry[0].t_end = now
                 entry[0].error = _error_kind(code)
+                entry[0].message = message
                 if not entry[1].done():
                     entry[1].set_result(None)
         elif ftype == _WELCOME:
@@ -107,6 +110,7 @@ class _Conn(asyncio.BufferedProtocol):
         for rec, fut in self.streams.values():
             rec.t_end = now
             rec.error = kind
+            rec.message = message
             if not fut.done():
                 fut.set_result(None)
         self.streams.clear()
@@ -129,9 +133,11 @@ class FrameTarget:
         api_key: str = "",
         text_deltas: bool = True,
         request_format: str = "auto",
+        use_cache: bool = False,
         clock: Callable[[], float],
     ) -> None:
         self.endpoint = endpoint
+        self._cache = use_cache
         self._ssl = ssl
         self._n = max(1, connections)
         self._api_key = api_key
@@ -178,9 +184,16 @@ class FrameTarget:
                 raise ValueError("binary requests carry no messages or system text: use json")
             prompt = item.prompt_ids if item.prompt_ids is not None else (item.prompt or "")
             return p.encode_request(
-                stream, prompt, item.max_tokens, prompt_id=item.prompt_id, text_deltas=self._text
+                stream,
+                prompt,
+                item.max_tokens,
+                prompt_id=item.prompt_id,
+                text_deltas=self._text,
+                cache=self._cache,
             )
         request: dict = {"max_tokens": item.max_tokens}
+        if not self._cache:
+            request["cache"] = False
         if item.messages is not None:
             request["messages"] = item.messages
         elif item.prompt_ids is not None:
@@ -198,7 +211,7 @@ class FrameTarget:
         conn = next(self._next)
         if conn.lost is not None:
             rec.t_send = rec.t_end = self._clock()
-            rec.error = "connection_closed"
+            rec.error, rec.message = "connection_closed", conn.lost
             return
         sid = next(conn.ids)
         frame = self.encode(sid, item)

@@ -7,6 +7,16 @@ completed it. An event carrying text is a chunk; how many tokens it carried is k
 the server sends per-token logprobs, and otherwise taken as one; when the stream's final usage
 reports a different completion-token count, the difference is spread over the chunks in
 proportion to their text length (so ITL stays per token even when a server batches tokens).
+
+Servers differ in how a stream ends and what happens to its connection, and the target accepts
+each: OpenAI streams end at ``[DONE]`` (vLLM, us) or, without it, at the end of the body after a
+chunk with a ``finish_reason`` (transformers serve); a body still open ``FINISH_GRACE_S`` after
+that chunk is taken as ended too (the connection is then closed, not reused). A kept connection
+the server has closed meanwhile (llama.cpp's server closes after each stream) is replaced by a
+new one, once, when it fails before any byte of the response: that is not the request failing.
+
+Requests carry ``Cache-Control: no-cache`` unless ``use_cache`` (our server then neither reads
+nor writes its response cache); a reply with ``x-zerolayer-cache: hit`` was a cache hit anyway.
 """
 
 from __future__ import annotations
@@ -21,9 +31,25 @@ from gateway.bench.frames import TargetError
 from gateway.bench.stats import RequestRecord
 from gateway.bench.workload import WorkItem
 
+FINISH_GRACE_S = 1.0  # after a finish_reason without [DONE]: how long to wait for more
+
 
 class _StreamEnded(Exception):
     """The body ended before the protocol's final event."""
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an error body (OpenAI's and Anthropic's shapes), else its start."""
+    try:
+        obj = json.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+    except ValueError:
+        pass
+    return body[:200].decode("utf-8", "replace").strip()
 
 
 def _messages(item: WorkItem) -> list[dict]:
@@ -72,7 +98,8 @@ class SseState:
         self.rec = rec
         self.text_lens: list[int] = []
         self.completion_tokens: int | None = None
-        self.finished = False
+        self.finished = False  # the protocol's final event ([DONE], message_stop) came
+        self.finish_seen = False  # a choice carried a finish_reason
 
     def on_event(self, now: float, event: str, data: str) -> None:
         if self.protocol == "anthropic":
@@ -91,6 +118,7 @@ class SseState:
         obj = json.loads(data)
         if "error" in obj:
             self.rec.error = "stream_error"
+            self.rec.message = _error_message(data.encode())
             self.finished = True
             return
         usage = obj.get("usage")
@@ -110,6 +138,7 @@ class SseState:
                 self._chunk(now, text, len(per_token) if per_token else 1)
             if choice.get("finish_reason"):
                 self.rec.finish = choice["finish_reason"]
+                self.finish_seen = True
 
     def _anthropic(self, now: float, event: str, data: str) -> None:
         obj = json.loads(data)
@@ -128,6 +157,7 @@ class SseState:
             self.finished = True
         elif kind == "error":
             self.rec.error = "stream_error"
+            self.rec.message = _error_message(data.encode())
             self.finished = True
 
     def settle(self) -> None:
@@ -195,9 +225,11 @@ class HttpTarget:
         api_key: str = "",
         model: str | None = None,
         ignore_eos: bool = False,
+        use_cache: bool = False,
         clock: Callable[[], float],
     ) -> None:
         self.endpoint = endpoint
+        self._use_cache = use_cache
         self._api_key = api_key
         self.model = model
         self._ignore_eos = ignore_eos
@@ -217,6 +249,8 @@ class HttpTarget:
         ]
         if body:
             lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+            if not self._use_cache:
+                lines.append("Cache-Control: no-cache")
         if self._api_key:
             if e.protocol == "anthropic":
                 lines.append(f"x-api-key: {self._api_key}")
@@ -226,12 +260,41 @@ class HttpTarget:
             lines.append("anthropic-version: 2023-06-01")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self._idle:
-            return self._idle.pop()
-        return await asyncio.open_connection(
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """A connection and whether it was kept from an earlier request."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer, True
+            writer.close()
+        reader, writer = await asyncio.open_connection(
             self.endpoint.host, self.endpoint.port, ssl=self._ssl, limit=1 << 20
         )
+        return reader, writer, False
+
+    async def _send(
+        self, head: bytes
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, dict[str, str]]:
+        """Send a request and read its response head; a kept connection that the server has
+        closed (no byte of a response) is replaced by a new one, once."""
+        reader, writer, kept = await self._connect()
+        try:
+            writer.write(head)
+            status, headers = await _read_headers(reader)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            writer.close()
+            if not kept or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                raise
+            reader, writer, _ = await self._connect_new()
+            writer.write(head)
+            status, headers = await _read_headers(reader)
+        return reader, writer, status, headers
+
+    async def _connect_new(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        for _, writer in self._idle:  # kept alongside the dead one: likely closed too
+            writer.close()
+        self._idle.clear()
+        return await self._connect()
 
     async def open(self, timeout: float = 10.0) -> dict:
         """Check the server answers; without ``model``, take the first of GET /v1/models."""
@@ -248,9 +311,7 @@ class HttpTarget:
         return {"model_id": self.model}
 
     async def _get(self, path: str) -> tuple[int, bytes]:
-        reader, writer = await self._connect()
-        writer.write(self._headers("GET", path, b""))
-        status, headers = await _read_headers(reader)
+        reader, writer, status, headers = await self._send(self._headers("GET", path, b""))
         body = b"".join([piece async for piece in _body(reader, headers)])
         self._release(reader, writer, headers)
         return status, body
@@ -264,40 +325,62 @@ class HttpTarget:
     async def request(self, item: WorkItem, rec: RequestRecord) -> None:
         assert self.model is not None
         body = json.dumps(build_body(self.endpoint.protocol, item, self.model, self._ignore_eos))
+        head = self._headers("POST", self.endpoint.path, body.encode())
         state = SseState(self.endpoint.protocol, rec)
         rec.t_send = self._clock()
         try:
-            reader, writer = await self._connect()
-        except OSError:
+            reader, writer, status, headers = await self._send(head)
+        except (OSError, asyncio.IncompleteReadError, _StreamEnded, ValueError) as exc:
             rec.t_end, rec.error = self._clock(), "connect_error"
+            rec.message = str(exc) or type(exc).__name__
             return
         try:
-            writer.write(self._headers("POST", self.endpoint.path, body.encode()))
-            status, headers = await _read_headers(reader)
+            rec.cached = headers.get("x-zerolayer-cache", "").lower() == "hit"
             if status != 200:
-                async for _ in _body(reader, headers):
-                    pass
+                answer = b"".join([piece async for piece in _body(reader, headers)])
                 rec.error = f"http_{status}"
+                rec.message = _error_message(answer)
                 self._release(reader, writer, headers)
                 return
-            await self._read_events(reader, headers, state)
-            if not state.finished and rec.error is None:
+            complete = await self._read_events(reader, headers, state)
+            if not (state.finished or state.finish_seen) and rec.error is None:
                 rec.error = "connection_closed"
+                rec.message = "the stream ended without its final event"
             state.settle()
-            self._release(reader, writer, headers)
-        except (OSError, asyncio.IncompleteReadError, _StreamEnded, ValueError):
+            if complete:
+                self._release(reader, writer, headers)
+            else:
+                writer.close()
+        except (OSError, asyncio.IncompleteReadError, _StreamEnded, ValueError) as exc:
             writer.close()
-            rec.error = rec.error or "connection_closed"
+            if rec.error is None and state.finish_seen:
+                state.settle()  # the answer was whole; only the body's ending was lost
+            elif rec.error is None:
+                rec.error = "connection_closed"
+                rec.message = str(exc) or type(exc).__name__
         except asyncio.CancelledError:
             writer.close()
             raise
         finally:
-            rec.t_end = self._clock()
+            if not rec.t_end:
+                rec.t_end = self._clock()
 
-    async def _read_events(self, reader, headers: dict[str, str], state: SseState) -> None:
+    async def _read_events(self, reader, headers: dict[str, str], state: SseState) -> bool:
+        """Feed the body's SSE events to ``state``; False when it stopped reading early (a body
+        still open ``FINISH_GRACE_S`` after a finish_reason): the connection is not reusable."""
         pending = b""
         event, data = "", []
-        async for piece in _body(reader, headers):
+        pieces = aiter(_body(reader, headers))
+        while not state.finished:
+            try:
+                if state.finish_seen:
+                    piece = await asyncio.wait_for(anext(pieces), FINISH_GRACE_S)
+                else:
+                    piece = await anext(pieces)
+            except StopAsyncIteration:
+                return True
+            except asyncio.TimeoutError:
+                return False
             now = self._clock()
             pending += piece
             *lines, pending = pending.split(b"\n")
@@ -306,11 +389,16 @@ class HttpTarget:
                 if not line:
                     if data:
                         state.on_event(now, event, "\n".join(data))
+                        if state.finished or state.finish_seen:
+                            state.rec.t_end = now
                     event, data = "", []
                 elif line.startswith("data:"):
                     data.append(line[5:].removeprefix(" "))
                 elif line.startswith("event:"):
                     event = line[6:].strip()
+        async for _ in pieces:  # the rest of the body after [DONE] / message_stop (the ending)
+            pass
+        return True
 
     async def close(self) -> None:
         for _, writer in self._idle:

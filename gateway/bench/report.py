@@ -90,6 +90,7 @@ def summary(report: dict) -> str:
         ("Successful requests", report["completed"]),
         ("Failed requests", report["failed"]),
         ("Warm-up requests", report["warmup_requests"]),
+        ("Response cache hits", report.get("response_cache_hits", 0)),
         ("Benchmark duration (s)", report["duration"]),
         ("Total input tokens", report["total_input_tokens"]),
         ("Total generated tokens", report["total_output_tokens"]),

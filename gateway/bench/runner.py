@@ -6,6 +6,10 @@ one ends. Open loop: requests start at gamma-distributed arrival times (``reques
 ``burstiness``), capped at ``concurrency`` in flight when that is given too. A run ends after
 ``num_requests`` or when ``duration`` seconds have passed (no new request starts after it; those in
 flight finish). Warm-up requests go first, closed loop, and are not measured.
+
+Requests bypass the server's response cache unless ``use_cache`` (a bench measures the engine,
+not replays). SIGINT (Ctrl-C) during a run stops it: requests in flight are cancelled, and the
+report covers the requests that ended, with ``interrupted`` true.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import contextlib
 import math
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -72,6 +77,8 @@ class BenchOptions:
     timeline_bin_s: float | None = None  # None: the run's duration / 40, within 20 ms .. 1 s
     request_timeout: float = 600.0
     label: str = ""
+    use_cache: bool = False  # False: every request bypasses the server's response cache
+    progress_interval_s: float = 5.0  # the progress line's period when stderr is not a terminal
     extra: dict = field(default_factory=dict)  # copied into the report (e.g. server settings)
 
 
@@ -108,10 +115,19 @@ class ItemSource:
 
 
 class Progress:
-    """One status line on stderr, rewritten twice a second; silent unless enabled."""
+    """Status on stderr: on a terminal one line rewritten twice a second, otherwise (a log, a
+    pipe) one line every ``interval`` seconds."""
 
-    def __init__(self, records: list[RequestRecord], live: dict[int, RequestRecord], clock):
+    def __init__(
+        self,
+        records: list[RequestRecord],
+        live: dict[int, RequestRecord],
+        clock,
+        tty: bool,
+        interval: float,
+    ):
         self._records, self._live, self._clock = records, live, clock
+        self._tty, self._interval = tty, (0.5 if tty else interval)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -120,7 +136,7 @@ class Progress:
     async def _loop(self) -> None:
         last_t, last_tokens = self._clock(), 0
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(self._interval)
             now = self._clock()
             recs = self._records
             live = list(self._live.values())
@@ -130,10 +146,11 @@ class Progress:
             p50 = f"{np.median(ttfts) * 1000:.1f} ms" if ttfts else "-"
             rate = (tokens - last_tokens) / max(now - last_t, 1e-9)
             last_t, last_tokens = now, tokens
-            sys.stderr.write(
-                f"\r done {len(recs) - failed}  in flight {len(live)}  failed {failed}  "
-                f"{rate:,.0f} tok/s  TTFT p50 {p50}   "
+            line = (
+                f"done {len(recs) - failed}  in flight {len(live)}  failed {failed}  "
+                f"{rate:,.0f} tok/s  TTFT p50 {p50}"
             )
+            sys.stderr.write(f"\r {line}   " if self._tty else f"bench: {line}\n")
             sys.stderr.flush()
 
     async def stop(self) -> None:
@@ -141,7 +158,8 @@ class Progress:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            sys.stderr.write("\n")
+            if self._tty:
+                sys.stderr.write("\n")
 
 
 def _cpu_seconds() -> float:
@@ -188,8 +206,9 @@ async def _drive(target, source: ItemSource, opts: BenchOptions, start: int, clo
         finally:
             del live[id(rec)]
 
-    progress = Progress(records, live, clock)
-    if opts.progress if opts.progress is not None else sys.stderr.isatty():
+    tty = sys.stderr.isatty()
+    progress = Progress(records, live, clock, tty, opts.progress_interval_s)
+    if opts.progress if opts.progress is not None else True:
         progress.start()
     try:
         if math.isinf(opts.request_rate):
@@ -247,6 +266,7 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
             api_key=opts.api_key,
             model=opts.model,
             ignore_eos=opts.ignore_eos,
+            use_cache=opts.use_cache,
             clock=clock,
         )
     else:
@@ -257,6 +277,7 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
             api_key=opts.api_key,
             text_deltas=opts.text_deltas,
             request_format=opts.request_format,
+            use_cache=opts.use_cache,
             clock=clock,
         )
     info = await target.open()
@@ -273,13 +294,14 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
         before = await asyncio.to_thread(_scrape, opts.metrics_url)
         records: list[RequestRecord] = []
         cpu0, t0 = _cpu_seconds(), clock()
-        await _drive(target, source, opts, opts.warmup, clock, records)
+        measured = _drive(target, source, opts, opts.warmup, clock, records)
+        interrupted = await _interruptible(measured)
         t1, cpu1 = clock(), _cpu_seconds()
         after = await asyncio.to_thread(_scrape, opts.metrics_url)
     finally:
         await target.close()
     server = prom.server_view(before, after) if before is not None and after else None
-    return build_report(
+    report = build_report(
         opts,
         endpoint,
         info,
@@ -291,6 +313,33 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
         slo=slo,
         server=server,
     )
+    report["interrupted"] = interrupted
+    return report
+
+
+async def _interruptible(work) -> bool:
+    """Await ``work``; SIGINT cancels it instead of ending the program. True if it did."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    hit = []
+
+    def stop() -> None:
+        hit.append(True)
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+        await task
+        return False
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not hit:
+            raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    return bool(hit)
 
 
 async def sweep(opts: BenchOptions, levels: list[int], clock=time.perf_counter) -> dict:
@@ -298,4 +347,6 @@ async def sweep(opts: BenchOptions, levels: list[int], clock=time.perf_counter) 
     runs = []
     for level in levels:
         runs.append(await run(replace(opts, concurrency=level), clock))
+        if runs[-1]["interrupted"]:
+            break
     return {"schema": runs[0]["schema"], "sweep_concurrency": levels, "sweep": runs}

@@ -31,6 +31,7 @@ class RequestRecord:
     chunk_k: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     error: str | None = None  # error kind, e.g. "OVERLOADED", "http_500", "connection_closed"
+    message: str = ""  # the server's (or the socket's) words for the error
     finish: str | None = None  # finish reason when it ended normally
     cached: bool = False  # answered from the server's response cache (frames: DONE bit 0)
 
@@ -98,6 +99,21 @@ def summarize(values_s: list[float] | np.ndarray, name: str) -> dict[str, float 
     return {k: float(v) for k, v in zip(keys, values, strict=True)}
 
 
+FIRST_ERRORS = 5
+
+
+def first_errors(records: list[RequestRecord]) -> list[str]:
+    """The first few distinct "kind: message" lines of failed requests, in order of sending."""
+    out: list[str] = []
+    for r in sorted((r for r in records if r.error), key=lambda r: r.t_send):
+        line = f"{r.error}: {r.message}" if r.message else r.error
+        if line not in out:
+            out.append(line)  # type: ignore[arg-type]
+            if len(out) == FIRST_ERRORS:
+                break
+    return out
+
+
 def max_concurrency(records: list[RequestRecord]) -> int:
     events = sorted([(r.t_send, 1) for r in records] + [(r.t_end, -1) for r in records])
     peak = level = 0
@@ -135,6 +151,7 @@ def aggregate(
         "errors_by_kind": dict(Counter(r.error for r in records if r.error)),
         "finish_reasons": dict(Counter(r.finish for r in done if r.finish)),
         "response_cache_hits": sum(r.cached for r in done),
+        "first_errors": first_errors(records),
         "total_input_tokens": inp,
         "total_output_tokens": out,
         "request_throughput": len(done) / duration,

@@ -5,6 +5,8 @@ exit, so the time depends only on how many keys exist). Per request, the princip
 against the live table with one dict lookup: after a SIGHUP reload a revoked key stops working
 and changed limits apply, on connections that are already open.
 
+Keys given on the command line (``auth.api_keys``) are added to the file's, as ``api-key-N``.
+
 A verified mTLS client certificate stands for the key whose ``cert_names`` list its subject CN or a
 SAN (``on_certificate``); such a client needs no key in HELLO and is rate-limited as that key.
 """
@@ -17,11 +19,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gateway.hooks.keys import KeyEntry, KeysFileError, load_keys
+from gateway.hooks.keys import KeyEntry, KeysFileError, key_digest, load_keys
 from gateway.hooks.registry import hook
 from gateway.hooks.types import UNAUTHENTICATED, HookConfigError, HookError, Principal
 
 log = logging.getLogger("zerolayer.hooks.auth")
+
+
+def command_line_keys(auth: Any) -> list[KeyEntry]:
+    """``auth.api_keys`` (``zerolayer serve --api-key``) as entries ``api-key-1``, ... with the
+    default rate limits."""
+    keys = getattr(auth, "api_keys", None) or ()
+    return [KeyEntry(f"api-key-{i}", key_digest(k)) for i, k in enumerate(keys, 1)]
 
 
 @hook
@@ -37,13 +46,20 @@ class Auth:
         if not self.enabled:
             return
         self.path = Path(auth.keys_file)
+        self._extra = command_line_keys(auth)
         try:
-            entries = load_keys(self.path)
+            entries = self._load()
         except KeysFileError as exc:
             raise HookConfigError(f"auth.keys_file: {exc}") from exc
         if not entries:
             log.warning("auth is on but %s holds no keys: every client will be refused", self.path)
         self._install(entries)
+
+    def _load(self) -> list[KeyEntry]:
+        """The keys file's entries and ``auth.api_keys``; without the file, only the latter."""
+        if self._extra and not self.path.exists():
+            return list(self._extra)
+        return load_keys(self.path) + self._extra
 
     def _install(self, entries: list[KeyEntry]) -> None:
         table = tuple(
@@ -85,7 +101,7 @@ class Auth:
 
     def reload(self) -> None:
         try:
-            entries = load_keys(self.path)
+            entries = self._load()
         except KeysFileError as exc:
             log.error("keys reload failed, keeping the %d loaded keys: %s", len(self._entries), exc)
             return

@@ -7,8 +7,10 @@ and stop sequences, and the principal's name unless ``cache.shared_across_princi
 default one API key is never served another's completion). ``want_text`` is not part of it:
 the text is always stored and the server drops it when the client did not ask for it.
 
-Entries are written at DONE, only for streams that finished normally (eos, max_tokens, stop) and
-were not themselves served from the cache; cancelled or failed streams are never stored.
+A request that asks to bypass the cache (``ctx.use_cache`` False: REQUEST option bit 3, JSON
+``"cache": false``, HTTP ``Cache-Control: no-cache`` or ``no-store``) is neither looked up nor
+stored. Entries are written at DONE, only for streams that finished normally (eos, max_tokens,
+stop) and were not themselves served from the cache; cancelled or failed streams are never stored.
 Stores: ``MemoryCacheStore`` (LRU, bounded in bytes) and ``RedisCacheStore`` (async, with a TTL,
 for replicas sharing one Redis).
 """
@@ -207,6 +209,8 @@ class ResponseCache:
             self.close = store.close
 
     def _key(self, ctx: Any) -> bytes | None:
+        if not ctx.use_cache:
+            return None  # the client asked for a fresh answer: no lookup, and no store at DONE
         if ctx.temperature != 0.0 and ctx.seed is None:
             return None  # sampled without a seed: a new answer each time, never cached
         key = cache_key(ctx, "" if self.shared else ctx.principal.name)

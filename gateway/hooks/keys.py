@@ -257,11 +257,15 @@ def _cmd_add(args: argparse.Namespace) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     def action(path: str) -> int:
         entries = load_keys(path)
-        print(f"{'NAME':<24} {'SHA256':<14} {'RPM':>8} {'TPM':>10}  CREATED")
+        print(f"{'NAME':<24} {'SHA256':<14} {'RPM':>8} {'TPM':>10}  {'CREATED':<20}  CERT NAMES")
         for e in entries:
             rpm = "-" if e.rpm is None else str(e.rpm)
             tpm = "-" if e.tpm is None else str(e.tpm)
-            print(f"{e.name:<24} {e.sha256[:12] + '..':<14} {rpm:>8} {tpm:>10}  {e.created}")
+            certs = ",".join(e.cert_names) or "-"
+            print(
+                f"{e.name:<24} {e.sha256[:12] + '..':<14} {rpm:>8} {tpm:>10}  "
+                f"{e.created:<20}  {certs}"
+            )
         return 0
 
     return _run(args, action)

@@ -67,6 +67,7 @@ class RequestContext:
     stop_ids: tuple[int, ...]
     stop_sequences: tuple[str, ...]
     want_text: bool
+    use_cache: bool = True  # False: the client asked to bypass the response cache
     state: dict[str, Any] = field(default_factory=dict)  # per-request scratch shared by the hooks
 
 

@@ -23,6 +23,7 @@ from gateway.http import anthropic, openai
 from gateway.http.errors import HttpError, http_error, stream_error_event
 from gateway.http.reply import Ending, Reply
 from gateway.http.routes import (
+    CACHE_HIT_HEADER,
     CHAT,
     COMPLETION,
     COUNT_TOKENS,
@@ -30,9 +31,12 @@ from gateway.http.routes import (
     MODEL,
     MODEL_PREFIX,
     MODELS,
+    OPS,
+    OpsPages,
     api_key,
     api_of,
     route,
+    wants_cache,
 )
 from gateway.http.server import HttpConnection, HttpServer, Incoming
 from gateway.lifecycle import RequestPath, Stream
@@ -47,8 +51,11 @@ _perf = time.perf_counter
 class HttpApi:
     """What every HTTP connection shares: the request path, the model, prebuilt bodies."""
 
-    def __init__(self, path: RequestPath, info: ModelInfo) -> None:
+    def __init__(self, path: RequestPath, info: ModelInfo, ops: OpsPages | None = None) -> None:
         self.path = path
+        self.ops = ops or OpsPages(
+            None, None
+        )  # /health, /metrics, /version, the status page, CORS (routes.py)
         self.model = info.name
         created = int(time.time())
         self.models_body = openai.models_body(self.model, created)
@@ -62,7 +69,7 @@ class HttpApi:
 class Exchange:
     """The door's per-stream data (``Stream.state``)."""
 
-    __slots__ = ("request", "reply", "stream", "started", "parts")
+    __slots__ = ("request", "reply", "stream", "started", "parts", "cached")
 
     def __init__(self, request: Incoming, reply: Reply) -> None:
         self.request = request
@@ -70,6 +77,7 @@ class Exchange:
         self.stream = reply.stream
         self.started = False  # the streamed response's head and first events are written
         self.parts: list[str] = []  # the text so far (non-streaming)
+        self.cached = False  # replayed from the response cache (write_cached)
 
 
 class ApiConnection(HttpConnection):
@@ -105,7 +113,15 @@ class ApiConnection(HttpConnection):
 
     def _handle(self, request: Incoming) -> None:
         api = self.api
+        ops = api.ops
+        self.extra_head = ops.cors(request)
+        if request.method == b"OPTIONS":
+            self.respond(*ops.preflight(request))
+            return
         endpoint = route(request)
+        if endpoint in OPS:
+            self.respond(*ops.answer(endpoint))
+            return
         if endpoint == MODELS:
             self.respond(200, api.models_body)
             return
@@ -132,6 +148,7 @@ class ApiConnection(HttpConnection):
         else:
             assert endpoint == MESSAGES
             reply = anthropic.parse_messages(body, api.model)
+        reply.req.use_cache = wants_cache(request)
         self._keys += 1
         st = Stream(self, self._keys, reply.api, want_text=True)
         st.state = Exchange(request, reply)
@@ -179,11 +196,12 @@ class ApiConnection(HttpConnection):
         return 0
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
+        st.state.cached = True  # type: ignore[attr-defined]
         return self.write_token(st, -1, text)
 
     def _start(self, st: Stream, ex: Exchange) -> None:
         ex.started = True
-        self.start_stream()
+        self.start_stream(extra=CACHE_HIT_HEADER if ex.cached else b"")
         ex.reply.start(self.out, st.prompt_tokens)
 
     def write_done(
@@ -200,7 +218,8 @@ class ApiConnection(HttpConnection):
             ex.reply.end(self.out, ending)
             self.end_stream(advance=False)
         else:
-            self.respond(200, ex.reply.body("".join(ex.parts), ending), advance=False)
+            extra = CACHE_HIT_HEADER if ex.cached else b""
+            self.respond(200, ex.reply.body("".join(ex.parts), ending), extra=extra, advance=False)
         if self.api.log_requests:
             self._log(ex.request, st.api, 200, st, ending, timings)
 

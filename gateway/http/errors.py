@@ -57,6 +57,7 @@ _KINDS: dict[int, tuple[str, str, int]] = {
 
 REASONS: dict[int, bytes] = {
     200: b"OK",
+    204: b"No Content",
     400: b"Bad Request",
     401: b"Unauthorized",
     404: b"Not Found",

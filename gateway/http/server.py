@@ -45,6 +45,10 @@ WANTED_HEADERS = frozenset(
         b"x-api-key",
         b"expect",
         b"anthropic-version",
+        b"cache-control",
+        b"origin",
+        b"access-control-request-method",
+        b"access-control-request-headers",
     }
 )
 _CHUNK_HOLE = b"00000000\r\n"  # a chunk's size line, patched at flush (leading zeros are valid)
@@ -240,6 +244,7 @@ class HttpConnection(asyncio.Protocol):
         self.chunked = False
         self.chunk_at = -1  # offset of the open chunk's size line in ``out``; -1 = none
         self.close_after = False  # close once the active response ends
+        self.extra_head = b""  # header lines for every response to the active request (CORS)
         self.dirty = False  # in the door's list of connections to flush
         self.peer_ip = "?"
         self.held = 0  # request-body bytes this connection holds (HttpServer.body_bytes)
@@ -543,6 +548,7 @@ class HttpConnection(asyncio.Protocol):
         if not keep:
             out += b"connection: close\r\n"
         out += extra
+        out += self.extra_head
         out += b"\r\n"
 
     def respond(
@@ -578,12 +584,12 @@ class HttpConnection(asyncio.Protocol):
             status_for(api, err.status), error_body(api, err), extra=extra, advance=advance
         )
 
-    def start_stream(self, content_type: bytes = b"text/event-stream") -> None:
+    def start_stream(self, content_type: bytes = b"text/event-stream", extra: bytes = b"") -> None:
         """Open a streamed response: write events into ``out``; ``end_stream`` ends it."""
         self.chunked = self.parser.get_http_version() == "1.1"
         if not self.chunked:  # HTTP/1.0: the body ends when the connection does
             self.close_after = True
-        self._head(200, content_type, -1, b"cache-control: no-cache\r\n")
+        self._head(200, content_type, -1, b"cache-control: no-cache\r\n" + extra)
         self.streaming = True
         if self.chunked:
             self.chunk_at = len(self.out)

@@ -134,3 +134,74 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _bench_json(tmp_path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = _bench(*args, "--output", str(tmp_path / name))
+    report = json.loads((tmp_path / name).read_text()) if (tmp_path / name).exists() else {}
+    return out, report
+
+
+def test_a_bench_run_twice_is_not_answered_from_the_response_cache(tmp_path):
+    """Both doors: the bench's requests bypass the response cache (frame option bit 3, HTTP
+    Cache-Control: no-cache), so a second identical run runs the model again; with
+    --response-cache the second run is all hits, and the bench says so."""
+    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "1"}) as d:
+        common = ("--concurrency", "2", "--num-requests", "4", "--output-len", "6")
+        for target in ((d.endpoint,), (d.http_url, "--protocol", "openai-chat")):
+            endpoint = ("--endpoint", *target)
+            for run in (1, 2):
+                out, report = _bench_json(tmp_path, f"r{run}.json", *endpoint, *common)
+                assert out.returncode == 0, out.stderr
+                assert report["completed"] == 4 and report["response_cache_hits"] == 0
+                assert "response cache" not in out.stderr
+            for run in (1, 2):
+                out, report = _bench_json(
+                    tmp_path, f"c{run}.json", *endpoint, "--response-cache", *common
+                )
+                assert out.returncode == 0, out.stderr
+            assert report["response_cache_hits"] == 4, endpoint  # the second run: all replays
+            assert "4 of 4 answers came from the server's response cache" in out.stderr
+            assert "Response cache hits" in out.stdout
+
+
+def test_a_bench_whose_requests_fail_exits_non_zero_with_the_message(tmp_path):
+    out, report = _bench_json(
+        tmp_path, "f.json", "--endpoint", "http://127.0.0.1:9", "--protocol", "openai-chat",
+        "--model", "m", "--num-requests", "3",
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert report["failed"] == 3 and "connect_error: " in out.stderr
+    with Daemon() as d:
+        out, report = _bench_json(
+            tmp_path, "m.json", "--endpoint", d.http_url, "--protocol", "openai-chat",
+            "--model", "nonesuch",
+            "--num-requests", "2",
+        )  # fmt: skip
+        assert out.returncode == 1 and report["errors_by_kind"] == {"http_404": 2}
+        assert "http_404: " in out.stderr and "nonesuch" in out.stderr  # the server's words
+
+
+def test_bench_progress_lines_and_ctrl_c_partial_report(tmp_path):
+    """stderr not a terminal: a progress line every interval; SIGINT mid-run: exit 130 with
+    the report of the requests that ended."""
+    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "20"}) as d:
+        path = tmp_path / "partial.json"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "bench", "--endpoint", d.endpoint,
+             "--concurrency", "2", "--num-requests", "100000", "--output-len", "4",
+             "--output", str(path), "--progress-interval", "0.5"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        lines = []
+        while len(lines) < 2:  # two progress lines, then Ctrl-C
+            line = proc.stderr.readline()
+            assert line, "bench ended without progress lines"
+            if line.startswith("bench: done"):
+                lines.append(line)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, stderr
+        assert "Successful requests" in stdout and "interrupted" in stderr
+        report = json.loads(path.read_text())
+        assert report["interrupted"] is True and 0 < report["completed"] < 100000

@@ -78,16 +78,35 @@ def _chunked(piece: bytes) -> bytes:
     return f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
 
 
+# How OpenAI-compatible servers end a stream and treat its connection (``FakeSseServer.style``):
+STYLES = (
+    "vllm",  # finish_reason chunk, usage chunk, [DONE]; the connection is kept (and us)
+    "llamacpp",  # as vllm, then the server closes the connection without saying so
+    "transformers",  # finish_reason chunk, no usage, no [DONE]: the body just ends
+    "open-after-finish",  # finish_reason chunk, no [DONE], and the body stays open for a while
+    "stale-keepalive",  # as vllm, but a kept connection is closed when the next request comes
+)
+
+
 class FakeSseServer:
     """OpenAI chat (tokens per event told by logprobs) or Anthropic (told only by the final
-    usage) streaming, HTTP/1.1 keep-alive with chunked bodies; GET /v1/models names one model."""
+    usage) streaming, HTTP/1.1 keep-alive with chunked bodies; GET /v1/models names one model.
+    ``style`` picks how a stream ends (STYLES)."""
 
     def __init__(
-        self, clock: ManualClock, scripts: list[Script], protocol: str, refuse: int = 0
+        self,
+        clock: ManualClock,
+        scripts: list[Script],
+        protocol: str,
+        refuse: int = 0,
+        style: str = "vllm",
     ) -> None:
+        assert style in STYLES
         self.clock, self.scripts, self.protocol, self.served = clock, scripts, protocol, 0
         self.refuse = refuse  # answer the first POST with this status (and a JSON error body)
+        self.style = style
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # each POST's headers (names lower-cased)
         self.connections = 0
 
     async def start(self) -> str:
@@ -96,9 +115,13 @@ class FakeSseServer:
 
     async def _conn(self, reader, writer) -> None:
         self.connections += 1
+        streams = 0
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if self.style == "stale-keepalive" and streams:
+                    writer.close()  # what an idle timeout racing the client's next request does
+                    return
                 lines = head.decode().split("\r\n")
                 method, path = lines[0].split()[:2]
                 headers = {
@@ -115,6 +138,7 @@ class FakeSseServer:
                     )
                     continue
                 self.bodies.append(json.loads(body))
+                self.headers.append(headers)
                 if self.refuse and len(self.bodies) == 1:
                     out = b'{"error": {"message": "slow down"}}'
                     writer.write(
@@ -128,8 +152,14 @@ class FakeSseServer:
                     b"Transfer-Encoding: chunked\r\n\r\n"
                 )
                 await self._play(writer)
+                streams += 1
+                if self.style == "open-after-finish":
+                    await asyncio.sleep(3.0)  # longer than the client's grace after a finish
                 writer.write(b"0\r\n\r\n")
                 await writer.drain()
+                if self.style == "llamacpp":
+                    writer.close()  # with no "Connection: close": the client finds out later
+                    return
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
@@ -167,8 +197,11 @@ class FakeSseServer:
         else:
             usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
             last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
-            writer.write(_chunked(_sse(last) + _sse({"choices": [], "usage": usage})))
-            writer.write(_chunked(_sse("[DONE]")))
+            if self.style in ("vllm", "llamacpp"):
+                writer.write(_chunked(_sse(last) + _sse({"choices": [], "usage": usage})))
+                writer.write(_chunked(_sse("[DONE]")))
+            else:
+                writer.write(_chunked(_sse(last)))
         await writer.drain()
 
     async def close(self) -> None:

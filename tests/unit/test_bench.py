@@ -10,13 +10,15 @@ import math
 import numpy as np
 import pytest
 
+from gateway import protocol as p
 from gateway.bench import BenchOptions, run
+from gateway.bench.cli import verdict
 from gateway.bench.endpoint import EndpointError, parse_endpoint
 from gateway.bench.http import SseState
 from gateway.bench.report import SCHEMA, compare, load
 from gateway.bench.stats import RequestRecord, aggregate, parse_slo
 from gateway.bench.workload import WorkloadError, arrival_offsets, load_file, parse_len
-from tests.support.fake_servers import FakeFrameServer, FakeSseServer, ManualClock
+from tests.support.fake_servers import STYLES, FakeFrameServer, FakeSseServer, ManualClock
 
 # Two requests with known chunk times (s) and sizes. A: TTFT 100 ms, gaps 50, 100 (a chunk of
 # 3: then 0, 0), 10; TPOT (300-100)/5 = 40; E2E 300. B: TTFT 20 (a chunk of 2: then 0), gap 40;
@@ -261,3 +263,80 @@ def test_open_loop_run_sends_every_request_within_the_cap():
     assert report["completed"] == 2 and server.served == 2
     assert report["request_rate"] == 1000.0 and report["max_concurrent_requests"] == 1
     _check(report)  # concurrency 1 caps the open loop: the scripted times hold as before
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_sse_servers_that_end_streams_their_own_way(style):
+    """vLLM-like, llama.cpp-like (closes after each stream), transformers-serve-like (no [DONE])
+    and a body left open after the finish_reason: every request succeeds, the metrics match."""
+
+    async def main():
+        clock = ManualClock()
+        server = FakeSseServer(clock, SCRIPTS, "openai-chat", style=style)
+        endpoint = await server.start()
+        try:
+            opts = BenchOptions(
+                endpoint=endpoint,
+                protocol="openai-chat",
+                concurrency=1,
+                num_requests=4,
+                input_len="5",
+                output_len="6",
+            )
+            return await run(opts, clock=clock), server
+        finally:
+            await server.close()
+
+    report, server = asyncio.run(main())
+    assert report["completed"] == 4 and report["failed"] == 0, report["first_errors"]
+    assert report["total_output_tokens"] == 18 and report["max_e2el_ms"] == pytest.approx(300)
+    assert report["finish_reasons"] == {"length": 4}
+    kept = style in ("vllm", "transformers")  # stale-keepalive: as llamacpp, found out later
+    # kept: GET /v1/models and the 4 requests on one connection; else each request after the
+    # first (which reused the GET's) on a new one, as the last one was closed
+    assert server.connections == (1 if kept else 4)
+    # the bench bypasses the response cache unless asked not to
+    assert all(h.get("cache-control") == "no-cache" for h in server.headers)
+
+
+def test_failures_are_reported_with_the_servers_message():
+    async def main():
+        clock = ManualClock()
+        server = FakeSseServer(clock, SCRIPTS, "openai-completions", refuse=429)
+        endpoint = await server.start()
+        try:
+            opts = BenchOptions(endpoint=endpoint, protocol="openai-completions", model="m",
+                                num_requests=2, input_len="4", output_len="6")  # fmt: skip
+            return await run(opts, clock=clock)
+        finally:
+            await server.close()
+
+    report = asyncio.run(main())
+    assert report["first_errors"] == ["http_429: slow down"]
+    status, lines = verdict(report, 0.0)
+    assert status == 1 and "http_429: slow down" in "\n".join(lines)
+    assert verdict(report, 0.5)[0] == 0  # 1 of 2 failed: allowed by --max-failure-rate 0.5
+    assert verdict(report, 0.49)[0] == 1
+
+
+def test_a_closed_port_fails_every_request_and_the_run():
+    opts = BenchOptions(endpoint="http://127.0.0.1:9", protocol="openai-chat", model="m",
+                        num_requests=3, progress=False)  # fmt: skip
+    report = asyncio.run(run(opts))
+    assert report["failed"] == 3 and report["errors_by_kind"] == {"connect_error": 3}
+    assert report["first_errors"] and report["first_errors"][0].startswith("connect_error: ")
+    assert verdict(report, 0.0)[0] == 1
+
+
+def test_cache_hits_are_warned_about():
+    report = {"completed": 4, "failed": 0, "response_cache_hits": 3, "interrupted": False}
+    status, lines = verdict(report, 0.0)
+    assert status == 0 and "3 of 4 answers came from the server's response cache" in lines[0]
+
+
+def test_frame_requests_bypass_the_response_cache_unless_asked():
+    for use_cache, want in ((False, p.OPT_NO_CACHE), (True, 0)):
+        _, server = _bench(FakeFrameServer, input_len="5", output_len="6", use_cache=use_cache)
+        for _, payload in server.requests:
+            options = int.from_bytes(payload[30:32], "little")
+            assert options & p.OPT_NO_CACHE == want

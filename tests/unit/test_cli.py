@@ -5,6 +5,7 @@ request ``generate`` sends, and terminal-safe output. No daemon here (tests/e2e/
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -146,3 +147,55 @@ def test_the_user_error_list_names_real_exception_classes() -> None:
 
     for module, name in _USER_ERRORS:
         assert issubclass(getattr(importlib.import_module(module), name), Exception)
+
+
+def test_serve_flags_win_over_environment_and_file_in_zerolayer_config() -> None:
+    out = run_cli(
+        "config", "@builtin", "--port", "9000", "--http-port", "9001", "--dtype", "bfloat16",
+        "--max-batch-size", "3", "--max-context", "512", "--api-key", "k1", "--api-key", "k2",
+        "--log-format", "json", "--host", "127.0.0.5",
+        ZEROLAYER_SERVER__PORT="1111", ZEROLAYER_HTTP__PORT="2222", ZEROLAYER_METRICS__PORT="3333",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert cfg["server"]["port"] == 9000 and cfg["http"]["port"] == 9001  # flag over env
+    assert cfg["metrics"]["port"] == 3333  # env over file, no flag
+    assert cfg["server"]["host"] == cfg["http"]["host"] == "127.0.0.5"
+    assert cfg["model"]["path"] == "@builtin" and cfg["model"]["dtype"] == "bfloat16"
+    assert cfg["engine"]["max_batch_size"] == 3 and cfg["engine"]["max_context"] == 512
+    assert cfg["auth"]["enabled"] is True and cfg["auth"]["api_keys"] == ["***", "***"]
+    assert "k1" not in out.stdout and cfg["logging"]["json_lines"] is True
+    bad = run_cli("config", "--port", "70000")
+    assert bad.returncode == 2 and "server.port" in bad.stderr
+
+
+def test_models_lists_the_named_and_cached_models(tmp_path) -> None:
+    cached = tmp_path / "gguf" / "Tiny-0123456789abcdef-v2"
+    cached.mkdir(parents=True)
+    (cached / "model.safetensors").write_bytes(b"x" * 2048)
+    (cached / "source.json").write_text('{"gguf": "/models/tiny.gguf"}')  # 29 bytes
+    out = run_cli("models", "--json", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert rows["@smollm2"]["size_bytes"] > 50 * 2**20  # the installed wheel's GGUF file
+    assert rows[str(cached)] == {
+        "name": str(cached), "kind": "converted", "size_bytes": 2048 + 29,
+        "where": "/models/tiny.gguf",
+    }  # fmt: skip
+    text = run_cli("models", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path)).stdout
+    assert "@smollm2" in text and "MiB" in text and "2.0 KiB" in text
+
+
+def test_keys_list_shows_certificate_names(tmp_path) -> None:
+    keys = str(tmp_path / "keys.toml")
+    assert (
+        run_cli("keys", "add", "alice", "--keys-file", keys, "--cert-name", "a.example").returncode
+        == 0
+    )
+    assert run_cli("keys", "add", "bob", "--keys-file", keys).returncode == 0
+    out = run_cli("keys", "list", "--keys-file", keys)
+    assert out.returncode == 0, out.stderr
+    head, alice, bob = out.stdout.splitlines()
+    assert head.rstrip().endswith("CERT NAMES")
+    assert alice.startswith("alice") and alice.rstrip().endswith("a.example")
+    assert bob.startswith("bob") and bob.rstrip().endswith("-")

@@ -79,6 +79,14 @@ def test_seeded_requests_are_cached_per_seed():
     assert serve(chain, make_ctx(temperature=0.8, seed=8)) is None
 
 
+def test_a_bypassing_request_is_neither_looked_up_nor_stored():
+    chain = cache_chain()
+    assert serve(chain, make_ctx(use_cache=False)) is None
+    assert serve(chain, make_ctx()) is None  # the bypassing run stored nothing
+    assert serve(chain, make_ctx()) is not None  # the normal run did
+    assert serve(chain, make_ctx(use_cache=False)) is None  # and a bypass does not read it
+
+
 def test_unseeded_sampling_is_never_cached():
     chain = cache_chain()
     for _ in range(3):

@@ -535,7 +535,7 @@ def test_request_short_payload(size: int) -> None:
     request_error(bytes(binary_payload())[:size])
 
 
-@pytest.mark.parametrize("options", [0x0008, 0x0010, 0x8000, 0xFFFF])
+@pytest.mark.parametrize("options", [0x0040, 0x0010, 0x8000, 0xFFFF])
 def test_request_unknown_option_bits(options: int) -> None:
     assert "option" in request_error(binary_payload(options=options)).message
 
@@ -833,3 +833,15 @@ def test_protocol_error_fields() -> None:
     err = ProtocolError(ErrorCode.MALFORMED_FRAME, "msg")
     assert (err.code, err.message, str(err)) == (ErrorCode.MALFORMED_FRAME, "msg", "msg")
     assert not isinstance(err, Refusal)  # a connection error is not one stream's refusal
+
+
+def test_request_cache_bypass_bit_and_json_key() -> None:
+    binary = p.encode_request(1, "Hi", 4, cache=False)
+    assert p.parse_request(0, memoryview(binary)[p.HEADER.size :]).use_cache is False
+    plain = p.encode_request(1, "Hi", 4)
+    assert p.parse_request(0, memoryview(plain)[p.HEADER.size :]).use_cache is True
+    for value, want in ((False, False), (True, True)):
+        body = json.dumps({"max_tokens": 4, "prompt": "Hi", "cache": value}).encode()
+        assert p.parse_request(p.FLAG_JSON, memoryview(body)).use_cache is want
+    body = json.dumps({"max_tokens": 4, "prompt": "Hi", "cache": 0}).encode()
+    assert "cache" in request_error(body, flags=p.FLAG_JSON).message

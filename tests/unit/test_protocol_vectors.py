@@ -91,6 +91,7 @@ def encode(f: dict[str, Any]) -> bytes:
             prompt_id=f["prompt_id"],
             stop_ids=f["stop_ids"],
             text_deltas=f["text_deltas"],
+            cache=f.get("cache", True),
         )
     if kind == "TOKEN":
         return p.encode_token(stream, f["ids"], f["text"].encode("utf-8"))
@@ -163,6 +164,7 @@ def check_decoded(f: dict[str, Any], ftype: int, flags: int, stream: int, payloa
             assert req.seed == obj.get("seed")
             assert req.prompt_id == obj.get("prompt_id", 0)
             assert req.stop_sequences == tuple(obj.get("stop_sequences", ()))
+            assert req.use_cache == obj.get("cache", True)
             return
         assert flags == 0
         assert req.max_tokens == f["max_tokens"]
@@ -174,6 +176,7 @@ def check_decoded(f: dict[str, Any], ftype: int, flags: int, stream: int, payloa
         assert req.prompt_id == f["prompt_id"]
         assert req.stop_ids.tolist() == f["stop_ids"]
         assert req.want_text == f["text_deltas"]
+        assert req.use_cache == f.get("cache", True)
         if "prompt_text" in f:
             assert req.prompt_text == f["prompt_text"] and req.prompt_ids is None
         else:

@@ -1,0 +1,91 @@
+"""The status page at the HTTP port's ``/`` in a real headless browser: Debian's chromium driven
+by selenium through Debian's chromedriver (tests/support/install-chromium.sh; nothing is
+downloaded). The page loads and names the model, its numbers move under load, and a chat
+answer streams in."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from gateway.client import SyncClient
+from tests.support.daemon import Daemon
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+    "--window-size=1100,900",
+)  # fmt: skip
+
+
+def _browser():
+    if not (os.path.exists(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.fail(
+            "chromium is missing: `make test` installs it (tests/support/install-chromium.sh)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+
+
+def _wait(check, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"the page never showed {what}")
+
+
+@pytest.mark.timeout(300)
+def test_status_page_loads_moves_under_load_and_chats(tmp_path):
+    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "5"}) as d:
+        browser = _browser()
+        stop = threading.Event()
+
+        def load() -> None:  # two streams at a time until the test is done
+            with SyncClient(d.endpoint, "") as c:
+                while not stop.is_set():
+                    for n, _ in enumerate(c.stream("load", 400)):
+                        if stop.is_set() or n > 300:
+                            break
+
+        threads = [threading.Thread(target=load) for _ in range(2)]
+        try:
+            browser.get(d.http_url + "/")
+            text = lambda i: browser.find_element("id", i).text  # noqa: E731
+            _wait(lambda: text("model") == "synthetic", "the model name")
+            assert text("health") == "ready" and text("version")
+            _wait(lambda: "s" in text("uptime"), "the uptime")
+            for t in threads:
+                t.start()
+            _wait(lambda: text("running") not in ("", "–", "0"), "running streams")
+            first = _wait(lambda: text("tokens") not in ("", "–") and int(text("tokens")), "tokens")
+            _wait(lambda: int(text("tokens")) > first, "the token count moving")
+            _wait(lambda: text("tps") not in ("", "–") and float(text("tps")) > 0, "tokens/s")
+            _wait(lambda: text("ttft50").endswith("ms"), "a TTFT percentile")
+            _wait(lambda: text("itl99").endswith("ms"), "an ITL percentile")
+            stop.set()
+            for t in threads:
+                t.join(60)
+            browser.find_element("id", "prompt").send_keys("Hello from the browser")
+            browser.find_element("id", "send").click()
+            answer = browser.find_element("id", "answer")
+            _wait(lambda: answer.get_attribute("data-done") == "1", "the chat answer's end")
+            assert len(answer.text) > 10 and "[" not in answer.text  # streamed, no error
+            shot = os.environ.get("STATUS_PAGE_SCREENSHOT") or str(tmp_path / "status.png")
+            assert browser.save_screenshot(shot)
+        finally:
+            stop.set()
+            browser.quit()
