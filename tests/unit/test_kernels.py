@@ -13,18 +13,18 @@ from gateway.engine.cpu_backend import ATTENTION_BUDGET, CpuBackend, plan_prefil
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.models.loader import LoadedModel
 from gateway.tokenizer import ByteTokenizer
-from kernels.llama import (
+from kernels.architectures import DecoderConfig
+from kernels.decoder import (
+    Decoder,
     DecodeStep,
     KVCache,
-    Llama,
-    LlamaConfig,
     PrefillStep,
     RMSNorm,
     apply_rope,
     attention_bucket,
 )
 
-CFG = LlamaConfig(
+CFG = DecoderConfig(
     vocab_size=ByteTokenizer.BASE_VOCAB,
     hidden_size=64,
     intermediate_size=128,
@@ -37,9 +37,9 @@ CFG = LlamaConfig(
 CONTEXT = 128
 
 
-def make_model(dtype: torch.dtype = torch.float32) -> Llama:
+def make_model(dtype: torch.dtype = torch.float32) -> Decoder:
     torch.manual_seed(0)
-    model = Llama(CFG, CONTEXT, dtype=dtype).eval()
+    model = Decoder(CFG, CONTEXT, dtype=dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -86,6 +86,7 @@ def decode_batch(slots: list[int], toks: list[int], positions: list[int], **kw) 
 
 def test_config_reads_both_rope_field_styles() -> None:
     base = {
+        "model_type": "llama",
         "vocab_size": 10,
         "hidden_size": 64,
         "intermediate_size": 8,
@@ -98,18 +99,18 @@ def test_config_reads_both_rope_field_styles() -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    v4 = LlamaConfig.from_hf(
+    v4 = DecoderConfig.from_hf(
         {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}
     )
-    v5 = LlamaConfig.from_hf(
+    v5 = DecoderConfig.from_hf(
         {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}}
     )
-    old = LlamaConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    old = DecoderConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert v4 == v5
     assert (v4.rope_type, v4.rope_theta, v4.rope_factor) == ("llama3", 500000.0, 8.0)
     assert (v4.num_key_value_heads, v4.head_dim) == (4, 16)
     assert (old.rope_type, old.rope_factor) == ("linear", 2.0)
-    plain = LlamaConfig.from_hf(
+    plain = DecoderConfig.from_hf(
         {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     )
     assert plain.rope_type == "default"

@@ -17,7 +17,7 @@ import torch
 from gateway.engine.cpu_backend import CpuBackend
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.models import load_checkpoint
-from kernels.llama import KVCache
+from kernels.decoder import KVCache
 
 transformers = pytest.importorskip("transformers")
 
