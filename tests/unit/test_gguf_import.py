@@ -97,9 +97,14 @@ def test_an_earlier_converter_versions_directory_is_removed(tiny, tmp_path: Path
     assert left == sorted([current.name, other_file.name])  # another file's cache stays
 
 
-def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
-    path = tmp_path / "other.gguf"
-    write_gguf(path, arch="qwen2")
+def test_failed_conversion_leaves_nothing_behind(
+    tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args: object) -> None:
+        raise GGUFImportError("a tensor could not be read")
+
+    monkeypatch.setattr(gguf_import, "read_tensors", fail)
+    path = tiny[0]
     with pytest.raises(GGUFImportError):
         ensure_converted(path, str(tmp_path / "cache"))
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
@@ -108,12 +113,15 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"arch": "qwen2"}, "unsupported architecture 'qwen2'; supported: llama"),
+        (
+            {"arch": "falcon"},
+            "unsupported architecture 'falcon'; supported: llama, qwen2, qwen3, gemma3, phi3",
+        ),
         ({"tokenizer_model": "llama"}, "unsupported tokenizer model 'llama'"),
         ({"pre": "qwen2"}, "unsupported pre-tokenizer 'qwen2'"),
         ({"matrix_type": "I8"}, "unsupported tensor type I8 (e.g. blk.0.attn_q.weight)"),
         ({"extra_tensor": "rope_freqs.weight"}, "holds rope_freqs.weight"),
-        ({"extra_tensor": "blk.0.attn_q_norm.weight"}, "unexpected tensor 'blk.0.attn_q_norm"),
+        ({"extra_tensor": "blk.0.attn_q_norm.weight"}, "unexpected tensor 'blk.0.attn_q_norm.weight' for the llama"),
     ],
 )
 def test_unsupported_files_are_refused_with_what_they_hold(
