@@ -255,9 +255,13 @@ def read_config(fields: _Fields, path: Path, tensor_names: set[str]) -> dict[str
         if not window:
             raise GGUFImportError(f"{path}: {arch}.attention.sliding_window is missing")
         config["sliding_window"] = int(window)
-        config["layer_types"] = [
-            FULL if (i + 1) % family.sliding_pattern == 0 else SLIDING for i in range(layers)
-        ]
+        pattern = fields.get(f"{arch}.attention.sliding_window_pattern", family.sliding_pattern)
+        if isinstance(pattern, list):  # per layer: true = sliding
+            config["layer_types"] = [SLIDING if p else FULL for p in pattern]
+        else:
+            config["layer_types"] = [
+                FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(layers)
+            ]
         config["rope_parameters"] = {
             FULL: rope,
             SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
@@ -467,7 +471,8 @@ def convert(path: Path, directory: Path) -> None:
     config = check_header(reader, path)
     tokenizer, tok_cfg = build_tokenizer(fields, path)
     tensors, blocks = read_tensors(reader, path, config)
-    write_blocks(directory, blocks)
+    if blocks:  # a file of float matrices only keeps no blocks
+        write_blocks(directory, blocks)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(directory / "tokenizer.json"))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
