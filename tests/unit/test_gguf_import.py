@@ -121,7 +121,10 @@ def test_failed_conversion_leaves_nothing_behind(
         ({"pre": "qwen2"}, "unsupported pre-tokenizer 'qwen2'"),
         ({"matrix_type": "I8"}, "unsupported tensor type I8 (e.g. blk.0.attn_q.weight)"),
         ({"extra_tensor": "rope_freqs.weight"}, "holds rope_freqs.weight"),
-        ({"extra_tensor": "blk.0.attn_q_norm.weight"}, "unexpected tensor 'blk.0.attn_q_norm.weight' for the llama"),
+        (
+            {"extra_tensor": "blk.0.attn_q_norm.weight"},
+            "unexpected tensor 'blk.0.attn_q_norm.weight' for the llama architecture",
+        ),
     ],
 )
 def test_unsupported_files_are_refused_with_what_they_hold(
@@ -132,6 +135,34 @@ def test_unsupported_files_are_refused_with_what_they_hold(
     with pytest.raises(ModelLoadError, match="bad.gguf") as info:
         load_model(ModelConfig(path=str(path), data_dir=str(tmp_path)), 64)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"arch": "falcon"}, "unsupported architecture 'falcon'"),
+        ({"matrix_type": "I8"}, "unsupported tensor type I8"),
+        ({"tokenizer_model": "bert"}, "unsupported tokenizer model 'bert'"),
+    ],
+)
+def test_refused_from_the_header_before_any_tensor_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict, message: str
+) -> None:
+    import gguf
+
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, **options)
+
+    def must_not_run(*args: object) -> None:
+        raise AssertionError("tensor data or the whole file was read before refusing")
+
+    # Dequantizing a tensor and hashing the file (the cache key) are what takes long.
+    monkeypatch.setattr(gguf.quants, "dequantize", must_not_run)
+    monkeypatch.setattr(gguf_import, "file_digest", must_not_run)
+    with pytest.raises(GGUFImportError, match=message) as info:
+        ensure_converted(path, str(tmp_path))
+    assert "supported:" in str(info.value) or "dequantizes" in str(info.value)
+    assert not (tmp_path / "gguf").exists()
 
 
 def test_missing_or_broken_files_are_clear_errors(tmp_path: Path) -> None:
