@@ -159,6 +159,9 @@ def test_refused_from_the_header_before_any_tensor_is_read(
     # Dequantizing a tensor and hashing the file (the cache key) are what takes long.
     monkeypatch.setattr(gguf.quants, "dequantize", must_not_run)
     monkeypatch.setattr(gguf_import, "file_digest", must_not_run)
+    # gguf's reader builds a view per vocabulary entry (seconds on a 262k vocabulary): the
+    # header check reads the header itself.
+    monkeypatch.setattr(gguf, "GGUFReader", must_not_run)
     with pytest.raises(GGUFImportError, match=message) as info:
         ensure_converted(path, str(tmp_path))
     assert "supported:" in str(info.value) or "dequantizes" in str(info.value)
@@ -191,3 +194,26 @@ def test_named_models_and_empty_path(tmp_path: Path) -> None:
         load_model(ModelConfig(path="@nope", data_dir=str(tmp_path)), 64)
     with pytest.raises(ModelLoadError, match="model.path is empty"):
         load_model(ModelConfig(path="", data_dir=str(tmp_path)), 64)
+
+
+def test_read_header_agrees_with_the_gguf_packages_reader(tiny, monkeypatch) -> None:
+    import gguf
+
+    monkeypatch.setattr(gguf_import, "SMALL_ARRAY", 8)  # the merges list is kept, tokens skipped
+    header = gguf_import.read_header(tiny[0])
+    reader = gguf.GGUFReader(str(tiny[0]))
+    assert header.tensors == [(t.name, t.tensor_type.name) for t in reader.tensors]
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        ours, theirs = header.get(key), field.contents()
+        if isinstance(ours, gguf_import.ArrayInfo):
+            assert len(ours) == len(theirs) > 8, key
+        elif isinstance(theirs, float):
+            assert ours == pytest.approx(theirs), key
+        else:
+            assert ours == theirs, key
+    junk = tiny[0].with_name("short.gguf")
+    junk.write_bytes(tiny[0].read_bytes()[:200])  # cut off inside the metadata
+    with pytest.raises(GGUFImportError, match="short.gguf is not a readable GGUF file"):
+        gguf_import.read_header(junk)
