@@ -465,17 +465,7 @@ def check_header(header: Header, path: Path) -> dict[str, Any]:
                 f"{path}: unexpected tensor {name!r} for the {arch} architecture; its tensors: "
                 f"{', '.join(sorted({*_GLOBAL_TENSORS, *TENSOR_NAMES[arch]}))}"
             )
-    model = fields.require("tokenizer.ggml.model")
-    if model not in SUPPORTED_TOKENIZER_MODELS:
-        raise GGUFImportError(
-            f"{path}: unsupported tokenizer model {model!r}; supported: "
-            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)}"
-        )
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    if model == "gpt2" and pre not in PRE_TOKENIZERS:
-        raise GGUFImportError(
-            f"{path}: unsupported pre-tokenizer {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}"
-        )
+    check_tokenizer(fields, path)
     return config
 
 
@@ -517,6 +507,22 @@ def read_tensors(
         if raw is not None:
             blocks[name] = (kind, np.array(raw, dtype=np.uint8))
     return out, blocks
+
+
+def check_tokenizer(fields: _Fields, path: Path) -> None:
+    """Refuse, from the header alone, a tokenizer model or pre-tokenizer ``build_tokenizer``
+    does not rebuild."""
+    model = fields.require("tokenizer.ggml.model")
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        raise GGUFImportError(
+            f"{path}: unsupported tokenizer model {model!r}; supported: "
+            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)}"
+        )
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if model == "gpt2" and pre not in PRE_TOKENIZERS:
+        raise GGUFImportError(
+            f"{path}: unsupported pre-tokenizer {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}"
+        )
 
 
 def build_tokenizer(fields: _Fields, path: Path) -> tuple[Any, dict[str, Any]]:

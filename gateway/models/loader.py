@@ -278,7 +278,7 @@ class ModelSource:
 
 
 def resolve_source(model_cfg: ModelConfig) -> ModelSource:
-    """Resolve ``model.path``: a named model (``@smollm2``, ``@builtin``), a ``.gguf`` file
+    """Resolve ``model.path``: a named model (``bundled.NAMED_MODELS``), a ``.gguf`` file
     (converted once into a cached directory under ``model.data_dir``) or a checkpoint directory.
     Conversion runs here, so call it where the model is loaded (the engine thread)."""
     from gateway.models import bundled
@@ -303,7 +303,7 @@ def resolve_source(model_cfg: ModelConfig) -> ModelSource:
                         f"cannot write the built-in model under {exc.filename}: {exc}"
                     ) from exc
                 return ModelSource(directory, model_cfg.name or BUILTIN_NAME, builtin_tokenizer())
-            gguf_file, default_name = bundled.smollm2_gguf(), bundled.SMOLLM2_NAME
+            gguf_file, default_name = bundled.named_gguf(path)
         elif is_gguf(Path(path).expanduser()):
             gguf_file = Path(path).expanduser()
             default_name = gguf_file.stem
