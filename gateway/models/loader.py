@@ -179,7 +179,7 @@ def load_checkpoint(
 ) -> LoadedModel:
     """Load config, weights and (unless given) the tokenizer of a checkpoint directory. With
     ``kernel_cache`` (where the block kernel is built), matrices whose GGUF blocks the directory
-    keeps get block copies for small forwards (``Llama.use_blocks``)."""
+    keeps get block copies for small forwards (``Decoder.use_blocks``)."""
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
