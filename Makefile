@@ -62,9 +62,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --size smollm2 --dtype bfloat16 --write
 	$(BIN)/python benchmarks/prompts.py --size smollm2 --write
 
+# ruff (lint + format), mypy (strict on gateway/, configured in pyproject.toml) and import-linter
+# (no import cycle in gateway/, the contract in pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check gateway kernels tests benchmarks
 	$(BIN)/ruff format --check gateway kernels tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gateway.engine.backend import Backend
+from gateway.engine.backend import Backend, PrefixKV
 
 log = logging.getLogger("zerolayer.engine")
 
@@ -78,11 +78,12 @@ class PrefixStore:
         metrics: PrefixMetrics | None = None,
         block_tokens: int = BLOCK_TOKENS,
     ) -> None:
-        if not backend.supports_prefix:
+        if not isinstance(backend, PrefixKV):  # what ``supports_prefix`` says, as a type
             raise ValueError(f"{type(backend).__name__} cannot save and load KV")
         if block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
         self.backend = backend
+        self._kv: PrefixKV = backend  # the same object, typed as what saves and loads KV
         self.capacity_bytes = capacity_bytes
         self.block_tokens = block_tokens
         self._metrics = metrics
@@ -136,7 +137,7 @@ class PrefixStore:
         returns the number of positions loaded (0: prefill everything)."""
         found = self.match(ids, len(ids) - 1)
         for entry in found:
-            self.backend.load_kv(entry.handle, slot, entry.start)
+            self._kv.load_kv(entry.handle, slot, entry.start)
         self._touch(found)
         hit = sum(e.tokens for e in found)
         self.queried_tokens += len(ids)
@@ -164,8 +165,8 @@ class PrefixStore:
             if parent != _ROOT and parent not in self._blocks:
                 break  # its parent could not be kept: it would never be reached
             start = i * self.block_tokens
-            handle = self.backend.save_kv(slot, start, start + self.block_tokens)
-            nbytes = int(self.backend.kv_nbytes(handle))
+            handle = self._kv.save_kv(slot, start, start + self.block_tokens)
+            nbytes = int(self._kv.kv_nbytes(handle))
             if not self._make_room(nbytes, chain):
                 break
             entry = _Entry(key, parent, chunk, start, self.block_tokens, handle, nbytes, False)
@@ -213,8 +214,8 @@ class PrefixStore:
             key = chain_key(parent, chunk)
             entry = self._blocks.get(key)
             if entry is None:
-                handle = self.backend.save_kv(slot, i * b, (i + 1) * b)
-                nbytes = int(self.backend.kv_nbytes(handle))
+                handle = self._kv.save_kv(slot, i * b, (i + 1) * b)
+                nbytes = int(self._kv.kv_nbytes(handle))
                 entry = _Entry(key, parent, chunk, i * b, b, handle, nbytes, True)
                 self._blocks[key] = entry
                 new += entry.nbytes
@@ -231,8 +232,8 @@ class PrefixStore:
             tails = self._tails.setdefault(parent, [])
             tail = next((t for t in tails if t.ids == tail_ids), None)
             if tail is None:
-                handle = self.backend.save_kv(slot, start, len(ids))
-                nbytes = int(self.backend.kv_nbytes(handle))
+                handle = self._kv.save_kv(slot, start, len(ids))
+                nbytes = int(self._kv.kv_nbytes(handle))
                 tail = _Entry(
                     chain_key(parent, tail_ids), parent, tail_ids, start, len(ids) - start,
                     handle, nbytes, True,

@@ -289,7 +289,7 @@ class Chain:
         fn = None
         try:
             for fn in self._on_request:
-                cached = fn(ctx)
+                cached: CachedResponse | None = fn(ctx)
                 if cached is not None:
                     return cached
         except Exception as exc:
@@ -303,9 +303,9 @@ class Chain:
         fn = None
         try:
             for fn, is_async in self._on_request_flagged:
-                cached = fn(ctx)
+                cached: CachedResponse | None = fn(ctx)
                 if is_async:
-                    cached = await cached
+                    cached = await cached  # type: ignore[misc]  # the hook is async: a coroutine
                 if cached is not None:
                     return cached
         except Exception as exc:

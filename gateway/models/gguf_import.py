@@ -18,10 +18,8 @@ is keyed by the file's SHA-256 and this converter's version and is written into 
 sibling then renamed into place, so a second start reuses it and a crash never leaves half a
 directory.
 
-The tokenizer is rebuilt from the GGUF vocabulary as llama.cpp defines it: a ``gpt2`` (byte-level
-BPE) model whose pre-tokenizer (``tokenizer.ggml.pre``) is one of ``PRE_TOKENIZERS``. ``smollm``
-and its relatives first split every digit on its own, then apply GPT-2's regex; transformers' own
-GGUF conversion drops that digit split, so its ids differ on text with numbers.
+The tokenizer is rebuilt from the GGUF vocabulary by ``gateway.models.gguf_tokenizer``, as
+llama.cpp defines it.
 
 Anything outside what is converted faithfully (another architecture, a tensor type the ``gguf``
 package cannot dequantize, another tokenizer model or pre-tokenizer, partial rotary dimensions,
@@ -53,21 +51,6 @@ log = logging.getLogger("zerolayer.models")
 # 2: the quantized blocks are kept too (blocks.safetensors). 3: other architectures.
 CONVERTER_VERSION = 3
 SUPPORTED_ARCHITECTURES = tuple(BY_GGUF_ARCH)
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
-# llama.cpp's pre-tokenizer names (src/llama-vocab.cpp) and whether each splits every digit
-# before GPT-2's byte-level regex. All of these use exactly GPT-2's regex after that split.
-PRE_TOKENIZERS = {
-    "gpt2": False,
-    "smollm": True,
-    "starcoder": True,
-    "refact": True,
-    "codeshell": True,
-}
-# GGUF token types (llama.cpp's llama_token_type): control and user-defined tokens are matched
-# whole in text, before the pre-tokenizer; control ones are special (skipped when decoding).
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -465,6 +448,8 @@ def check_header(header: Header, path: Path) -> dict[str, Any]:
                 f"{path}: unexpected tensor {name!r} for the {arch} architecture; its tensors: "
                 f"{', '.join(sorted({*_GLOBAL_TENSORS, *TENSOR_NAMES[arch]}))}"
             )
+    from gateway.models.gguf_tokenizer import check_tokenizer
+
     check_tokenizer(fields, path)
     return config
 
@@ -509,79 +494,11 @@ def read_tensors(
     return out, blocks
 
 
-def check_tokenizer(fields: _Fields, path: Path) -> None:
-    """Refuse, from the header alone, a tokenizer model or pre-tokenizer ``build_tokenizer``
-    does not rebuild."""
-    model = fields.require("tokenizer.ggml.model")
-    if model not in SUPPORTED_TOKENIZER_MODELS:
-        raise GGUFImportError(
-            f"{path}: unsupported tokenizer model {model!r}; supported: "
-            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)}"
-        )
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    if model == "gpt2" and pre not in PRE_TOKENIZERS:
-        raise GGUFImportError(
-            f"{path}: unsupported pre-tokenizer {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}"
-        )
-
-
-def build_tokenizer(fields: _Fields, path: Path) -> tuple[Any, dict[str, Any]]:
-    """A ``tokenizers.Tokenizer`` equal to llama.cpp's for the file, and tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    model = fields.require("tokenizer.ggml.model")
-    if model not in SUPPORTED_TOKENIZER_MODELS:
-        raise GGUFImportError(
-            f"{path}: unsupported tokenizer model {model!r}; supported: "
-            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE)"
-        )
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise GGUFImportError(
-            f"{path}: unsupported pre-tokenizer {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}"
-        )
-    tokens: list[str] = list(fields.require("tokenizer.ggml.tokens"))
-    types = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in fields.require("tokenizer.ggml.merges")]
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
-    tokenizer = Tokenizer(bpe)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if PRE_TOKENIZERS[pre]:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_tokens(
-        [
-            AddedToken(tok, special=kind == TOKEN_TYPE_CONTROL, normalized=False)
-            for tok, kind in zip(tokens, types, strict=True)
-            if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-        ]
-    )
-
-    def token(key: str) -> str | None:
-        idx = fields.get(f"tokenizer.ggml.{key}")
-        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
-
-    tok_cfg: dict[str, Any] = {
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(fields.get("tokenizer.ggml.add_eos_token", False)),
-    }
-    template = fields.get("tokenizer.chat_template")
-    if isinstance(template, str):
-        tok_cfg["chat_template"] = template
-    return tokenizer, tok_cfg
-
-
 def convert(path: Path, directory: Path) -> None:
     """Write the checkpoint converted from GGUF file ``path`` into the existing ``directory``."""
     from safetensors.numpy import save_file
+
+    from gateway.models.gguf_tokenizer import build_tokenizer
 
     config = check_header(read_header(path), path)
     reader = _open(path)

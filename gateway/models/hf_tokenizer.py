@@ -2,7 +2,8 @@
 through jinja2.
 
 ``HFTokenizer`` reads what a Hugging Face checkpoint directory ships next to its weights:
-tokenizer.json (required), tokenizer_config.json (BOS/EOS tokens, add_bos_token, chat_template),
+tokenizer.json (required), tokenizer_config.json (BOS/EOS tokens, add_bos_token, chat_template,
+and ``eog_token_ids`` in a directory converted from a GGUF),
 chat_template.jinja, generation_config.json and config.json (fallback token ids).
 """
 
@@ -103,7 +104,11 @@ class HFTokenizer(Tokenizer):
         token_eos = self._token_id(self.eos_token)
         if token_eos is not None and token_eos not in eos_ids:
             eos_ids.append(token_eos)
-        for extra in _as_id_list(model_cfg.get("eos_token_id")):
+        # eog_token_ids: what gguf_tokenizer writes for a converted GGUF (llama.cpp's end-of-
+        # generation tokens, e.g. Gemma's <end_of_turn> beside <eos>).
+        for extra in _as_id_list(model_cfg.get("eos_token_id")) + _as_id_list(
+            tok_cfg.get("eog_token_ids")
+        ):
             if extra not in eos_ids:
                 eos_ids.append(extra)
         self.eos_token_id = eos_ids[0] if eos_ids else -1

@@ -117,8 +117,8 @@ def test_failed_conversion_leaves_nothing_behind(
             {"arch": "falcon"},
             "unsupported architecture 'falcon'; supported: llama, qwen2, qwen3, gemma3, phi3",
         ),
-        ({"tokenizer_model": "llama"}, "unsupported tokenizer model 'llama'"),
-        ({"pre": "qwen2"}, "unsupported pre-tokenizer 'qwen2'"),
+        ({"tokenizer_model": "bert"}, "unsupported tokenizer model 'bert'"),
+        ({"pre": "deepseek-coder"}, "unsupported pre-tokenizer 'deepseek-coder'"),
         ({"matrix_type": "I8"}, "unsupported tensor type I8 (e.g. blk.0.attn_q.weight)"),
         ({"extra_tensor": "rope_freqs.weight"}, "holds rope_freqs.weight"),
         (
