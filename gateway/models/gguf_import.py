@@ -267,14 +267,14 @@ class _Fields:
     """Typed access to a reader's key/value metadata, errors naming the file and key."""
 
     def __init__(self, reader: Any, path: Path) -> None:
-        self._fields = reader.fields if not isinstance(reader, Header) else None
-        self._header = reader if isinstance(reader, Header) else None
+        """``reader``: a ``Header`` or the gguf package's reader."""
+        self._reader = reader
         self._path = path
 
     def get(self, key: str, default: Any = None) -> Any:
-        if self._header is not None:
-            return self._header.get(key, default)
-        field = self._fields.get(key)
+        if isinstance(self._reader, Header):
+            return self._reader.get(key, default)
+        field = self._reader.fields.get(key)
         return default if field is None else field.contents()
 
     def require(self, key: str) -> Any:

