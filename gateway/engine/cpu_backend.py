@@ -1,4 +1,4 @@
-"""The CPU backend: ``kernels.llama`` run eagerly by torch on a static slot KV cache.
+"""The CPU backend: ``kernels.decoder`` run eagerly by torch on a static slot KV cache.
 
 One ``CpuBackend`` owns the loaded model, the KV cache (allocated once, ``num_slots`` =
 ``engine.max_batch_size``) and a ``Sampler``. The prefill chunks of one call run as a few batched
@@ -22,7 +22,7 @@ from gateway.engine.backend import Backend, ModelInfo, PrefixKV
 from gateway.engine.types import DecodeBatch, PrefillChunk
 from gateway.models.loader import LoadedModel, load_model
 from gateway.tokenizer import Tokenizer
-from kernels.llama import KVCache, eager_attention_len
+from kernels.decoder import KVCache, eager_attention_len
 from kernels.sampling import Sampler
 
 log = logging.getLogger("zerolayer.engine")

@@ -1,7 +1,9 @@
 """The neuron backend: transformers-neuronx continuous batching on Inferentia2 / Trainium.
 
-Owns the mapping of the Backend interface onto a compiled ``LlamaForSampling`` (or
-``MistralForSampling``) built with ``NeuronConfig(continuous_batching=ContinuousBatchingConfig(
+Owns the mapping of the Backend interface onto a compiled transformers-neuronx sampling model
+(``LlamaForSampling``, ``MistralForSampling`` or ``Qwen2ForSampling``, per
+``SUPPORTED_ARCHITECTURES``; the other families ``kernels.architectures`` knows are refused with
+a message saying so) built with ``NeuronConfig(continuous_batching=ContinuousBatchingConfig(
 batch_size_for_shared_caches=N))``, N = ``engine.max_batch_size``:
 
 * slot i is the library's sequence id i (passed as ``start_ids``) in its shared KV cache of N rows;
@@ -47,12 +49,18 @@ INSTALL_HINT = (
     "'zerolayer[neuron]'"
 )
 
-# Hugging Face architecture -> (transformers_neuronx module, sampling class): the families that
-# support continuous batching in transformers-neuronx.
+# Hugging Face architecture -> (transformers_neuronx module, sampling class): the families of
+# kernels.architectures that transformers-neuronx has a continuous-batching sampling class for
+# (each takes config, n_positions, batch_size, amp, tp_degree, context_length_estimate and
+# neuron_config through NeuronModelBase.from_pretrained).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("transformers_neuronx.llama.model", "LlamaForSampling"),
     "MistralForCausalLM": ("transformers_neuronx.mistral.model", "MistralForSampling"),
+    "Qwen2ForCausalLM": ("transformers_neuronx.qwen2.model", "Qwen2ForSampling"),
 }
+# Families the cpu backend serves that transformers-neuronx has no class for (its GemmaForSampling
+# is Gemma 1: no QK-norm, no norms after attention and MLP, no sliding layers).
+CPU_ONLY_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 
 AMP_BY_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 AMP_VALUES = frozenset(AMP_BY_DTYPE.values())
@@ -149,6 +157,13 @@ def _architecture(config: dict[str, Any], checkpoint: Path) -> str:
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return name
+    cpu_only = [name for name in names if name in CPU_ONLY_ARCHITECTURES]
+    if cpu_only:
+        raise NeuronBackendError(
+            f"{checkpoint}: {cpu_only[0]} is served by the cpu backend only: transformers-neuronx "
+            f"has no sampling class for it; the neuron backend serves "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
     raise NeuronBackendError(
         f"{checkpoint}: architectures {names} are not supported by the neuron backend; "
         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"

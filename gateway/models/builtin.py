@@ -19,7 +19,7 @@ import torch
 
 from gateway.models.cachedir import data_root, ensure_dir
 from gateway.tokenizer import ByteTokenizer
-from kernels.llama import LlamaConfig
+from kernels.architectures import DecoderConfig
 from kernels.sampling import splitmix64
 
 BUILTIN_NAME = "zerolayer-builtin"
@@ -80,7 +80,7 @@ def _uniform_weights(shape: tuple[int, ...], stream: int) -> torch.Tensor:
 
 def builtin_tensors() -> dict[str, torch.Tensor]:
     """Every tensor of the built-in checkpoint, named as Hugging Face names them."""
-    cfg = LlamaConfig.from_hf(BUILTIN_CONFIG)
+    cfg = DecoderConfig.from_hf(BUILTIN_CONFIG)
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):

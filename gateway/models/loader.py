@@ -1,4 +1,5 @@
-"""Loading a Llama-family checkpoint directory into ``kernels.llama``.
+"""Loading a checkpoint directory of a supported family (``kernels.architectures``: Llama,
+Mistral, Qwen2/2.5, Qwen3, Gemma 3, Phi-3) into ``kernels.decoder``.
 
 A checkpoint is a local Hugging Face directory: config.json, *.safetensors (one file, or shards
 listed in model.safetensors.index.json), tokenizer.json and the optional tokenizer_config.json,
@@ -7,13 +8,16 @@ missing file, other architecture, missing tensors) is a ``ModelLoadError`` namin
 what is wrong. ``load_model`` is what the engine calls; ``resolve_source`` turns ``model.path``
 (a directory, a ``.gguf`` file, or a named model) into a checkpoint directory. A model
 converted from a GGUF also gets its matrices as the file's own blocks (``model.quantized_decode``,
-``kernels.qmatmul``: the same weights in fewer bytes), used for forwards of a few tokens.
+``kernels.qmatmul``: the same weights in fewer bytes), used for forwards of a few tokens. Phi-3's
+fused ``qkv_proj`` / ``gate_up_proj`` matrices (dense or blocks) are split into the decoder's
+q/k/v and gate/up on the way in (``split_fused``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +27,12 @@ import torch
 from gateway.config import BUILTIN_MODEL, ModelConfig
 from gateway.models.cachedir import data_root
 from gateway.tokenizer import Tokenizer
-from kernels.llama import Llama, LlamaConfig
+from kernels.architectures import DecoderConfig, find_architecture
+from kernels.decoder import Decoder
+from kernels.qmatmul import QWeight
 
 log = logging.getLogger("zerolayer.models")
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("llama",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Checkpoint entries that are not weights of our modules (older exports save rope buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,8 +46,8 @@ class ModelLoadError(Exception):
 class LoadedModel:
     name: str
     path: Path
-    config: LlamaConfig
-    model: Llama  # weights in the requested dtype, in eval mode
+    config: DecoderConfig
+    model: Decoder  # weights in the requested dtype, in eval mode
     tokenizer: Tokenizer
     dtype: torch.dtype
     max_context: int  # min(requested max_context, max_position_embeddings)
@@ -62,22 +66,18 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_llama_config(directory: Path) -> LlamaConfig:
+def read_config(directory: Path) -> DecoderConfig:
     """Parse and check config.json of a checkpoint directory."""
     path = directory / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{directory}: config.json is missing (not a checkpoint directory?)")
     raw = _read_json(path)
-    archs = raw.get("architectures") or []
-    model_type = raw.get("model_type")
-    if not (set(archs) & set(SUPPORTED_ARCHITECTURES) or model_type in SUPPORTED_MODEL_TYPES):
-        found = ", ".join(archs) if archs else f"model_type {model_type!r}"
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {found}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'llama')"
-        )
     try:
-        return LlamaConfig.from_hf(raw)
+        find_architecture(raw)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    try:
+        return DecoderConfig.from_hf(raw)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: required field {exc.args[0]!r} is missing") from exc
     except (TypeError, ValueError) as exc:
@@ -111,8 +111,8 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(directory: Path, cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """Tensors named as ``kernels.llama.Llama`` names them, converted to ``dtype``."""
+def read_state_dict(directory: Path, cfg: DecoderConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """Tensors named as ``kernels.decoder.Decoder`` names them, converted to ``dtype``."""
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -128,7 +128,45 @@ def read_state_dict(directory: Path, cfg: LlamaConfig, dtype: torch.dtype) -> di
                     tensors[name] = fh.get_tensor(key).to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read weights {file}: {exc}") from exc
-    return tensors
+    return split_fused(tensors, cfg, lambda t, a, b: t[a:b])
+
+
+# Fused checkpoint matrices (Phi-3) -> the decoder's own, as (name, rows) in order.
+def _fused_parts(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    return {
+        "self_attn.qkv_proj": [
+            ("self_attn.q_proj", q),
+            ("self_attn.k_proj", kv),
+            ("self_attn.v_proj", kv),
+        ],
+        "mlp.gate_up_proj": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)],
+    }
+
+
+def split_fused(
+    tensors: dict[str, Any], cfg: DecoderConfig, rows: Callable[[Any, int, int], Any]
+) -> dict[str, Any]:
+    """``tensors`` (model-prefix removed) with a fused family's ``qkv_proj`` and
+    ``gate_up_proj`` matrices (and biases) split by output rows into the decoder's separate
+    ones; ``rows(t, a, b)`` takes rows a..b of one (a dense tensor or a QWeight)."""
+    if not cfg.arch.fused:
+        return tensors
+    out: dict[str, Any] = {}
+    parts = _fused_parts(cfg)
+    for name, tensor in tensors.items():
+        pieces = name.split(".", 2)  # layers, <i>, <module>.<weight or bias>
+        module, _, kind = pieces[-1].rpartition(".")
+        if len(pieces) < 3 or pieces[0] != "layers" or module not in parts:
+            out[name] = tensor
+            continue
+        start = 0
+        for part, size in parts[module]:
+            out[f"layers.{pieces[1]}.{part}.{kind}"] = rows(tensor, start, start + size)
+            start += size
+    return out
 
 
 def load_checkpoint(
@@ -141,11 +179,11 @@ def load_checkpoint(
 ) -> LoadedModel:
     """Load config, weights and (unless given) the tokenizer of a checkpoint directory. With
     ``kernel_cache`` (where the block kernel is built), matrices whose GGUF blocks the directory
-    keeps get block copies for small forwards (``Llama.use_blocks``)."""
+    keeps get block copies for small forwards (``Decoder.use_blocks``)."""
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise ModelLoadError(f"model directory {directory} does not exist")
-    cfg = read_llama_config(directory)
+    cfg = read_config(directory)
     if tokenizer is None:
         from gateway.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
 
@@ -155,7 +193,7 @@ def load_checkpoint(
             raise ModelLoadError(str(exc)) from exc
     context = min(max_context, cfg.max_position_embeddings)
 
-    model = Llama(cfg, context, dtype=dtype, device="meta")
+    model = Decoder(cfg, context, dtype=dtype, device="meta")
     state = read_state_dict(directory, cfg, dtype)
     expected = set(model.state_dict())
     missing = sorted(expected - state.keys())
@@ -175,7 +213,7 @@ def load_checkpoint(
         raise ModelLoadError(f"{directory}: weights do not match config.json: {exc}") from exc
     model.eval()
     if kernel_cache is not None:
-        attach_blocks(model, directory, kernel_cache)
+        attach_blocks(model, cfg, directory, kernel_cache)
     return LoadedModel(
         name=name or directory.name,
         path=directory,
@@ -187,7 +225,7 @@ def load_checkpoint(
     )
 
 
-def attach_blocks(model: Llama, directory: Path, kernel_cache: Path) -> None:
+def attach_blocks(model: Decoder, cfg: DecoderConfig, directory: Path, kernel_cache: Path) -> None:
     """Block copies of the matrices whose GGUF blocks ``directory`` keeps (none for a
     checkpoint that was not converted from a GGUF), once the kernel is built under
     ``kernel_cache``. A kernel that cannot be built leaves the dense weights only, with one
@@ -205,7 +243,8 @@ def attach_blocks(model: Llama, directory: Path, kernel_cache: Path) -> None:
     if reason is not None:
         log.warning("GGUF block kernel unavailable, serving dense weights only: %s", reason)
         return
-    used = model.use_blocks({name.removeprefix("model."): w for name, w in blocks.items()})
+    named = {name.removeprefix("model."): w for name, w in blocks.items()}
+    used = model.use_blocks(split_fused(named, cfg, _block_rows))
     if used:
         log.info(
             "forwards of up to %d tokens compute on %d of the GGUF's quantized matrices",
@@ -214,6 +253,10 @@ def attach_blocks(model: Llama, directory: Path, kernel_cache: Path) -> None:
         )
     else:
         log.info("%s keeps no usable GGUF blocks: dense weights only", directory)
+
+
+def _block_rows(weight: QWeight, start: int, end: int) -> QWeight:
+    return QWeight(weight.blocks[start:end], weight.kind)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -235,7 +278,7 @@ class ModelSource:
 
 
 def resolve_source(model_cfg: ModelConfig) -> ModelSource:
-    """Resolve ``model.path``: a named model (``@smollm2``, ``@builtin``), a ``.gguf`` file
+    """Resolve ``model.path``: a named model (``bundled.NAMED_MODELS``), a ``.gguf`` file
     (converted once into a cached directory under ``model.data_dir``) or a checkpoint directory.
     Conversion runs here, so call it where the model is loaded (the engine thread)."""
     from gateway.models import bundled
@@ -260,7 +303,7 @@ def resolve_source(model_cfg: ModelConfig) -> ModelSource:
                         f"cannot write the built-in model under {exc.filename}: {exc}"
                     ) from exc
                 return ModelSource(directory, model_cfg.name or BUILTIN_NAME, builtin_tokenizer())
-            gguf_file, default_name = bundled.smollm2_gguf(), bundled.SMOLLM2_NAME
+            gguf_file, default_name = bundled.named_gguf(path)
         elif is_gguf(Path(path).expanduser()):
             gguf_file = Path(path).expanduser()
             default_name = gguf_file.stem

@@ -14,7 +14,7 @@ from gateway.config import ModelConfig
 from gateway.models import gguf_import
 from gateway.models.gguf_import import GGUFImportError, ensure_converted, unpermute_rows
 from gateway.models.loader import ModelLoadError, load_model, load_tokenizer
-from kernels.llama import KVCache
+from kernels.decoder import KVCache
 from tests.support.gguf_files import HEADS, llama_cpp_permute, write_gguf
 
 
@@ -97,9 +97,14 @@ def test_an_earlier_converter_versions_directory_is_removed(tiny, tmp_path: Path
     assert left == sorted([current.name, other_file.name])  # another file's cache stays
 
 
-def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
-    path = tmp_path / "other.gguf"
-    write_gguf(path, arch="qwen2")
+def test_failed_conversion_leaves_nothing_behind(
+    tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args: object) -> None:
+        raise GGUFImportError("a tensor could not be read")
+
+    monkeypatch.setattr(gguf_import, "read_tensors", fail)
+    path = tiny[0]
     with pytest.raises(GGUFImportError):
         ensure_converted(path, str(tmp_path / "cache"))
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
@@ -108,12 +113,18 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"arch": "qwen2"}, "unsupported architecture 'qwen2'; supported: llama"),
+        (
+            {"arch": "falcon"},
+            "unsupported architecture 'falcon'; supported: llama, qwen2, qwen3, gemma3, phi3",
+        ),
         ({"tokenizer_model": "bert"}, "unsupported tokenizer model 'bert'"),
         ({"pre": "deepseek-coder"}, "unsupported pre-tokenizer 'deepseek-coder'"),
         ({"matrix_type": "I8"}, "unsupported tensor type I8 (e.g. blk.0.attn_q.weight)"),
         ({"extra_tensor": "rope_freqs.weight"}, "holds rope_freqs.weight"),
-        ({"extra_tensor": "blk.0.attn_q_norm.weight"}, "unexpected tensor 'blk.0.attn_q_norm"),
+        (
+            {"extra_tensor": "blk.0.attn_q_norm.weight"},
+            "unexpected tensor 'blk.0.attn_q_norm.weight' for the llama architecture",
+        ),
     ],
 )
 def test_unsupported_files_are_refused_with_what_they_hold(
@@ -124,6 +135,37 @@ def test_unsupported_files_are_refused_with_what_they_hold(
     with pytest.raises(ModelLoadError, match="bad.gguf") as info:
         load_model(ModelConfig(path=str(path), data_dir=str(tmp_path)), 64)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"arch": "falcon"}, "unsupported architecture 'falcon'"),
+        ({"matrix_type": "I8"}, "unsupported tensor type I8"),
+        ({"tokenizer_model": "bert"}, "unsupported tokenizer model 'bert'"),
+    ],
+)
+def test_refused_from_the_header_before_any_tensor_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict, message: str
+) -> None:
+    import gguf
+
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, **options)
+
+    def must_not_run(*args: object) -> None:
+        raise AssertionError("tensor data or the whole file was read before refusing")
+
+    # Dequantizing a tensor and hashing the file (the cache key) are what takes long.
+    monkeypatch.setattr(gguf.quants, "dequantize", must_not_run)
+    monkeypatch.setattr(gguf_import, "file_digest", must_not_run)
+    # gguf's reader builds a view per vocabulary entry (seconds on a 262k vocabulary): the
+    # header check reads the header itself.
+    monkeypatch.setattr(gguf, "GGUFReader", must_not_run)
+    with pytest.raises(GGUFImportError, match=message) as info:
+        ensure_converted(path, str(tmp_path))
+    assert "supported:" in str(info.value) or "dequantizes" in str(info.value)
+    assert not (tmp_path / "gguf").exists()
 
 
 def test_missing_or_broken_files_are_clear_errors(tmp_path: Path) -> None:
@@ -148,7 +190,31 @@ def test_a_gguf_without_the_suffix_is_found_by_its_magic(tiny, tmp_path: Path) -
 
 
 def test_named_models_and_empty_path(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="unknown named model '@nope'.*@smollm2, @builtin"):
+    named = "unknown named model .@nope.*@smollm2, @gemma3-270m, @builtin"
+    with pytest.raises(ModelLoadError, match=named):
         load_model(ModelConfig(path="@nope", data_dir=str(tmp_path)), 64)
     with pytest.raises(ModelLoadError, match="model.path is empty"):
         load_model(ModelConfig(path="", data_dir=str(tmp_path)), 64)
+
+
+def test_read_header_agrees_with_the_gguf_packages_reader(tiny, monkeypatch) -> None:
+    import gguf
+
+    monkeypatch.setattr(gguf_import, "SMALL_ARRAY", 8)  # the merges list is kept, tokens skipped
+    header = gguf_import.read_header(tiny[0])
+    reader = gguf.GGUFReader(str(tiny[0]))
+    assert header.tensors == [(t.name, t.tensor_type.name) for t in reader.tensors]
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        ours, theirs = header.get(key), field.contents()
+        if isinstance(ours, gguf_import.ArrayInfo):
+            assert len(ours) == len(theirs) > 8, key
+        elif isinstance(theirs, float):
+            assert ours == pytest.approx(theirs), key
+        else:
+            assert ours == theirs, key
+    junk = tiny[0].with_name("short.gguf")
+    junk.write_bytes(tiny[0].read_bytes()[:200])  # cut off inside the metadata
+    with pytest.raises(GGUFImportError, match="short.gguf is not a readable GGUF file"):
+        gguf_import.read_header(junk)

@@ -3,6 +3,7 @@ batched prefill."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,18 +14,18 @@ from gateway.engine.cpu_backend import ATTENTION_BUDGET, CpuBackend, plan_prefil
 from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 from gateway.models.loader import LoadedModel
 from gateway.tokenizer import ByteTokenizer
-from kernels.llama import (
+from kernels.architectures import DecoderConfig
+from kernels.decoder import (
+    Decoder,
     DecodeStep,
     KVCache,
-    Llama,
-    LlamaConfig,
     PrefillStep,
     RMSNorm,
     apply_rope,
     attention_bucket,
 )
 
-CFG = LlamaConfig(
+CFG = DecoderConfig(
     vocab_size=ByteTokenizer.BASE_VOCAB,
     hidden_size=64,
     intermediate_size=128,
@@ -34,12 +35,26 @@ CFG = LlamaConfig(
     head_dim=16,
     max_position_embeddings=256,
 )
+# Gemma 3's pieces all at once: sliding layers with their own rope, QK-norm, sandwich norms,
+# +1 norms, scaled embeddings, tanh-GELU, softcaps.
+GEMMA_CFG = replace(
+    CFG,
+    model_type="gemma3_text",
+    hidden_act="gelu_pytorch_tanh",
+    sliding_window=8,
+    layer_types=("sliding_attention", "full_attention"),
+    rope_local_theta=10000.0,
+    rope_theta=1e6,
+    query_pre_attn_scalar=24.0,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=30.0,
+)
 CONTEXT = 128
 
 
-def make_model(dtype: torch.dtype = torch.float32) -> Llama:
+def make_model(dtype: torch.dtype = torch.float32, cfg: DecoderConfig = CFG) -> Decoder:
     torch.manual_seed(0)
-    model = Llama(CFG, CONTEXT, dtype=dtype).eval()
+    model = Decoder(cfg, CONTEXT, dtype=dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -86,6 +101,7 @@ def decode_batch(slots: list[int], toks: list[int], positions: list[int], **kw) 
 
 def test_config_reads_both_rope_field_styles() -> None:
     base = {
+        "model_type": "llama",
         "vocab_size": 10,
         "hidden_size": 64,
         "intermediate_size": 8,
@@ -98,18 +114,18 @@ def test_config_reads_both_rope_field_styles() -> None:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    v4 = LlamaConfig.from_hf(
+    v4 = DecoderConfig.from_hf(
         {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}}
     )
-    v5 = LlamaConfig.from_hf(
+    v5 = DecoderConfig.from_hf(
         {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}}
     )
-    old = LlamaConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    old = DecoderConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert v4 == v5
     assert (v4.rope_type, v4.rope_theta, v4.rope_factor) == ("llama3", 500000.0, 8.0)
     assert (v4.num_key_value_heads, v4.head_dim) == (4, 16)
     assert (old.rope_type, old.rope_factor) == ("linear", 2.0)
-    plain = LlamaConfig.from_hf(
+    plain = DecoderConfig.from_hf(
         {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     )
     assert plain.rope_type == "default"
@@ -127,10 +143,11 @@ def test_attention_bucket() -> None:
 
 # torch.jit.trace is deprecated upstream but is the CPU stand-in for torch_neuronx.trace.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cfg", [CFG, GEMMA_CFG], ids=["llama", "gemma3"])
 @torch.inference_mode()
-def test_decode_step_traces_and_matches_eager() -> None:
-    model = make_model()
-    cache = KVCache.allocate(CFG, 4, CONTEXT, torch.float32)
+def test_decode_step_traces_and_matches_eager(cfg: DecoderConfig) -> None:
+    model = make_model(cfg=cfg)
+    cache = KVCache.allocate(cfg, 4, CONTEXT, torch.float32)
     for slot in range(4):
         model.prefill(tokens(20 + slot, slot), 0, slot, cache)
     step = DecodeStep(model, attn_len=32)
@@ -147,10 +164,11 @@ def test_decode_step_traces_and_matches_eager() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("cfg", [CFG, GEMMA_CFG], ids=["llama", "gemma3"])
 @torch.inference_mode()
-def test_prefill_step_traces_and_matches_eager() -> None:
-    model = make_model()
-    cache = KVCache.allocate(CFG, 2, CONTEXT, torch.float32)
+def test_prefill_step_traces_and_matches_eager(cfg: DecoderConfig) -> None:
+    model = make_model(cfg=cfg)
+    cache = KVCache.allocate(cfg, 2, CONTEXT, torch.float32)
     model.prefill(tokens(40, 1), 0, 0, cache)
     model.prefill(tokens(40, 2), 0, 1, cache)
     step = PrefillStep(model, attn_len=64)
@@ -474,3 +492,52 @@ def test_backend_prefill_two_chunks_of_one_slot_in_one_call() -> None:
         ]
     )
     assert split[0] == -1 and split[2] == whole[0]
+
+
+@torch.inference_mode()
+def test_softcapped_attention_is_the_fused_attention_when_the_cap_is_far() -> None:
+    # transformers' Gemma 3 never applies attn_logit_softcapping, so it cannot be the reference:
+    # the written-out path (scores, cap, mask, softmax) must equal torch's fused attention when
+    # the cap changes nothing, and a near cap must change the result.
+    ids = tokens(30, 5)
+    uncapped = replace(GEMMA_CFG, attn_logit_softcapping=None)
+    results = {}
+    for name, cfg in {
+        "fused": uncapped,
+        "far": replace(GEMMA_CFG, attn_logit_softcapping=1e7),
+        "near": GEMMA_CFG,
+    }.items():
+        model = make_model(cfg=cfg)
+        cache = KVCache.allocate(cfg, 1, CONTEXT, torch.float32)
+        results[name] = model.prefill(ids, 0, 0, cache, all_logits=True)
+    torch.testing.assert_close(results["far"], results["fused"], atol=1e-4, rtol=0)
+    assert (results["near"] - results["fused"]).abs().max() > 1e-2
+    assert results["near"].abs().max() <= 30.0  # the final softcap bounds every logit
+
+
+def test_config_of_each_family_says_what_differs() -> None:
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 64,
+        "intermediate_size": 8,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+    }
+    qwen2 = DecoderConfig.from_hf({**base, "model_type": "qwen2"})
+    assert qwen2.attention_bias and not qwen2.o_bias and not qwen2.layer_types
+    gemma4x = DecoderConfig.from_hf(  # transformers 4.x keys
+        {**base, "model_type": "gemma3_text", "sliding_window": 512, "rope_theta": 1e6}
+    )
+    assert [gemma4x.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+    assert (gemma4x.rope_theta, gemma4x.rope_local_theta) == (1e6, 10000.0)
+    assert gemma4x.hidden_act == "gelu_pytorch_tanh" and gemma4x.arch.norm_offset == 1.0
+    mistral = DecoderConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 16})
+    assert all(mistral.is_sliding(i) for i in range(6)) and mistral.sliding_window == 16
+    no_window = DecoderConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None})
+    assert not no_window.layer_types and no_window.sliding_window is None
+    phi3 = DecoderConfig.from_hf({**base, "architectures": ["Phi3ForCausalLM"]})
+    assert phi3.arch.fused and phi3.model_type == "phi3"
+    with pytest.raises(ValueError, match="partial rotary embeddings"):
+        DecoderConfig.from_hf({**base, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="unsupported architecture MixtralForCausalLM"):
+        DecoderConfig.from_hf({**base, "architectures": ["MixtralForCausalLM"]})

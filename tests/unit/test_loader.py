@@ -14,7 +14,8 @@ from gateway.engine.cpu_backend import create_cpu_backend
 from gateway.engine.types import PrefillChunk, SamplingRow
 from gateway.models import HFTokenizer, ModelLoadError, builtin, load_checkpoint, load_model
 from gateway.tokenizer import ByteTokenizer
-from kernels.llama import Llama, LlamaConfig
+from kernels.architectures import DecoderConfig
+from kernels.decoder import Decoder
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -38,7 +39,7 @@ TEMPLATE = (
 
 def hf_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_hf(cfg), 16)
+    model = Decoder(DecoderConfig.from_hf(cfg), 16)
     return {f"model.{k}" if k != "lm_head.weight" else k: v for k, v in model.state_dict().items()}
 
 
@@ -118,7 +119,7 @@ def test_missing_config_field(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "MistralForCausalLM"),
+        ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "MixtralForCausalLM"),
         ({"architectures": [], "model_type": "gpt2"}, "model_type 'gpt2'"),
     ],
 )

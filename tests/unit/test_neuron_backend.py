@@ -164,6 +164,10 @@ class FakeMistral(FakeSampling):
     pass
 
 
+class FakeQwen2(FakeSampling):
+    pass
+
+
 class ContinuousBatchingConfig:
     def __init__(self, **kwargs: Any) -> None:
         self.max_num_seqs = kwargs.pop("max_num_seqs", None) or kwargs.pop(
@@ -194,6 +198,8 @@ def fake_tnx(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     llama.LlamaForSampling = FakeSampling  # type: ignore[attr-defined]
     mistral = types.ModuleType("transformers_neuronx.mistral.model")
     mistral.MistralForSampling = FakeMistral  # type: ignore[attr-defined]
+    qwen2 = types.ModuleType("transformers_neuronx.qwen2.model")
+    qwen2.Qwen2ForSampling = FakeQwen2  # type: ignore[attr-defined]
     for name, module in {
         "transformers_neuronx": package,
         "transformers_neuronx.config": config,
@@ -201,6 +207,8 @@ def fake_tnx(monkeypatch: pytest.MonkeyPatch) -> Recorder:
         "transformers_neuronx.llama.model": llama,
         "transformers_neuronx.mistral": types.ModuleType("transformers_neuronx.mistral"),
         "transformers_neuronx.mistral.model": mistral,
+        "transformers_neuronx.qwen2": types.ModuleType("transformers_neuronx.qwen2"),
+        "transformers_neuronx.qwen2.model": qwen2,
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setenv("NEURON_RT_NUM_CORES", "2")
@@ -365,12 +373,43 @@ def test_max_context_is_capped_by_the_model(fake_tnx: Recorder, checkpoint: Path
     assert fake_tnx.models[0].kwargs["n_positions"] == [128]
 
 
-def test_mistral_checkpoints_use_mistral_for_sampling(fake_tnx: Recorder, checkpoint: Path) -> None:
+@pytest.mark.parametrize(
+    ("architecture", "sampling"),
+    [("MistralForCausalLM", FakeMistral), ("Qwen2ForCausalLM", FakeQwen2)],
+)
+def test_each_family_uses_its_sampling_class(
+    fake_tnx: Recorder, checkpoint: Path, architecture: str, sampling: type
+) -> None:
     cfg = json.loads((checkpoint / "config.json").read_text())
-    cfg["architectures"] = ["MistralForCausalLM"]
+    cfg["architectures"] = [architecture]
     (checkpoint / "config.json").write_text(json.dumps(cfg))
     make(checkpoint)
-    assert type(fake_tnx.models[0]) is FakeMistral
+    assert type(fake_tnx.models[0]) is sampling
+
+
+@pytest.mark.parametrize(
+    "architecture", ["Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
+)
+def test_families_without_a_neuronx_class_are_refused_clearly(
+    fake_tnx: Recorder, checkpoint: Path, architecture: str
+) -> None:
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    cfg["architectures"] = [architecture]
+    (checkpoint / "config.json").write_text(json.dumps(cfg))
+    message = f"{architecture} is served by the cpu backend only: transformers-neuronx has no"
+    with pytest.raises(NeuronBackendError, match=message) as info:
+        make(checkpoint)
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in str(info.value)
+    assert not fake_tnx.models  # refused before anything was built
+
+
+def test_every_family_is_either_served_or_refused_by_name() -> None:
+    from gateway.engine.neuron_backend import CPU_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+    from kernels.architectures import ARCHITECTURES
+
+    named = {a.hf_class for a in ARCHITECTURES.values()}
+    assert named == set(SUPPORTED_ARCHITECTURES) | set(CPU_ONLY_ARCHITECTURES)
+    assert not set(SUPPORTED_ARCHITECTURES) & set(CPU_ONLY_ARCHITECTURES)
 
 
 def test_runtime_cores_default_to_tp_degree(

@@ -1,9 +1,13 @@
-"""Our Llama kernels against transformers' LlamaForCausalLM on tiny random checkpoints.
+"""Our decoder against transformers on tiny random models of every supported family
+(tests/support/arch_models.py: Llama variants, Mistral with a sliding window, Qwen2, Qwen3,
+Gemma 3 with and without softcaps, Phi-3).
 
-Each case saves a random transformers model (safetensors) plus a tiny tokenizer.json into a
-temporary directory, loads it through our loader, and compares logits (float32, atol 1e-4) for
-full prefill, two-chunk prefill and batched decode with a second slot active, and 20-token greedy
-generations against ``generate(do_sample=False)``.
+Each case is loaded from a saved checkpoint, and — for the families with a GGUF form — from a
+GGUF file written by the gguf package, in float32 and in Q8_0. The reference is transformers in
+float32 on exactly the weights each source holds. Compared: logits (atol 1e-4) of a whole and
+a two-chunk prefill and of batched decode steps with another slot active; and greedy ids
+through the real engine and CPU backend, one stream alone and four streams at once, against
+``generate(do_sample=False)``.
 """
 
 from __future__ import annotations
@@ -14,75 +18,43 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.config import ModelConfig
 from gateway.engine.cpu_backend import CpuBackend
-from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from gateway.engine.engine import Sequence
+from gateway.engine.types import SamplingRow
 from gateway.models import load_checkpoint
-from kernels.llama import KVCache
+from gateway.models.loader import load_model
+from kernels.decoder import KVCache
+from tests.support.arch_models import CASES, VOCAB, reference_model, write_checkpoint, write_gguf
+from tests.support.engine_run import run_engine
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 300
 ATOL = 1e-4
-BASE = {
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "vocab_size": VOCAB,
-    "max_position_embeddings": 256,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-}
-CASES = {
-    "mha": {"num_key_value_heads": 4},
-    "gqa": {"num_key_value_heads": 2, "rope_theta": 500000.0},
-    "mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True},
-    "llama3-rope": {
-        "num_key_value_heads": 2,
-        "head_dim": 32,  # head_dim * heads != hidden_size
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    },
-    "linear-rope": {"num_key_value_heads": 2, "rope_scaling": {"rope_type": "linear", "factor": 4}},
-    "biases": {"num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True},
-}
+NEW_TOKENS = 12
+SOURCES = [(name, "checkpoint") for name in CASES] + [
+    (name, kind) for name, case in CASES.items() if case.gguf_arch for kind in ("F32", "Q8_0")
+]
 
 
-def write_tokenizer(directory: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
-    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(directory / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=SOURCES, ids=lambda p: f"{p[0]}-{p[1]}")
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    torch.manual_seed(hash(request.param) % 1000)
-    cfg = transformers.LlamaConfig(**BASE, **CASES[request.param])
-    ref = transformers.LlamaForCausalLM(cfg).eval()
-    # Default init leaves logits nearly flat; wider weights make greedy choices decisive, so
-    # the token-for-token comparison tests the math rather than tie-breaking.
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-            elif "proj.bias" in name:
-                p.normal_(0.0, 0.1)
-    ref.generation_config.eos_token_id = None
-    ref.generation_config.pad_token_id = 0
-    directory = tmp_path_factory.mktemp(request.param)
-    ref.save_pretrained(directory, safe_serialization=True)
-    write_tokenizer(directory)
-    ours = load_checkpoint(directory, max_context=256)
+    name, kind = request.param
+    ref = reference_model(name, seed=sum(map(ord, name)) % 1000)
+    directory = tmp_path_factory.mktemp(f"{name}-{kind}")
+    if kind == "checkpoint":
+        write_checkpoint(ref, directory)
+        ours = load_checkpoint(directory, max_context=256)
+    else:
+        path = directory / f"{name}.gguf"
+        stored = write_gguf(ref, name, path, kind)
+        ref.load_state_dict(stored, strict=True)  # the reference on the file's own weights
+        cfg = ModelConfig(path=str(path), data_dir=str(directory / "cache"))
+        ours = load_model(cfg, 256, "float32")
+        if kind != "F32":  # small forwards compute on the file's blocks (make test builds them)
+            assert ours.model.blocks_max_rows > 0
+            assert ours.model.layers[0].self_attn.qkv_blocks is not None
+    assert ours.config.model_type == ref.config.model_type
     return ref, ours
 
 
@@ -124,36 +96,38 @@ def test_batched_decode_matches(pair) -> None:
             torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("streams", [1, 4])
 @torch.inference_mode()
-def test_greedy_generation_identical(pair) -> None:
+def test_greedy_ids_through_the_engine_identical(pair, streams: int) -> None:
     ref, ours = pair
-    prompts = [_prompt(9, 4), _prompt(23, 5)]
-    backend = CpuBackend(ours, num_slots=3, max_context=256)
-    greedy = SamplingRow()
-    first = backend.prefill(
-        [
-            PrefillChunk(
-                slot=2 - i, tokens=p.numpy().astype(np.int32), start=0, last=True, sampling=greedy
-            )
-            for i, p in enumerate(prompts)
-        ]
-    )
-    generated = [[int(t)] for t in first]
-    positions = np.array([len(p) for p in prompts], np.int32)
-    for _ in range(19):
-        batch = DecodeBatch(
-            slots=np.array([2, 1], np.int32),
-            tokens=np.array([g[-1] for g in generated], np.int32),
-            positions=positions,
-            temperature=np.zeros(2, np.float32),
-            top_p=np.ones(2, np.float32),
-            top_k=np.zeros(2, np.int32),
-            seeds=np.zeros(2, np.uint64),
-            seeded=np.zeros(2, bool),
-        )
-        for g, t in zip(generated, backend.decode(batch), strict=True):
-            g.append(int(t))
-        positions = positions + 1
-    for p, g in zip(prompts, generated, strict=True):
-        expected = ref.generate(p[None], max_new_tokens=20, do_sample=False)[0, len(p) :]
-        assert g == expected.tolist()
+    prompts = [_prompt(n, 10 + n) for n in (9, 23, 5, 17)[:streams]]
+    backend = CpuBackend(ours, num_slots=4, max_context=256)
+    seqs = [
+        Sequence(i, p.numpy().astype(np.int32), NEW_TOKENS, SamplingRow(), ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    got = run_engine(backend, ours.tokenizer, seqs)
+    for i, p in enumerate(prompts):
+        expected = ref.generate(p[None], max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :]
+        assert got[i][:-1] == expected.tolist(), f"stream {i}"
+        assert got[i][-1][0] == "end"
+
+
+def test_cases_cover_every_architecture() -> None:
+    from kernels.architectures import ARCHITECTURES
+
+    covered = {getattr(transformers, c.config_class).model_type for c in CASES.values()}
+    assert covered == set(ARCHITECTURES)
+    assert {c.gguf_arch for c in CASES.values() if c.gguf_arch} == {
+        a.gguf_arch for a in ARCHITECTURES.values() if a.gguf_arch
+    }
+
+
+def test_a_phi3_checkpoint_is_split_into_separate_matrices(tmp_path: Path) -> None:
+    ref = reference_model("phi3")
+    write_checkpoint(ref, tmp_path)
+    ours = load_checkpoint(tmp_path, max_context=64)
+    qkv = ref.model.layers[0].self_attn.qkv_proj.weight
+    attn = ours.model.layers[0].self_attn
+    stacked = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(stacked, qkv)

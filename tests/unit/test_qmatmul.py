@@ -22,7 +22,7 @@ from gateway.models.gguf_blocks import BLOCKS_FILE, read_blocks
 from gateway.models.gguf_import import ensure_converted
 from gateway.models.loader import load_model, weight_files
 from kernels import qmatmul
-from kernels.llama import KVCache, Llama
+from kernels.decoder import Decoder, KVCache
 from kernels.qmatmul import QWeight
 from tests.support.gguf_files import write_gguf
 
@@ -191,7 +191,7 @@ def test_converted_blocks_are_the_dense_weights(converted) -> None:
         assert torch.equal(through_kernel(w, torch.float32), torch.from_numpy(dense[name])), name
 
 
-def greedy(model: Llama, prompt: list[int], steps: int, rows: int = 1) -> tuple[list[int], list]:
+def greedy(model: Decoder, prompt: list[int], steps: int, rows: int = 1) -> tuple[list[int], list]:
     """Greedy ids of ``prompt`` decoded in ``rows`` slots at once (all the same prompt), and the
     logits of every decode step of the first row."""
     cache = KVCache.allocate(model.cfg, rows, 64, model.rope_cos.dtype)

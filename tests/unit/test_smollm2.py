@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 from gateway.config import SMOLLM2_MODEL, ModelConfig
 from gateway.models.hf_tokenizer import HFTokenizer
 from gateway.models.loader import load_model
-from kernels.llama import KVCache
+from kernels.decoder import KVCache
 from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
 
 # llama.cpp's `smollm` pre-tokenizer (src/llama-vocab.cpp): the text is split at every \p{N}

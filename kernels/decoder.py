@@ -1,7 +1,12 @@
-"""Llama-family decoder in plain torch, on a static slot KV cache.
+"""One decoder for the Llama-shaped families, in plain torch, on a static slot KV cache.
 
-Owns the model math: RMSNorm, rotary embeddings (plain, "linear" and "llama3" scaling),
-grouped-query attention, SwiGLU MLP. One ``Llama.forward`` serves both phases:
+Owns the model math: RMSNorm (optionally scaling by 1 + weight), rotary embeddings (plain,
+"linear" and "llama3" scaling; a second table for sliding layers with their own base),
+grouped-query attention (optional q/k biases, per-head QK-norm, causal or sliding-window masks,
+logit softcapping), the gated MLP (SiLU or tanh-GELU) and optional norms after attention and MLP.
+What each family switches on is ``kernels.architectures`` (an ``Architecture`` and the
+checkpoint's ``DecoderConfig``), not a copy of the model. One ``Decoder.forward`` serves both
+phases:
 
 * prefill: one slot, ``n`` prompt tokens at positions ``start .. start+n-1`` (a chunk; earlier
   chunks of the same prompt are already in the cache), or chunks of several slots at once
@@ -12,11 +17,12 @@ The KV cache is allocated once (``KVCache.allocate``) and passed in as two tenso
 ``forward`` updates in place, so the same code runs eagerly on CPU and traces to a fixed graph
 (``DecodeStep`` / ``PrefillStep``) for ahead-of-time compilers such as torch_neuronx. Attention
 reads only the first ``attn_len`` cache positions; callers pick ``attn_len`` from a small set
-of buckets (``attention_bucket``) so cost follows the real length while shapes stay fixed.
-Parameter names match Hugging Face ``LlamaForCausalLM`` with the ``model.`` prefix removed. A
-model converted from a GGUF file can also hold its matrices as the file's own blocks
-(``Llama.use_blocks``, ``kernels.qmatmul``: the same weights, fewer bytes), which forwards of a
-few tokens use instead of the dense weights.
+of buckets (``attention_bucket``) so cost follows the real length while shapes stay fixed;
+sliding-window layers keep every position too and mask the ones outside their window.
+Parameter names match the Hugging Face ``*ForCausalLM`` with the ``model.`` prefix removed
+(Phi-3's fused matrices are split by the loader). A model converted from a GGUF file can also
+hold its matrices as the file's own blocks (``Decoder.use_blocks``, ``kernels.qmatmul``: the
+same weights, fewer bytes), which forwards of a few tokens use instead of the dense weights.
 """
 
 from __future__ import annotations
@@ -30,86 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import qmatmul
+from kernels.architectures import DecoderConfig
 from kernels.qmatmul import QWeight
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 MIN_ATTENTION_BUCKET = 16
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_type: str = "default"  # "default" (no scaling), "linear" or "llama3"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0  # llama3 only
-    rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_position: int = 8192  # llama3 only
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope scaling type {self.rope_type!r}; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even, got {self.head_dim}")
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Build from the fields of a Hugging Face Llama ``config.json``.
-
-        Rope settings are read from ``rope_theta`` + ``rope_scaling`` (transformers 4.x files)
-        or from ``rope_parameters`` (transformers 5.x files).
-        """
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; Llama uses 'silu'")
-        heads = int(cfg["num_attention_heads"])
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling")
-        params = cfg.get("rope_parameters")
-        if isinstance(params, dict):
-            theta = float(params.get("rope_theta", theta))
-            scaling = params
-        scaling = scaling or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=theta,
-            rope_type=rope_type,
-            rope_factor=float(scaling.get("factor", 1.0)),
-            rope_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            rope_original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-        )
 
 
 def attention_bucket(length: int, max_context: int) -> int:
@@ -132,9 +62,13 @@ def eager_attention_len(length: int, max_context: int) -> int:
     return min(-(-length // 64) * 64, max_context)
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies [head_dim // 2], float32, after rope scaling."""
+def rope_inv_freq(cfg: DecoderConfig, local: bool = False) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2], float32, after rope scaling; with
+    ``local``, the sliding layers' own unscaled ones (``rope_local_theta``)."""
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    if local:
+        assert cfg.rope_local_theta is not None
+        return 1.0 / (cfg.rope_local_theta**exponents)
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if cfg.rope_type == "linear":
         # Positions are divided by the factor; the same as dividing every frequency.
@@ -166,17 +100,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device: Any = None, dtype: Any = None) -> None:
+    """x / rms(x) * weight, or * (offset + weight) with an ``offset`` (Gemma's norms store the
+    difference from 1). Checkpoints keep the weight as their family stores it."""
+
+    def __init__(
+        self, dim: int, eps: float, offset: float = 0.0, device: Any = None, dtype: Any = None
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, as the reference implementation does:
+        # Normalise in float32 whatever the model dtype, as the reference implementations do:
         # x * rsqrt(mean(x^2) + eps), which torch's rms_norm computes bit for bit the same in
-        # half the ops (checked against the written-out formula in the tests).
+        # half the ops (checked against the written-out formula in the tests). Llama scales in
+        # the model dtype, Gemma in float32 before the cast: so do we.
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap): logits squashed into (-cap, cap); x itself without a cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 @dataclass(frozen=True)
@@ -195,28 +143,49 @@ class Rows:
     write_positions: torch.Tensor  # cache position of each computed token: [B, n] or [T]
     # [B, 1, group * n, attn_len] in the model dtype, added to the scores: 0 where a query may
     # attend, -inf where not (see Attention). Made once per forward: a bool mask would be
-    # converted to this by every layer's attention call.
+    # converted to this by every layer's attention call. ``sliding_mask`` also hides keys at or
+    # beyond the sliding window behind each query (None when no layer slides).
     mask: torch.Tensor
+    sliding_mask: torch.Tensor | None
     packed: torch.Tensor | None  # [T] int64 or None (no padding)
     slot_start: int | None  # rows are slots slot_start, slot_start + 1, ...: read in place
-    blocks: bool = False  # few enough tokens for the GGUF block weights (Llama.use_blocks), if any
+    blocks: bool = False  # few enough tokens for the GGUF block weights (Decoder.use_blocks)
+
+
+def _bias(parts: list[nn.Linear]) -> torch.Tensor | None:
+    """The biases of matrices stacked into one block matmul, stacked the same way."""
+    if parts[0].bias is None:
+        return None
+    return torch.cat([p.bias.detach() for p in parts])
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device: Any = None, dtype: Any = None) -> None:
+    def __init__(
+        self, cfg: DecoderConfig, sliding: bool, device: Any = None, dtype: Any = None
+    ) -> None:
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.sliding = sliding
+        self.softcap = cfg.attn_logit_softcapping
         hd, bias = cfg.head_dim, cfg.attention_bias
         kw = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=bias, **kw)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * hd, bias=bias, **kw)
-        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=bias, **kw)
-        # GGUF block copies (Llama.use_blocks): q, k and v stacked into one matmul, and o.
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=cfg.o_bias, **kw)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.arch.qk_norm:
+            offset = cfg.arch.norm_offset
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset, device, dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset, device, dtype)
+        # GGUF block copies (Decoder.use_blocks): q, k and v stacked into one matmul, and o,
+        # with their biases stacked alike.
         self.qkv_blocks: QWeight | None = None
+        self.qkv_bias: torch.Tensor | None = None
         self.o_blocks: QWeight | None = None
 
     def forward(
@@ -228,22 +197,28 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [num_slots, kv_heads, max_context, head_dim], this layer's
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        B, _, group_n, attn_len = rows.mask.shape
+        mask = rows.sliding_mask if self.sliding else rows.mask
+        assert mask is not None
+        B, _, group_n, attn_len = mask.shape
         group = self.n_heads // self.n_kv
         n = group_n // group
         if rows.blocks and self.qkv_blocks is not None:
-            # One matmul for q, k and v, and one rope for the q and k heads together.
-            qkv = self.qkv_blocks(x).unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
-            qk = apply_rope(qkv[..., : self.n_heads + self.n_kv, :], cos, sin)
-            q, k = qk[..., : self.n_heads, :], qk[..., self.n_heads :, :]
-            v = qkv[..., self.n_heads + self.n_kv :, :]
+            qkv = self.qkv_blocks(x)  # one matmul for q, k and v
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias
+            qkv = qkv.unflatten(-1, (self.n_heads + 2 * self.n_kv, self.head_dim))
+            q, k, v = qkv.split((self.n_heads, self.n_kv, self.n_kv), dim=-2)
         else:
-            q = apply_rope(self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)), cos, sin)
-            k = apply_rope(self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim)), cos, sin)
+            q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
+            k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
             v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         # Write the new keys/values, then attend over the slot's first attn_len positions; the
-        # mask hides positions after each query (later chunk tokens, stale data of old sequences).
+        # mask hides positions after each query (later chunk tokens, stale data of old sequences)
+        # and, in a sliding layer, those outside the window.
         # Indexing [write_slots, :, write_positions] selects [*tokens, kv_heads, head_dim].
         k_cache[rows.write_slots, :, rows.write_positions] = k
         v_cache[rows.write_slots, :, rows.write_positions] = v
@@ -262,46 +237,72 @@ class Attention(nn.Module):
         # attend as if there were kv_heads heads (the mask is laid out the same way). torch's
         # fused attention works through the keys in blocks and never holds the whole
         # [B, kv, group * n, attn_len] score tensor, which for a batch of prefill rows outgrows
-        # the CPU caches.
+        # the CPU caches. Softcapped scores need the scores themselves: written out.
         q = q.transpose(1, 2).reshape(B, self.n_kv, group * n, self.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=rows.mask, scale=self.scale)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        else:
+            scores = softcap(q @ keys.transpose(-1, -2) * self.scale, self.softcap) + mask
+            out = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ values
         out = out.view(B, self.n_heads, n, self.head_dim).transpose(1, 2).reshape(B, n, -1)
         if rows.packed is not None:
             out = out.view(B * n, -1).index_select(0, rows.packed)  # [T, heads * head_dim]
         if rows.blocks and self.o_blocks is not None:
-            return self.o_blocks(out)
+            out = self.o_blocks(out)
+            return out if self.o_proj.bias is None else out + self.o_proj.bias
         return self.o_proj(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device: Any = None, dtype: Any = None) -> None:
+    def __init__(self, cfg: DecoderConfig, device: Any = None, dtype: Any = None) -> None:
         super().__init__()
         kw = {"bias": cfg.mlp_bias, "device": device, "dtype": dtype}
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
-        # GGUF block copies (Llama.use_blocks): gate and up stacked into one matmul, and down.
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # else SiLU
+        # GGUF block copies (Decoder.use_blocks): gate and up stacked into one matmul, and down.
         self.gate_up_blocks: QWeight | None = None
+        self.gate_up_bias: torch.Tensor | None = None
         self.down_blocks: QWeight | None = None
 
     def forward(self, x: torch.Tensor, use_blocks: bool = False) -> torch.Tensor:
         if use_blocks and self.gate_up_blocks is not None:
-            gate, up = self.gate_up_blocks(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_blocks(x)
+            if self.gate_up_bias is not None:
+                gate_up = gate_up + self.gate_up_bias
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        h = F.silu(gate) * up
+        h = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         if use_blocks and self.down_blocks is not None:
-            return self.down_blocks(h)
+            out = self.down_blocks(h)
+            return out if self.down_proj.bias is None else out + self.down_proj.bias
         return self.down_proj(h)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device: Any = None, dtype: Any = None) -> None:
+    """One layer. Llama-style: x + attn(norm(x)), then x + mlp(norm(x)), where the second norm
+    is Hugging Face's ``post_attention_layernorm``. With ``sandwich_norms`` (Gemma) the
+    attention and MLP outputs are normed too before their residual add, and the names shift:
+    ``post_attention_layernorm`` norms the attention output, ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm`` surround the MLP."""
+
+    def __init__(
+        self, cfg: DecoderConfig, layer: int, device: Any = None, dtype: Any = None
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.self_attn = Attention(cfg, device, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        eps, offset = cfg.rms_norm_eps, cfg.arch.norm_offset
+        self.sliding = cfg.is_sliding(layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset, device, dtype)
+        self.self_attn = Attention(cfg, self.sliding, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset, device, dtype)
         self.mlp = MLP(cfg, device, dtype)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if cfg.arch.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset, device, dtype)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset, device, dtype)
 
     def forward(
         self,
@@ -312,9 +313,13 @@ class Block(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, rows, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), rows.blocks)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, rows, k_cache, v_cache)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x), rows.blocks)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x), rows.blocks)
+        return x + self.post_feedforward_layernorm(h)
 
 
 @dataclass
@@ -326,7 +331,7 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, cfg: LlamaConfig, num_slots: int, max_context: int, dtype: torch.dtype
+        cls, cfg: DecoderConfig, num_slots: int, max_context: int, dtype: torch.dtype
     ) -> KVCache:
         shape = (
             cfg.num_hidden_layers,
@@ -346,14 +351,14 @@ class KVCache:
         return self.k.shape[3]
 
 
-class Llama(nn.Module):
+class Decoder(nn.Module):
     """Weights plus rope tables for ``max_context`` positions. Build with ``device="meta"`` to
     skip weight initialisation when a checkpoint is loaded next (``load_state_dict(assign=True)``).
     """
 
     def __init__(
         self,
-        cfg: LlamaConfig,
+        cfg: DecoderConfig,
         max_context: int,
         dtype: torch.dtype = torch.float32,
         device: Any = None,
@@ -364,8 +369,14 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype
         )
-        self.layers = nn.ModuleList(Block(cfg, device, dtype) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, device, dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_offset, device, dtype)
+        # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype as transformers does.
+        self.embed_scale = (
+            float(torch.tensor(cfg.hidden_size**0.5).to(dtype)) if cfg.arch.embed_scale else None
+        )
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -373,25 +384,36 @@ class Llama(nn.Module):
         )
         # Rope tables [max_context, head_dim], computed in float32 then stored in the model dtype;
         # always real CPU tensors (never meta) and not part of the checkpoint. The sine table
-        # carries rotate_half's sign (apply_rope).
-        inv_freq = rope_inv_freq(cfg)
-        angles = torch.arange(max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        sin = angles.sin()
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", torch.cat((-sin, sin), dim=-1).to(dtype), persistent=False)
+        # carries rotate_half's sign (apply_rope). Sliding layers with their own rope base
+        # (Gemma 3) get a second pair.
+        cos, sin = self._rope_tables(rope_inv_freq(cfg), max_context, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.local_rope = cfg.rope_local_theta is not None
+        local: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if self.local_rope:
+            local = self._rope_tables(rope_inv_freq(cfg, local=True), max_context, dtype)
+        self.register_buffer("rope_local_cos", local[0], persistent=False)
+        self.register_buffer("rope_local_sin", local[1], persistent=False)
         # Forwards of at most this many tokens use the GGUF block weights; 0 until use_blocks.
         self.blocks_max_rows = 0
         self.head_blocks: QWeight | None = None
+
+    @staticmethod
+    def _rope_tables(
+        inv_freq: torch.Tensor, max_context: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.arange(max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        sin = angles.sin()
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def use_blocks(self, weights: dict[str, QWeight]) -> int:
         """Give the matrices found in ``weights`` (GGUF blocks under this model's parameter
         names) block copies, which forwards of at most ``qmatmul.MAX_ROWS[dtype]`` tokens use
         (q/k/v and gate/up each stacked into one matmul when all of them are there and of one
-        block type); the dense weights stay for longer forwards. Needs the kernel built
-        (``qmatmul.build``). Returns how many matrices got a copy."""
-        if self.cfg.attention_bias or self.cfg.mlp_bias:
-            return 0  # the block path has no bias terms
+        block type, their biases stacked alike); the dense weights stay for longer forwards.
+        Needs the kernel built (``qmatmul.build``). Returns how many matrices got a copy."""
 
         def stacked(prefix: str, names: tuple[str, ...]) -> QWeight | None:
             keys = [f"{prefix}{name}.weight" for name in names]
@@ -410,8 +432,10 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_blocks = stacked(f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"))
+            attn.qkv_bias = _bias([attn.q_proj, attn.k_proj, attn.v_proj])
             attn.o_blocks = stacked(f"layers.{i}.self_attn.", ("o_proj",))
             mlp.gate_up_blocks = stacked(f"layers.{i}.mlp.", ("gate_proj", "up_proj"))
+            mlp.gate_up_bias = _bias([mlp.gate_proj, mlp.up_proj])
             mlp.down_blocks = stacked(f"layers.{i}.mlp.", ("down_proj",))
             counts = (3, 1, 2, 1)
             parts = (attn.qkv_blocks, attn.o_blocks, mlp.gate_up_blocks, mlp.down_blocks)
@@ -444,15 +468,27 @@ class Llama(nn.Module):
         key_pos = torch.arange(attn_len, device=tokens.device)
         B, n = tokens.shape
         group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [B, n, attn_len]
-        allowed = allowed[:, None].expand(B, group, n, attn_len).reshape(B, 1, group * n, attn_len)
-        mask = torch.zeros(allowed.shape, dtype=self.rope_cos.dtype, device=tokens.device)
-        mask = mask.masked_fill_(~allowed, float("-inf"))
+        causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, n, attn_len]
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:  # [B, 1, group * n, attn_len]
+            allowed = allowed[:, None].expand(B, group, n, attn_len)
+            allowed = allowed.reshape(B, 1, group * n, attn_len)
+            mask = torch.zeros(allowed.shape, dtype=self.rope_cos.dtype, device=tokens.device)
+            return mask.masked_fill_(~allowed, float("-inf"))
+
+        mask = additive(causal)
+        sliding_mask = None
+        if self.cfg.sliding_window is not None:
+            # A query at q sees keys k with q - window < k <= q, as transformers' masks do.
+            inside = key_pos[None, None, :] > positions[:, :, None] - self.cfg.sliding_window
+            sliding_mask = additive(causal & inside)
         # A plain bool (no tensor op) for models without block weights, so that tracing
         # (DecodeStep, PrefillStep) sees a constant rather than a data-dependent branch.
         use_blocks = self.blocks_max_rows > 0 and tokens.numel() <= self.blocks_max_rows
         if last_index is None:
-            rows = Rows(slots, slots[:, None], positions, mask, None, slot_start, use_blocks)
+            rows = Rows(
+                slots, slots[:, None], positions, mask, sliding_mask, None, slot_start, use_blocks
+            )
         else:
             if all_logits:
                 raise ValueError("all_logits cannot be combined with last_index")
@@ -465,24 +501,36 @@ class Llama(nn.Module):
                 slots.repeat_interleave(lengths),
                 positions,
                 mask,
+                sliding_mask,
                 packed,
                 slot_start,
                 self.blocks_max_rows > 0 and int(lengths.sum()) <= self.blocks_max_rows,
             )
         x = self.embed_tokens(tokens)  # [B, n, hidden], or [T, hidden] when packed
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         # [..., 1, head_dim]: broadcast over heads
         cos, sin = self.rope_cos[positions].unsqueeze(-2), self.rope_sin[positions].unsqueeze(-2)
+        local = (cos, sin)
+        if self.local_rope:
+            local = (
+                self.rope_local_cos[positions].unsqueeze(-2),
+                self.rope_local_sin[positions].unsqueeze(-2),
+            )
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, rows, k_cache[i], v_cache[i])
+            layer_cos, layer_sin = local if layer.sliding else (cos, sin)
+            x = layer(x, layer_cos, layer_sin, rows, k_cache[i], v_cache[i])
         if last_index is not None:
             x = x[torch.cumsum(lengths, 0) - 1]  # [B, hidden]: each row's last packed token
         elif not all_logits:
             x = x[:, -1]
         x = self.norm(x)
         if rows.blocks and self.head_blocks is not None:
-            return self.head_blocks(x).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+            logits = self.head_blocks(x)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(x, weight)
+        return softcap(logits, self.cfg.final_logit_softcapping).float()
 
     def prefill(
         self,
@@ -579,7 +627,7 @@ class DecodeStep(nn.Module):
     """A decode step at a fixed attention bucket, in the form a tracer wants: tensors in,
     logits out, cache updated in place. Inputs: tokens/positions/slots [b] int64, k/v cache."""
 
-    def __init__(self, model: Llama, attn_len: int) -> None:
+    def __init__(self, model: Decoder, attn_len: int) -> None:
         super().__init__()
         self.model = model
         self.attn_len = attn_len
@@ -601,7 +649,7 @@ class PrefillStep(nn.Module):
     """A prefill chunk of fixed length at a fixed attention bucket, for tracing.
     Inputs: tokens/positions [n] int64, slot [1] int64, k/v cache. Returns [vocab] logits."""
 
-    def __init__(self, model: Llama, attn_len: int) -> None:
+    def __init__(self, model: Decoder, attn_len: int) -> None:
         super().__init__()
         self.model = model
         self.attn_len = attn_len
