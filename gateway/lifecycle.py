@@ -27,7 +27,6 @@ on, and each door reads ``draining`` to say so in its own wire format.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import enum
 import logging
@@ -61,7 +60,6 @@ class Phase(enum.IntEnum):
 # The phases as module names: read on every request, and an IntEnum's class attribute lookup
 # costs several times a global's.
 NEW, HOOKS, ENGINE, ENDED = Phase
-RECORD_TYPE = "i"  # array.array's int32 (a C int: 4 bytes wherever CPython runs)
 _ERROR = FinishReason.ERROR
 
 
@@ -98,8 +96,8 @@ class Stream:
     """One request in flight, whatever its door. Its phase moves only through RequestPath."""
 
     __slots__ = ("door", "key", "api", "phase", "seq", "ctx", "t_recv", "t_first", "n_ids",
-                 "prompt_tokens", "cache_bits", "want_text", "rec_ids", "rec_text", "full_ids",
-                 "finish", "from_cache", "state", "ended")  # fmt: skip
+                 "prompt_tokens", "cache_bits", "want_text", "record", "rec_ids", "rec_text",
+                 "full_ids", "finish", "from_cache", "state", "ended")  # fmt: skip
 
     def __init__(self, door: Door, key: int, api: str, want_text: bool = False) -> None:
         self.door = door
@@ -115,10 +113,10 @@ class Stream:
         self.prompt_tokens = 0
         self.cache_bits = 0
         self.want_text = want_text
-        # The stream's ids, recorded for the response cache as int32 (RECORD_TYPE): the whole
-        # recording becomes the cache's array in one copy, where a list of ints would be
-        # converted id by id.
-        self.rec_ids: array.array[int] | None = None
+        # Recorded for the response cache: the ids (the engine's, whole, when it ends the
+        # sequence) and the text deltas as they come (None: decoded from the ids at the end).
+        self.record = False
+        self.rec_ids: np.ndarray | None = None
         self.rec_text: list[str] | None = None
         self.full_ids: np.ndarray | None = None  # the whole prompt, a registered one's ids included
         self.finish = _ERROR  # how it ended, once ENDED
@@ -187,7 +185,7 @@ class RequestPath:
         # text deltas when the engine produces them anyway; otherwise the text is decoded once
         # at the end rather than per token.
         if self._records and prep.deterministic:
-            st.rec_ids = array.array(RECORD_TYPE)
+            st.record = True
             st.rec_text = [] if prep.detokenizer is not None else None
         st.seq = Sequence(
             st, prep.prompt, prep.max_tokens, prep.sampling, prep.stop_ids, prep.stop_sequences,
@@ -246,10 +244,12 @@ class RequestPath:
         """A batch of engine steps (the Outbox's consumer): the output processor writes them,
         the streams the engine finished end here, then every door written to is flushed."""
         dirty: list[Door] = []
-        for owner, finish, t_admit, count in self.outputs.write(steps, dirty):
+        for owner, finish, t_admit, count, ids in self.outputs.write(steps, dirty):
             st: Stream = owner  # type: ignore[assignment]
             if st.ended:  # cancelled, disconnected, ...: its engine ending is dropped
                 continue
+            if st.record:
+                st.rec_ids = ids
             if finish == FINISH_ERROR:
                 error = (ErrorCode.INTERNAL, "the model backend failed", 0)
                 self._end(st, _ERROR, error, t_admit=t_admit, count=count)
@@ -339,7 +339,7 @@ class RequestPath:
         st.from_cache = True
         st.cache_bits = p.CACHE_RESPONSE  # replayed: no precompiled KV was used either
         st.prompt_tokens = cached.prompt_tokens
-        st.rec_ids = st.rec_text = None  # nothing to record: it came from the cache
+        st.record, st.rec_text = False, None  # nothing to record: it came from the cache
         self._end(st, FinishReason(cached.finish_reason))
 
     # ---- the one end of a stream -------------------------------------------------------------
@@ -421,8 +421,7 @@ class RequestPath:
             return
         ids = text = None
         if st.rec_ids is not None and st.finish in COMPLETE_REASONS:
-            ids = np.frombuffer(st.rec_ids, np.int32)  # a view: the stream records no more
-            ids.flags.writeable = False  # as Completion promises
+            ids = st.rec_ids  # read-only, as Completion promises
             text = (
                 "".join(st.rec_text)
                 if st.rec_text is not None

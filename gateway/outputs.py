@@ -10,7 +10,8 @@ the engine finished; the request path ends their streams (the processor never ca
 A stream's counts change only here. Its token count is set once, when it ends (``ended``):
 the engine's count from its ending, or, when something else ends it, the count of the last
 step delivered to its door (the engine counts tokens by row: no counter per token, nothing to
-settle). The response-cache recordings and the time of the first token are written per step.
+settle). The text recorded for the response cache and the time of the first token are written
+per step (the ids come whole with the engine's ending).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class TokenWriter(Protocol):
 
 
 class Fanout:
-    """One engine row set's rows by door, each door's writer, the rows being recorded for the
-    response cache, and the streams (live when it was built)."""
+    """One engine row set's rows by door, each door's writer, the rows whose text is recorded
+    for the response cache, and the streams (live when it was built)."""
 
     __slots__ = ("owners", "writers", "row_of", "recording", "stale")
 
@@ -57,7 +58,7 @@ class Fanout:
                 by_door[st.door] = group = ([], [])
             group[0].append(st)
             group[1].append(i)
-            if st.rec_ids is not None:
+            if st.rec_text is not None:
                 self.recording.append((i, st))
         self.writers = [
             (door, door.token_writer(streams, rows)) for door, (streams, rows) in by_door.items()
@@ -103,12 +104,9 @@ class OutputProcessor:
                 if not st.t_first:  # type: ignore[attr-defined]
                     st.t_first = now  # type: ignore[attr-defined]
         if fan.recording:
-            ids, quiet, text = step.tokens.tolist(), step.quiet, step.text
+            text = step.text
             for i, st in fan.recording:
-                if not quiet or ids[i] >= 0:
-                    st.rec_ids.append(ids[i])  # type: ignore[union-attr]
-                if st.rec_text is not None:
-                    st.rec_text.append(text.get(i, ""))
+                st.rec_text.append(text.get(i, ""))  # type: ignore[union-attr]
         return n_frames
 
     def ended(self, st: Stream, count: int | None) -> None:

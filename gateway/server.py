@@ -510,20 +510,25 @@ class TokenFrames:
     with only the ids filled in per step; streams that want text get a frame per step with
     their id and text delta (or the text alone when the step produced no id)."""
 
-    __slots__ = ("out", "rows", "frames", "bytes", "text_rows")
+    __slots__ = ("out", "rows", "n", "frames", "bytes", "text_rows")
 
     def __init__(self, out: FrameBuffer, streams: list[Stream], rows: list[int]) -> None:
         self.out = out
         plain = [(i, st.key) for st, i in zip(streams, rows, strict=True) if not st.want_text]
         self.text_rows = [(i, st.key) for st, i in zip(streams, rows, strict=True) if st.want_text]
-        self.rows = np.array([i for i, _ in plain], np.intp)
+        rows = [i for i, _ in plain]
+        # The rows' ids as they are when they are all of the step's rows, in order; else taken.
+        self.rows = None if rows == list(range(len(rows))) else np.array(rows, np.intp)
+        self.n = len(rows)
         self.frames = p.token1_frames(np.array([key for _, key in plain], np.int64))
         self.bytes = memoryview(self.frames.reshape(-1).view(np.uint8))
 
     def write(self, step: StepOutput) -> int:
         n = 0
-        if len(self.rows):
-            ids = step.tokens[self.rows]
+        if self.n:
+            ids = step.tokens if self.rows is None else step.tokens[self.rows]
+            if len(ids) != self.n:  # rows beyond this door's (only when rows is None)
+                ids = ids[: self.n]
             if step.quiet and (ids == NO_TOKEN).any():  # rows that ended without a token
                 frames = self.frames[ids != NO_TOKEN]
                 frames[:, p.TOKEN1_ID] = ids[ids != NO_TOKEN]

@@ -492,8 +492,10 @@ class Engine:
         if seq.t_admit:
             elapsed = time.perf_counter() - seq.t_admit
             self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
-        count = self._rows.produced(seq.slot) if seq.slot >= 0 else 0
-        return Finished(seq.owner, finish, seq.t_admit, count)
+        if seq.slot < 0:
+            return Finished(seq.owner, finish, seq.t_admit, 0, None)
+        ids = self._rows.produced_ids(seq.slot)
+        return Finished(seq.owner, finish, seq.t_admit, len(ids), ids)
 
     def _offer(self, completed: list[Sequence]) -> None:
         """Prompts just prefilled: their full blocks go to the prefix store, copied out now,

@@ -52,6 +52,10 @@ class Rows:
         # and how many it was allowed when it joined: produced = cap - left.
         self.left = np.zeros(n, np.int32)
         self.cap = np.zeros(n, np.int32)
+        # The ids each row produced, in order (the response cache's recording, and where
+        # repetition penalties will read them): ids[slot, :produced(slot)].
+        self.ids = np.zeros((n, max_context), np.int32)
+        self._ids = self.ids.reshape(-1)  # the same, flat: ids[slot, i] = _ids[slot * ctx + i]
         # Sampling parameters (DecodeBatch's per-row fields).
         self.temperature = np.zeros(n, np.float32)
         self.top_p = np.ones(n, np.float32)
@@ -76,6 +80,7 @@ class Rows:
         self.text_rows: list[tuple[int, Sequence]] = []
         self.index: slice | np.ndarray = slice(0, 0)
         self._sampling: tuple[np.ndarray, ...] | None = None
+        self._last_id = np.empty(0, np.intp)  # per decode row: where its id 0 goes in _ids, - 1
         self._changed = False
 
     # ---- membership --------------------------------------------------------------------------
@@ -126,6 +131,12 @@ class Rows:
         """Tokens ``slot``'s sequence produced so far."""
         return int(self.cap[slot] - self.left[slot])
 
+    def produced_ids(self, slot: int) -> np.ndarray:
+        """A read-only copy of the ids ``slot``'s sequence produced so far."""
+        ids = self.ids[slot, : self.produced(slot)].copy()
+        ids.flags.writeable = False
+        return ids
+
     # ---- per step ----------------------------------------------------------------------------
 
     def batch(self) -> DecodeBatch | None:
@@ -153,6 +164,7 @@ class Rows:
         else:
             self.index = np.array(slots, np.intp)
         i = self.index
+        self._last_id = np.array(slots, np.intp) * self.max_context - 1
         self._sampling = (
             np.array(slots, np.int32), self.temperature[i].copy(), self.top_p[i].copy(),
             self.top_k[i].copy(), self.seeds[i].copy(), self.seeded[i].copy(),
@@ -174,6 +186,10 @@ class Rows:
             hit = eos | (self.stop_ids[index] == sampled[:, None]).any(axis=1)
         ended = hit | (left <= 0)
         counts = self.cap[index] - left
+        if isinstance(index, np.ndarray):  # not the decode rows alone
+            self._ids[index * self.max_context + (counts - 1)] = sampled
+        else:
+            self._ids[self._last_id + counts] = sampled
         if not ended.any():
             return Advance(counts, [], [])
         if hit.any():

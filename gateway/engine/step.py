@@ -26,12 +26,14 @@ _NO_IDS.flags.writeable = False
 
 class Finished(NamedTuple):
     """A sequence that ended: its owner, how (a FinishReason), when it got its slot
-    (perf_counter; 0 when it never did) and the tokens it produced."""
+    (perf_counter; 0 when it never did), how many tokens it produced and which (read-only;
+    None when it never had a slot)."""
 
     owner: object
     finish: int
     t_admit: float
     count: int
+    ids: np.ndarray | None
 
 
 class Output(NamedTuple):
