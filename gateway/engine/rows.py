@@ -178,7 +178,7 @@ class Rows:
         self.pos[index] += 1
         self.left[index] -= 1
         left = self.left[index]
-        eos = self.eos[sampled]
+        eos = self.eos.take(sampled)
         if self._ignoring:
             eos &= ~self.ignore_eos[index]
         hit = eos
@@ -187,12 +187,12 @@ class Rows:
         ended = hit | (left <= 0)
         counts = self.cap[index] - left
         if isinstance(index, np.ndarray):  # not the decode rows alone
-            self._ids[index * self.max_context + (counts - 1)] = sampled
+            self._ids.put(index * self.max_context + (counts - 1), sampled)
         else:
-            self._ids[self._last_id + counts] = sampled
-        if not ended.any():
+            self._ids.put(self._last_id + counts, sampled)
+        if not np.count_nonzero(ended):  # count_nonzero: no ufunc reduction set-up per step
             return Advance(counts, [], [])
-        if hit.any():
+        if np.count_nonzero(hit):
             counts -= hit  # EOS and stop ids end a row without producing their token
             self.left[index] += hit
         rows = np.flatnonzero(ended).tolist()
