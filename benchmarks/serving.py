@@ -1205,8 +1205,8 @@ def engine_step_md(r: dict, args) -> str:
         "floor of any step after a backend call.\n\n"
         + table(["kind of step", "steps / burst", "median µs / step", "ms / burst"], kind_rows)
         + "\n\nWhat parts of a steady step cost at 20 ms, paired within each burst: every other "
-        "step leaves the part out (the hand-off of a step that has only a column to hand over; "
-        "the step's metrics call; the columnar EOS check), and the steady steps' median with it "
+        "step leaves the part out (the hand-off of a step that ends no sequence; the step's "
+        "metrics call), and the steady steps' median with it "
         "is set against the median without it, both medians over "
         f"{args.runs} bursts. The first row leaves nothing out: its difference is the pairing's "
         "own spread.\n\n"

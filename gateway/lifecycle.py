@@ -5,7 +5,7 @@ A door (the frame server's Connection, the HTTP front end) parses its own wire f
 every door: validate and tokenize (gateway.inputs) → hook chain (auth, rate limit, response
 cache; sync or async) → engine, or a replay of a cached answer. A door only writes: the path
 calls its ``Door`` methods with the DONE record or the ERROR, and the output processor writes
-the engine's tokens through the door's own encoder (``Door.token_writer``).
+the engine's tokens through the door's own encoder (``Door.encoder``).
 
 One state per stream, moved only here (``Phase``: NEW → HOOKS → ENGINE → ENDED), and one
 function that ends a stream, ``_end``: whatever ends it (the engine, a refusal, CANCEL, a
@@ -31,6 +31,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -70,9 +71,10 @@ class Door(Protocol):
     dirty: bool  # has unwritten output; the output processor flushes it after a delivery
     label: str  # names the door in logs ("7" for frame connection 7)
 
-    def token_writer(self, streams: list[Stream], rows: list[int]) -> TokenWriter:
-        """The door's encoder for its ``streams``, rows ``rows`` of an engine row set: it
-        writes each step's ids and text for them (see gateway.outputs)."""
+    # The door kind's encoder, the same for every door of that kind: ``encoder(streams,
+    # rows)`` writes each engine step's ids and text for ``streams`` (rows ``rows`` of an
+    # engine row set, on any doors of this kind); see gateway.outputs.
+    encoder: Callable[[list[Stream], list[int]], TokenWriter]
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         """A whole answer replayed from the response cache; returns TOKEN frames written."""

@@ -1,11 +1,12 @@
 """The output processor: the only place that reads engine steps, and where a stream's counts live.
 
 It runs on the event loop with each batch of engine steps (gateway.engine.outbox). A step's rows
-go to their doors through each door's token writer (``Door.token_writer``: the door's own
-encoder, e.g. the frame door's batched TOKEN frames), made once per engine row set: a
-``Fanout`` groups the rows by door and is rebuilt only when the step's ``owners`` list is a
-new one (the engine keeps it while the rows stay the same). ``write`` returns the sequences
-the engine finished; the request path ends their streams (the processor never calls it).
+go to their doors through each kind of door's encoder (``Door.encoder``, e.g. the frame door's
+batched TOKEN frames for all its connections), made once per engine row set: a ``Fanout``
+groups the rows by encoder and is rebuilt only when the step's ``owners`` list is a new one
+(the engine keeps it while the rows stay the same) or one of its streams ended. ``write``
+returns the sequences the engine finished; the request path ends their streams (the processor
+never calls it).
 
 A stream's counts change only here. Its token count is set once, when it ends (``ended``):
 the engine's count from its ending, or, when something else ends it, the count of the last
@@ -31,38 +32,41 @@ _perf = time.perf_counter
 
 
 class TokenWriter(Protocol):
-    """A door's encoder for one engine row set (``Door.token_writer``)."""
+    """A door kind's encoder for one engine row set (``Door.encoder``)."""
+
+    doors: list[Door]  # the doors it writes to (flushed after a delivery)
 
     def write(self, step: StepOutput) -> int:
         """Write this step's tokens and text for the writer's rows; returns TOKEN frames."""
 
 
 class Fanout:
-    """One engine row set's rows by door, each door's writer, the rows whose text is recorded
-    for the response cache, and the streams (live when it was built)."""
+    """One engine row set's rows by door kind, each kind's writer, the doors written to, the
+    rows whose text is recorded for the response cache, and the streams (live when it was
+    built)."""
 
-    __slots__ = ("owners", "writers", "row_of", "recording", "stale")
+    __slots__ = ("owners", "writers", "doors", "row_of", "recording", "stale")
 
     def __init__(self, owners: list[Stream]) -> None:
         self.owners = owners
         self.stale = False  # one of its streams ended: the next step builds a new one
-        by_door: dict[Door, tuple[list[Stream], list[int]]] = {}
+        by_encoder: dict[object, tuple[list[Stream], list[int]]] = {}
         self.row_of: dict[Stream, int] = {}
         self.recording: list[tuple[int, Stream]] = []
         for i, st in enumerate(owners):
             if st.ended:
                 continue
             self.row_of[st] = i
-            group = by_door.get(st.door)
+            encoder = st.door.encoder
+            group = by_encoder.get(encoder)
             if group is None:
-                by_door[st.door] = group = ([], [])
+                by_encoder[encoder] = group = ([], [])
             group[0].append(st)
             group[1].append(i)
             if st.rec_text is not None:
                 self.recording.append((i, st))
-        self.writers = [
-            (door, door.token_writer(streams, rows)) for door, (streams, rows) in by_door.items()
-        ]
+        self.writers = [encoder(streams, rows) for encoder, (streams, rows) in by_encoder.items()]  # type: ignore[operator]
+        self.doors = list(dict.fromkeys(door for w in self.writers for door in w.doors))
 
 
 class OutputProcessor:
@@ -93,8 +97,9 @@ class OutputProcessor:
             self._fanout = fan = Fanout(step.owners)  # type: ignore[arg-type]
         self._counts = step.counts
         n_frames = 0
-        for door, writer in fan.writers:
+        for writer in fan.writers:
             n_frames += writer.write(step)
+        for door in fan.doors:
             if not door.dirty:
                 door.dirty = True
                 dirty.append(door)

@@ -201,6 +201,8 @@ class Server:
 class Connection(asyncio.BufferedProtocol):
     """One client connection: decodes frames in place; the frame door of the request path."""
 
+    encoder: Callable[[list[Stream], list[int]], TokenFrames]  # Door.encoder (set below)
+
     def __init__(self, server: Server) -> None:
         self.server = server
         self.path = server.path
@@ -410,9 +412,6 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ the door's writes
 
-    def token_writer(self, streams: list[Stream], rows: list[int]) -> TokenFrames:
-        return TokenFrames(self.out, streams, rows)
-
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         """The stored stream in frames of at most _REPLAY_IDS_PER_FRAME ids; the whole text
         rides on the last one."""
@@ -504,50 +503,69 @@ class Connection(asyncio.BufferedProtocol):
 
 
 class TokenFrames:
-    """The frame door's encoder for its streams in one engine row set (``token_writer``).
+    """The frame door's encoder (``Connection.encoder``) for its streams in one engine row set,
+    whatever their connections.
 
     Streams that want no text get one-id TOKEN frames, prebuilt once (``protocol.token1_frames``)
-    with only the ids filled in per step; streams that want text get a frame per step with
-    their id and text delta (or the text alone when the step produced no id)."""
+    in one array grouped by connection: a step fills in the ids with one numpy call and hands
+    each connection its span of bytes. Streams that want text get a frame per step with their id
+    and text delta (or the text alone when the step produced no id)."""
 
-    __slots__ = ("out", "rows", "n", "frames", "bytes", "text_rows")
+    __slots__ = ("perm", "n", "frames", "spans", "text_rows", "doors")
 
-    def __init__(self, out: FrameBuffer, streams: list[Stream], rows: list[int]) -> None:
-        self.out = out
-        plain = [(i, st.key) for st, i in zip(streams, rows, strict=True) if not st.want_text]
-        self.text_rows = [(i, st.key) for st, i in zip(streams, rows, strict=True) if st.want_text]
-        rows = [i for i, _ in plain]
-        # The rows' ids as they are when they are all of the step's rows, in order; else taken.
-        self.rows = None if rows == list(range(len(rows))) else np.array(rows, np.intp)
-        self.n = len(rows)
-        self.frames = p.token1_frames(np.array([key for _, key in plain], np.int64))
-        self.bytes = memoryview(self.frames.reshape(-1).view(np.uint8))
+    def __init__(self, streams: list[Stream], rows: list[int]) -> None:
+        by_conn: dict[Connection, list[tuple[int, int]]] = {}
+        self.text_rows: list[tuple[int, Stream]] = []
+        for st, i in zip(streams, rows, strict=True):
+            if st.want_text:
+                self.text_rows.append((i, st))
+            else:
+                by_conn.setdefault(st.door, []).append((i, st.key))  # type: ignore[arg-type]
+        order = [i for plain in by_conn.values() for i, _ in plain]
+        keys = [key for plain in by_conn.values() for _, key in plain]
+        self.n = len(order)
+        # The rows' ids as they are when they are the step's first rows, in order; else taken.
+        self.perm = None if order == list(range(self.n)) else np.array(order, np.intp)
+        self.frames = p.token1_frames(np.array(keys, np.int64))
+        view = memoryview(self.frames.reshape(-1).view(np.uint8))
+        self.spans: list[tuple[Connection, int, int, memoryview]] = []
+        start = 0
+        for conn, plain in by_conn.items():
+            end = start + len(plain)
+            size = p.TOKEN1_FRAME_SIZE
+            self.spans.append((conn, start, end, view[start * size : end * size]))
+            start = end
+        self.doors = [conn for conn in by_conn] + [st.door for _, st in self.text_rows]  # type: ignore[misc]
 
     def write(self, step: StepOutput) -> int:
         n = 0
         if self.n:
-            ids = step.tokens if self.rows is None else step.tokens[self.rows]
-            if len(ids) != self.n:  # rows beyond this door's (only when rows is None)
-                ids = ids[: self.n]
+            ids = step.tokens[: self.n] if self.perm is None else step.tokens[self.perm]
+            self.frames[:, p.TOKEN1_ID] = ids
             if step.quiet and (ids == NO_TOKEN).any():  # rows that ended without a token
-                frames = self.frames[ids != NO_TOKEN]
-                frames[:, p.TOKEN1_ID] = ids[ids != NO_TOKEN]
-                self.out.append(memoryview(frames.reshape(-1).view(np.uint8)))
-                n = len(frames)
+                for conn, start, end, _ in self.spans:
+                    keep = ids[start:end] != NO_TOKEN
+                    frames = self.frames[start:end][keep]
+                    conn.out.append(memoryview(frames.reshape(-1).view(np.uint8)))
+                    n += len(frames)
             else:
-                self.frames[:, p.TOKEN1_ID] = ids
-                self.out.append(self.bytes)
-                n = len(ids)
+                for conn, _, _, span in self.spans:
+                    conn.out.append(span)
+                n = self.n
         if self.text_rows:
-            tokens, text, out = step.tokens, step.text, self.out
-            for i, key in self.text_rows:
+            tokens, text = step.tokens, step.text
+            for i, st in self.text_rows:
                 token = int(tokens[i])
                 data = text.get(i, "").encode("utf-8")
+                out = st.door.out  # type: ignore[attr-defined]
                 if token != NO_TOKEN:
-                    out.token(key, (token,), data)
+                    out.token(st.key, (token,), data)
                 elif data:
-                    out.token(key, (), data)
+                    out.token(st.key, (), data)
                 else:
                     continue
                 n += 1
         return n
+
+
+Connection.encoder = TokenFrames

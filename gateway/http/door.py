@@ -4,7 +4,7 @@ For each request: route it (routes.py), check its key (``RequestPath.authenticat
 body into a Request and a Reply (openai.py / anthropic.py), then open it as one Stream with text
 deltas. The path validates, tokenizes, runs the hooks and submits to the engine; its refusals
 come back through this door's ``write_done`` / ``write_error``, the engine's text through its
-encoder (``token_writer``: ``TextDeltas``), and each connection is flushed once per delivery. A
+encoder (``TextDeltas``), and each connection is flushed once per delivery. A
 streamed response's status line goes out with its first event, so a refusal that comes before
 any token is a plain HTTP error with its own status (what the SDKs turn into their exception
 types); one after it is the API's in-stream error event. A client that goes away cancels its
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from gateway.codes import ErrorCode, FinishReason
 from gateway.engine.backend import ModelInfo
@@ -77,6 +78,8 @@ class Exchange:
 
 class ApiConnection(HttpConnection):
     """One HTTP connection: the OpenAI / Anthropic endpoints, and a Door of the request path."""
+
+    encoder: Callable[[list[Stream], list[int]], TextDeltas]  # Door.encoder (set below)
 
     def __init__(self, server: HttpServer, api: HttpApi) -> None:
         super().__init__(server)
@@ -169,9 +172,6 @@ class ApiConnection(HttpConnection):
             self.flush()
 
     # ------------------------------------------------------------------ Door: outputs
-
-    def token_writer(self, streams: list[Stream], rows: list[int]) -> TextDeltas:
-        return TextDeltas(self, streams, rows)
 
     def write_text(self, st: Stream, text: str) -> None:
         """A text delta of ``st``'s answer (an event, or a part of the whole body)."""
@@ -266,19 +266,23 @@ class ApiConnection(HttpConnection):
 
 
 class TextDeltas:
-    """The HTTP door's encoder for its stream(s) in one engine row set: their text deltas.
-    (A token whose bytes end mid-character has no text yet: it comes with a later one.)"""
+    """The HTTP door's encoder (``ApiConnection.encoder``) for its streams in one engine row
+    set: their text deltas. (A token whose bytes end mid-character has no text yet: it comes
+    with a later one.)"""
 
-    __slots__ = ("conn", "rows")
+    __slots__ = ("rows", "doors")
 
-    def __init__(self, conn: ApiConnection, streams: list[Stream], rows: list[int]) -> None:
-        self.conn = conn
+    def __init__(self, streams: list[Stream], rows: list[int]) -> None:
         self.rows = list(zip(rows, streams, strict=True))
+        self.doors = [st.door for st in streams]
 
     def write(self, step: StepOutput) -> int:
         text = step.text
         for i, st in self.rows:
             delta = text.get(i)
             if delta:
-                self.conn.write_text(st, delta)
+                st.door.write_text(st, delta)  # type: ignore[attr-defined]
         return 0  # TOKEN frames written: none
+
+
+ApiConnection.encoder = TextDeltas

@@ -35,9 +35,6 @@ class Door:
         self.endings: list[tuple[int, str, object]] = []  # (key, "done"/"error", detail)
         self.ended: list[int] = []
 
-    def token_writer(self, streams: list[Stream], rows: list[int]) -> Writer:
-        return Writer(self, streams, rows)
-
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         self.tokens.setdefault(st.key, []).extend(ids)
         return 1
@@ -58,15 +55,19 @@ class Door:
 class Writer:
     """The recording door's encoder: each produced id, by stream."""
 
-    def __init__(self, door: Door, streams: list[Stream], rows: list[int]) -> None:
-        self.door, self.rows = door, list(zip(rows, streams, strict=True))
+    def __init__(self, streams: list[Stream], rows: list[int]) -> None:
+        self.rows = list(zip(rows, streams, strict=True))
+        self.doors = [st.door for st in streams]
 
     def write(self, step: StepOutput) -> int:
         for i, st in self.rows:
             token = int(step.tokens[i])
             if token >= 0:
-                self.door.tokens.setdefault(st.key, []).append(token)
+                st.door.tokens.setdefault(st.key, []).append(token)  # type: ignore[attr-defined]
         return 0
+
+
+Door.encoder = Writer  # type: ignore[attr-defined]
 
 
 def make_path(
