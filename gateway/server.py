@@ -1,10 +1,13 @@
 """The frame door: one uvloop listener, one BufferedProtocol per connection.
 
 Owns the rules of docs/protocol.md that need connection state: HELLO/auth, stream ids,
-per-connection stream limits, idle timeout, slow consumers, GOAWAY and drain. Bytes arrive
-straight into each connection's preallocated decoder buffer and are parsed in place; a REQUEST
-becomes a ``protocol.Request`` handed to the shared request path (gateway.lifecycle), which
-calls back this door's ``write_*`` methods. Output goes into the connection's FrameBuffer and
+per-connection stream limits, idle timeout, slow consumers, GOAWAY and the frame side of a drain
+(the request path decides that it drains). Bytes arrive straight into each connection's
+preallocated decoder buffer and are parsed in place; a REQUEST becomes a ``protocol.Request``
+handed to the shared request path (gateway.lifecycle), which calls back this door's ``write_*``
+methods. Engine steps reach the door through its encoder, ``TokenFrames`` (one per engine row
+set): the TOKEN frames of its streams' rows, the ids of streams without text filled into
+prebuilt frames with one numpy call per step. Output goes into the connection's FrameBuffer and
 leaves with one ``transport.write`` per connection per delivery.
 """
 
@@ -17,11 +20,13 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from gateway import protocol as p
 from gateway.codes import FRAMES, ErrorCode, FinishReason, Refusal
 from gateway.config import ServerConfig
 from gateway.engine.backend import ModelInfo
-from gateway.engine.engine import NO_TOKEN
+from gateway.engine.step import NO_TOKEN, StepOutput
 from gateway.framebuf import FrameBuffer
 from gateway.hooks import HookError, Principal
 from gateway.lifecycle import RequestPath, Stream
@@ -55,6 +60,7 @@ class Server:
         self._sweeper: asyncio.Task | None = None
         self._all_closed = asyncio.Event()
         self._conn_ids = itertools.count(1)
+        self._draining = False  # drain() ran
         self.welcome = p.encode_welcome(
             cfg.max_frame_bytes,
             cfg.max_streams_per_connection,
@@ -102,10 +108,12 @@ class Server:
         return next(self._conn_ids)
 
     async def drain(self) -> None:
-        """Stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
-        if self.path.draining:
+        """The frame side of a drain (the request path drains from now on, for every door):
+        stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
+        self.path.start_draining()
+        if self._draining:
             return
-        self.path.draining = True
+        self._draining = True
         log.info("draining: %d connections", len(self.connections))
         if self._server is not None:
             self._server.close()
@@ -192,6 +200,8 @@ class Server:
 
 class Connection(asyncio.BufferedProtocol):
     """One client connection: decodes frames in place; the frame door of the request path."""
+
+    encoder: Callable[[list[Stream], list[int]], TokenFrames]  # Door.encoder (set below)
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -405,18 +415,6 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ the door's writes
 
-    def write_token(self, st: Stream, token: int, text: str) -> int:
-        data = text.encode("utf-8") if (text and st.want_text) else b""
-        if token == NO_TOKEN:
-            if not data:
-                return 0
-            self.out.token(st.key, (), data)
-        elif data:
-            self.out.token(st.key, (token,), data)
-        else:
-            self.out.token1(st.key, token)
-        return 1
-
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         """The stored stream in frames of at most _REPLAY_IDS_PER_FRAME ids; the whole text
         rides on the last one."""
@@ -446,9 +444,6 @@ class Connection(asyncio.BufferedProtocol):
             self.connection_error(code, message)
             return
         self._queue_frame(p.encode_error(st.key, code, message, retry_after_ms), "ERROR")
-
-    def write_frames(self, frames: memoryview) -> None:
-        self.out.append(frames)
 
     def stream_ended(self, st: Stream) -> None:
         if self.streams.get(st.key) is st:
@@ -508,3 +503,72 @@ class Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
         self.server.connection_gone(self)  # counts and memory are released now, not at EOF
+
+
+class TokenFrames:
+    """The frame door's encoder (``Connection.encoder``) for its streams in one engine row set,
+    whatever their connections.
+
+    Streams that want no text get one-id TOKEN frames, prebuilt once (``protocol.token1_frames``)
+    in one array grouped by connection: a step fills in the ids with one numpy call and hands
+    each connection its span of bytes. Streams that want text get a frame per step with their id
+    and text delta (or the text alone when the step produced no id)."""
+
+    __slots__ = ("perm", "n", "frames", "spans", "text_rows", "doors")
+
+    def __init__(self, streams: list[Stream], rows: list[int]) -> None:
+        by_conn: dict[Connection, list[tuple[int, int]]] = {}
+        self.text_rows: list[tuple[int, Stream]] = []
+        for st, i in zip(streams, rows, strict=True):
+            if st.want_text:
+                self.text_rows.append((i, st))
+            else:
+                by_conn.setdefault(st.door, []).append((i, st.key))  # type: ignore[arg-type]
+        order = [i for plain in by_conn.values() for i, _ in plain]
+        keys = [key for plain in by_conn.values() for _, key in plain]
+        self.n = len(order)
+        # The rows' ids as they are when they are the step's first rows, in order; else taken.
+        self.perm = None if order == list(range(self.n)) else np.array(order, np.intp)
+        self.frames = p.token1_frames(np.array(keys, np.int64))
+        view = memoryview(self.frames.reshape(-1).view(np.uint8))
+        self.spans: list[tuple[Connection, int, int, memoryview]] = []
+        start = 0
+        for conn, plain in by_conn.items():
+            end = start + len(plain)
+            size = p.TOKEN1_FRAME_SIZE
+            self.spans.append((conn, start, end, view[start * size : end * size]))
+            start = end
+        self.doors = [conn for conn in by_conn] + [st.door for _, st in self.text_rows]  # type: ignore[misc]
+
+    def write(self, step: StepOutput) -> int:
+        n = 0
+        if self.n:
+            ids = step.tokens[: self.n] if self.perm is None else step.tokens[self.perm]
+            self.frames[:, p.TOKEN1_ID] = ids
+            if step.quiet and (ids == NO_TOKEN).any():  # rows that ended without a token
+                for conn, start, end, _ in self.spans:
+                    keep = ids[start:end] != NO_TOKEN
+                    frames = self.frames[start:end][keep]
+                    conn.out.append(memoryview(frames.reshape(-1).view(np.uint8)))
+                    n += len(frames)
+            else:
+                for conn, _, _, span in self.spans:
+                    conn.out.append(span)
+                n = self.n
+        if self.text_rows:
+            tokens, text = step.tokens, step.text
+            for i, st in self.text_rows:
+                token = int(tokens[i])
+                data = text.get(i, "").encode("utf-8")
+                out = st.door.out  # type: ignore[attr-defined]
+                if token != NO_TOKEN:
+                    out.token(st.key, (token,), data)
+                elif data:
+                    out.token(st.key, (), data)
+                else:
+                    continue
+                n += 1
+        return n
+
+
+Connection.encoder = TokenFrames
