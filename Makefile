@@ -31,7 +31,7 @@ compiler:
 test: $(STAMP) redis compiler
 	$(BIN)/python -m pytest -q
 
-test-unit: $(STAMP) compiler
+test-unit: $(STAMP) redis compiler
 	$(BIN)/python -m pytest -q tests/unit
 
 # Benchmarks print only unless given --write; this target updates the tracked results and docs.

@@ -72,7 +72,7 @@ from benchmarks._report import cpu_seconds, machine, machine_line, parser, publi
 from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
 from gateway.models.gguf_blocks import BLOCKS_FILE  # noqa: E402
 from kernels import qmatmul  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
+from tests.support.daemon import ROOT, Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
 STATIC_BATCH = 32
@@ -339,9 +339,11 @@ def run_daemon(
     prompts: list[list[int]],
     streams_list: list[int] | None = None,
     quantized: bool = True,
+    root: Path = ROOT,
 ) -> dict[str, Any]:
     """The daemon at each concurrency of ``streams_list`` (default ``--streams``);
-    ``quantized`` False turns model.quantized_decode off (dense weights only)."""
+    ``quantized`` False turns model.quantized_decode off (dense weights only); ``root``: the
+    source tree the daemon runs (benchmarks/guard.py: a baseline checkout)."""
     env = {
         "ENGINE__BACKEND": "cpu",
         "ENGINE__MAX_BATCH_SIZE": str(max(STATIC_BATCH, *args.streams)),
@@ -356,7 +358,7 @@ def run_daemon(
         env["ENGINE__THREADS"] = str(args.threads)
     env.update({f"MODEL__{k.upper()}": v for k, v in model_source(args, directory).items()})
     results: dict[str, Any] = {}
-    with Daemon(env) as daemon:
+    with Daemon(env, root=root) as daemon:
         pid = daemon.proc.pid
         # Warm-up: allocator, thread pools, every attention length the runs will use.
         asyncio.run(drive_daemon(daemon.port, prompts[:STATIC_BATCH], STATIC_BATCH, args.tokens))

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -78,8 +79,10 @@ WELCOME = p.encode_welcome(1 << 24, 1024, VOCAB, -1, 4096, "floor")
 # --------------------------------------------------------------------------- floor servers
 
 
+@functools.lru_cache(maxsize=4096)
 def _token(stream: int) -> bytes:
-    return struct.pack("<IBBHIHHi", 8, 2, 0, 0, stream, 1, 0, 97)
+    """A one-id TOKEN frame (the codec's layout), made once per stream id."""
+    return p.encode_token(stream, [97])
 
 
 def _done(stream: int, sent: int) -> bytes:
@@ -901,13 +904,12 @@ STEP_KINDS = ("admitting", "ending", "steady")
 # Parts of a steady step that engine_step_cost(skip=...) leaves out of every other step: the
 # engine's attribute, and what stands in for it (given the real one and the call's arguments).
 ABLATIONS: dict[str, tuple[str, Callable[..., object]]] = {
-    # A step with outputs still hands them over (they end sequences): only a column is dropped.
+    # A step that ends sequences still hands them over: only steps of tokens alone are dropped.
     "hand-off to the event loop": (
         "_deliver",
-        lambda real, out, col: real(out, col) if out else None,
+        lambda real, step: real(step) if step.finished else None,
     ),
     "step metrics": ("_report", lambda real, *args: None),
-    "EOS check": ("_any_eos", lambda real, sampled: False),
 }
 NOTHING = "nothing"  # skip=NOTHING: steps split by turns as for a part, none left out
 
@@ -936,8 +938,8 @@ def engine_step_cost(
     ended = [0]
 
     def consume(steps) -> None:  # noqa: ANN001 - on the event loop
-        for outputs, _ in steps:
-            ended[0] += sum(1 for o in outputs if o[3] >= 0)
+        for step in steps:
+            ended[0] += len(step.finished)
         if ended[0] >= streams:
             finished.set()
 
@@ -971,14 +973,14 @@ def engine_step_cost(
     kinds: dict[str, list[int]] = {kind: [] for kind in STEP_KINDS}
     steady_by_skip: dict[bool, list[int]] = {False: [], True: []}
     last_end = [0]
-    step_columns = engine.step_columns
+    real_step = engine.step
 
-    def timed_step():  # noqa: ANN202 - on the engine thread, in place of step_columns
+    def timed_step():  # noqa: ANN202 - on the engine thread, in place of step
         admitting = bool(engine._inbox or engine._waiting or engine._prefilling)
-        outputs, column = step_columns()
+        out = real_step()
         now = time.thread_time_ns()
         if last_end[0]:
-            ending = any(o[3] >= 0 for o in outputs)
+            ending = bool(out.finished)
             kind = "admitting" if admitting else "ending" if ending else "steady"
             kinds[kind].append(now - last_end[0])
             if kind == "steady":
@@ -987,9 +989,9 @@ def engine_step_cost(
         # The next step's turn; this step's hand-off comes after this, so it counts (in time
         # and in being skipped) with the next step, as it does in that step's interval.
         skipping[0] = skip is not None and not skipping[0]
-        return outputs, column
+        return out
 
-    engine.step_columns = timed_step  # type: ignore[method-assign]
+    engine.step = timed_step  # type: ignore[method-assign]
     engine.start()
     try:
         time.sleep(0.1)

@@ -33,10 +33,12 @@ import uvloop
 
 from gateway import wrong_door
 from gateway.config import ConfigError, Settings, changed_keys, load_settings, with_values
+from gateway.engine.backend import ModelInfo
 from gateway.engine.compute import ComputeThread
-from gateway.engine.engine import Engine, Output, TokenColumn
+from gateway.engine.engine import Engine
 from gateway.engine.factory import build_backend, build_prefix_store
 from gateway.engine.outbox import Outbox
+from gateway.engine.step import StepOutput
 from gateway.hooks import Chain
 from gateway.http.door import HttpApi
 from gateway.http.server import HttpServer
@@ -198,16 +200,47 @@ async def _serve(settings: Settings, config_path: str | None = None) -> None:
         listeners.close()
 
 
-async def _start_and_serve(
-    settings: Settings,
-    config_path: str | None,
-    loop: asyncio.AbstractEventLoop,
-    metrics: Metrics,
-    health: Health,
-    listeners: Listeners,
-    tls: ServerTLS | None,
-    api_tls: ServerTLS | None = None,
-) -> None:
+class StepSink:
+    """The engine's ``deliver``, on the engine thread after every step: sets the occupancy
+    gauges (exact then: admissions and endings are in; set only when they change, since a
+    Gauge.set takes a lock and a steady decode step changes nothing), then hands the step to
+    the outbox."""
+
+    def __init__(self, outbox: Outbox, metrics: Metrics, slots: int) -> None:
+        self.outbox = outbox
+        self.metrics = metrics
+        self.slots = slots
+        self.engine: Engine | None = None  # set once the engine is built
+        self._shown = (-1, -1, -1)
+
+    def __call__(self, step: StepOutput) -> None:
+        engine = self.engine
+        assert engine is not None
+        now = (engine.running, engine.waiting, engine.slots_used)
+        if now != self._shown:
+            self._shown = now
+            self.metrics.set_queue(*now, self.slots)
+        self.outbox.put(step)
+
+
+@dataclass
+class Parts:
+    """What one daemon runs, built by ``_build`` before anything is served."""
+
+    compute: ComputeThread
+    info: ModelInfo
+    prompts: PromptRegistry
+    chain: Chain
+    outbox: Outbox
+    engine: Engine
+    path: RequestPath
+    server: Server
+    api_server: HttpServer | None
+    stores: list[StorePing]
+
+
+def _build(settings: Settings, metrics: Metrics, health: Health, listeners: Listeners) -> Parts:
+    """Load the model, compile the registered prompts, build hooks, engine, path and doors."""
     health.starting("loading model")
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
     # engine loop (see gateway.engine.compute for why one thread).
@@ -217,48 +250,33 @@ async def _start_and_serve(
     # loop owns the backend; its KV is pinned in the prefix store. An invalid prompt stops
     # start-up, named (PromptConfigError).
     health.starting("compiling prompts")
+    ecfg = settings.engine
     prompts = PromptRegistry.build(
         settings.prompts,
         tokenizer,
-        max_prefix_tokens=settings.engine.max_prefix_tokens,
-        budget_bytes=settings.engine.prefix_budget_bytes,
+        max_prefix_tokens=ecfg.max_prefix_tokens,
+        budget_bytes=ecfg.prefix_budget_bytes,
     )
     store = build_prefix_store(settings, backend, metrics, registered=len(prompts))
     compute.call(
-        lambda: prompts.compile(
-            store, chunk=settings.engine.prefill_chunk, backend_name=settings.engine.backend
-        )
+        lambda: prompts.compile(store, chunk=ecfg.prefill_chunk, backend_name=ecfg.backend)
     )
     health.starting("starting hooks")
     chain = Chain.build(settings)
     outbox = Outbox()  # engine thread → event loop
-    slots = backend.num_slots
-
-    occupancy = [(-1, -1, -1)]  # what the gauges show
-
-    def deliver(outputs: list[Output], column: TokenColumn | None) -> None:
-        # On the engine thread after every step (admissions and finished sequences are in):
-        # the occupancy gauges are exact, and set only when they change (a Gauge.set takes a
-        # lock; a steady decode step changes nothing).
-        now = (engine.running, engine.waiting, engine.slots_used)
-        if now != occupancy[0]:
-            occupancy[0] = now
-            metrics.set_queue(*now, slots)
-        outbox.put(outputs, column)
-
+    sink = StepSink(outbox, metrics, backend.num_slots)
     engine = Engine(
         backend,
         tokenizer,
-        deliver,
-        max_queue=settings.engine.max_queue,
-        max_step_tokens=settings.engine.max_step_tokens,
-        prefill_chunk=settings.engine.prefill_chunk,
+        sink,
+        max_queue=ecfg.max_queue,
+        max_step_tokens=ecfg.max_step_tokens,
+        prefill_chunk=ecfg.prefill_chunk,
         on_step=metrics.engine_step,
         prefix_store=store,
     )
-    inputs = InputProcessor(tokenizer, backend.info, prompts)
-    path = RequestPath(engine, inputs, chain, metrics)
-    outbox.attach(loop, path.outputs.deliver)
+    sink.engine = engine
+    path = RequestPath(engine, InputProcessor(tokenizer, backend.info, prompts), chain, metrics)
     server = Server(settings.server, path, backend.info, metrics)
     api_server = None  # the HTTP front end: another door onto the same request path
     if listeners.api is not None:
@@ -269,77 +287,123 @@ async def _start_and_serve(
             metrics,
         )
         api_server.socket_options = settings.server
-    http = listeners.http
     server.wrong_door = functools.partial(
         _wrong_door,
         max_frame_bytes=settings.server.max_frame_bytes,
         http_port=listeners.api.getsockname()[1] if listeners.api is not None else None,
-        metrics_port=http.port if http else None,
+        metrics_port=listeners.http.port if listeners.http else None,
     )
+    stores = required_stores(settings)
+    return Parts(
+        compute, backend.info, prompts, chain, outbox, engine, path, server, api_server, stores
+    )
+
+
+def _watch(parts: Parts, health: Health) -> Callable[[], bool]:
+    """Liveness and readiness checks; returns the engine's liveness test."""
+    engine = parts.engine
 
     def engine_alive() -> bool:
         return engine.alive and time.monotonic() - engine.last_beat < ENGINE_STALE_S
 
     health.add_liveness(lambda: None if engine_alive() else "engine not stepping")
-    health.add_readiness(lambda: "draining" if server.draining else None)
-    stores = required_stores(settings)
-    for store in stores:
+    health.add_readiness(lambda: "draining" if parts.path.draining else None)
+    for store in parts.stores:
         health.add_readiness(store.check)
         store.start()
+    return engine_alive
 
-    engine.start(compute)
-    cfg = settings.server
-    await server.start(listeners.frame, ssl=tls.context if tls else None)
-    if api_server is not None:
-        await api_server.start(listeners.api, ssl=api_tls.context if api_tls else None)
-    if http is not None:
-        http.prompts = prompts.describe
+
+async def _open_doors(
+    parts: Parts,
+    loop: asyncio.AbstractEventLoop,
+    listeners: Listeners,
+    tls: ServerTLS | None,
+    api_tls: ServerTLS | None,
+) -> None:
+    """Start the engine loop and its delivery, then accept on every door."""
+    parts.outbox.attach(loop, parts.path.deliver)
+    parts.engine.start(parts.compute)
+    await parts.server.start(listeners.frame, ssl=tls.context if tls else None)
+    if parts.api_server is not None:
+        await parts.api_server.start(listeners.api, ssl=api_tls.context if api_tls else None)
+    if listeners.http is not None:
+        listeners.http.prompts = parts.prompts.describe
+
+
+def _announce(settings: Settings, parts: Parts, listeners: Listeners, tls: object) -> None:
+    """One machine-readable line, whatever the log level: tests and scripts wait for it to learn
+    the bound ports (plain: "zerolayer: listening frame=H:P metrics=H:P ...", or JSON)."""
+    http, api_server = listeners.http, parts.api_server
+    announce(
+        "zerolayer",
+        "listening",
+        frame=f"{settings.server.host}:{parts.server.port}",
+        http=f"{settings.http.host}:{api_server.port}" if api_server else "off",
+        metrics=f"{http.host}:{http.port}" if http else "off",
+        model=parts.info.name,
+        backend=settings.engine.backend,
+        hooks=",".join(parts.chain.names),
+        tls="on" if tls else "off",
+    )
+
+
+async def _shutdown(parts: Parts, settings: Settings, loop: asyncio.AbstractEventLoop) -> None:
+    """Drain every door (the request path refuses new requests first), then stop the hooks'
+    tasks, the outbox, the engine thread and the stores."""
+    parts.path.start_draining()
+    drains = [parts.server.drain()]
+    if parts.api_server is not None:
+        drains.append(parts.api_server.drain(settings.server.drain_timeout_s))
+    await asyncio.gather(*drains)
+    await parts.path.aclose()
+    parts.outbox.close()  # the engine thread must not wait for a loop that no longer delivers
+    await loop.run_in_executor(None, parts.engine.stop)  # joins the engine thread off the loop
+    await parts.chain.aclose()
+    for store in parts.stores:
+        store.close()
+
+
+async def _start_and_serve(
+    settings: Settings,
+    config_path: str | None,
+    loop: asyncio.AbstractEventLoop,
+    metrics: Metrics,
+    health: Health,
+    listeners: Listeners,
+    tls: ServerTLS | None,
+    api_tls: ServerTLS | None = None,
+) -> None:
+    parts = _build(settings, metrics, health, listeners)
+    engine_alive = _watch(parts, health)
+    await _open_doors(parts, loop, listeners, tls, api_tls)
+    mcfg = settings.metrics
     monitor = start_neuron_monitor(
-        settings.metrics.neuron_monitor,
+        mcfg.neuron_monitor,
         metrics.registry,
-        settings.metrics.neuron_monitor_path,
-        settings.metrics.neuron_monitor_config or None,
+        mcfg.neuron_monitor_path,
+        mcfg.neuron_monitor_config or None,
     )
     notifier = Notifier(alive=engine_alive)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     reloadable = [t for t in (tls, api_tls) if t is not None]
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup, chain, reloadable, [settings], config_path)
-    health.serving()
-    info = backend.info
-    # One machine-readable line, whatever the log level: tests and scripts wait for it to learn
-    # the bound ports (plain: "zerolayer: listening frame=H:P metrics=H:P ...", or JSON).
-    announce(
-        "zerolayer",
-        "listening",
-        frame=f"{cfg.host}:{server.port}",
-        http=f"{settings.http.host}:{api_server.port}" if api_server else "off",
-        metrics=f"{http.host}:{http.port}" if http else "off",
-        model=info.name,
-        backend=settings.engine.backend,
-        hooks=",".join(chain.names),
-        tls="on" if tls else "off",
+    loop.add_signal_handler(
+        signal.SIGHUP, _on_sighup, parts.chain, reloadable, [settings], config_path
     )
+    health.serving()
+    _announce(settings, parts, listeners, tls)
     # Everything built so far lives as long as the process: keep the cyclic garbage collector
     # from scanning it again and again while tokens stream.
     gc.collect()
     gc.freeze()
-    notifier.ready(f"serving {info.name} on {cfg.host}:{server.port}")
+    notifier.ready(f"serving {parts.info.name} on {settings.server.host}:{parts.server.port}")
     notifier.start_watchdog()
     await stop.wait()
     log.info("signal received, draining")
     notifier.stopping("draining")
-    if api_server is None:
-        await server.drain()
-    else:  # in this order: the frame drain marks the request path as draining first
-        await asyncio.gather(server.drain(), api_server.drain(cfg.drain_timeout_s))
-    await path.aclose()
-    outbox.close()  # the engine thread must not wait for a loop that no longer delivers
-    await loop.run_in_executor(None, engine.stop)  # joins the engine thread off the loop
-    await chain.aclose()
-    for store in stores:
-        store.close()
+    await _shutdown(parts, settings, loop)
     if monitor is not None:
         monitor.close()
     notifier.close()

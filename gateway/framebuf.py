@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from gateway import protocol as p
 
-_pack_token1 = p.TOKEN1_FRAME.pack_into
-_TOKEN = int(p.FrameType.TOKEN)
+_pack_token1 = p.pack_token1_into
 _TOKEN1_SIZE = p.TOKEN1_FRAME_SIZE
 _DONE_SIZE = p.DONE_FRAME_SIZE
 
@@ -44,8 +43,7 @@ class FrameBuffer:
         off = self._len
         if off + _TOKEN1_SIZE > len(self._buf):
             self._reserve(_TOKEN1_SIZE)
-        _pack_token1(self._buf, off, 8, _TOKEN, 0, 0, stream, 1, 0, token)
-        self._len = off + _TOKEN1_SIZE
+        self._len = _pack_token1(self._buf, off, stream, token, b"")
 
     def token(self, stream: int, ids: list[int] | tuple[int, ...], text: bytes = b"") -> None:
         """One TOKEN frame with any number of ids and an optional text delta."""
@@ -81,7 +79,7 @@ class FrameBuffer:
         self._len += n
 
     def append(self, frames: memoryview) -> None:
-        """Frames encoded elsewhere (a columnar step's TOKEN frames), appended as they are."""
+        """Frames encoded elsewhere (an engine step's prebuilt TOKEN frames), as they are."""
         n = len(frames)
         end = self._len + n
         if end > len(self._buf):

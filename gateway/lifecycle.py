@@ -4,7 +4,8 @@ A door (the frame server's Connection, the HTTP front end) parses its own wire f
 ``protocol.Request`` and hands it to ``RequestPath.open``; from there the path is the same for
 every door: validate and tokenize (gateway.inputs) → hook chain (auth, rate limit, response
 cache; sync or async) → engine, or a replay of a cached answer. A door only writes: the path
-calls its ``Door`` methods with each token, the DONE record or the ERROR.
+calls its ``Door`` methods with the DONE record or the ERROR, and the output processor writes
+the engine's tokens through the door's own encoder (``Door.token_writer``).
 
 One state per stream, moved only here (``Phase``: NEW → HOOKS → ENGINE → ENDED), and one
 function that ends a stream, ``_end``: whatever ends it (the engine, a refusal, CANCEL, a
@@ -12,18 +13,20 @@ disconnect, a slow consumer, the drain deadline, a failure anywhere on the path)
 it, so each of these holds by construction:
 - a stream ends exactly once: a second end, or an engine output for an ended stream, is dropped;
 - the door writes exactly one DONE or ERROR (none when the door itself is gone);
-- the output processor's counts are settled before DONE and its cached column plan forgets the
-  stream;
+- the stream's token count is final before DONE (the output processor's ``ended``), and no
+  later engine step writes to it;
 - the engine is told to cancel a sequence that is still running;
 - the hooks get exactly one of on_refused (from the chain) or on_done; when async hooks are still
   running, on_done comes after them;
 - the rate-limit charge follows one policy (``charged_prompt_tokens``);
 - metrics and the request log see every ending once.
+
+The path also owns draining, for every door: ``start_draining`` refuses new requests from then
+on, and each door reads ``draining`` to say so in its own wire format.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import enum
 import logging
@@ -35,11 +38,12 @@ import numpy as np
 from gateway import protocol as p
 from gateway.codes import COMPLETE_REASONS, FINISH_BY_VALUE, FINISH_LABELS, ErrorCode, FinishReason
 from gateway.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
+from gateway.engine.step import FINISH_ERROR, StepOutput
 from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
 from gateway.inputs import InputProcessor, RequestRefused
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
-from gateway.outputs import OutputProcessor
+from gateway.outputs import OutputProcessor, TokenWriter
 
 log = logging.getLogger("zerolayer.requests")
 
@@ -56,7 +60,6 @@ class Phase(enum.IntEnum):
 # The phases as module names: read on every request, and an IntEnum's class attribute lookup
 # costs several times a global's.
 NEW, HOOKS, ENGINE, ENDED = Phase
-RECORD_TYPE = "i"  # array.array's int32 (a C int: 4 bytes wherever CPython runs)
 _ERROR = FinishReason.ERROR
 
 
@@ -67,8 +70,9 @@ class Door(Protocol):
     dirty: bool  # has unwritten output; the output processor flushes it after a delivery
     label: str  # names the door in logs ("7" for frame connection 7)
 
-    def write_token(self, st: Stream, token: int, text: str) -> int:
-        """One sampled token (or, with token -1, text alone); returns TOKEN frames written."""
+    def token_writer(self, streams: list[Stream], rows: list[int]) -> TokenWriter:
+        """The door's encoder for its ``streams``, rows ``rows`` of an engine row set: it
+        writes each step's ids and text for them (see gateway.outputs)."""
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         """A whole answer replayed from the response cache; returns TOKEN frames written."""
@@ -81,11 +85,6 @@ class Door(Protocol):
     def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
         """The stream ended in an error."""
 
-    def write_frames(self, frames: memoryview) -> None:
-        """Encoded one-id TOKEN frames of a columnar step, for this door's streams (the output
-        processor's ColumnPlan): only streams that take ids without text are columnar, and
-        only the frame door serves those."""
-
     def stream_ended(self, st: Stream) -> None:
         """After the ending was written: forget the stream (and close when draining)."""
 
@@ -97,8 +96,8 @@ class Stream:
     """One request in flight, whatever its door. Its phase moves only through RequestPath."""
 
     __slots__ = ("door", "key", "api", "phase", "seq", "ctx", "t_recv", "t_first", "n_ids",
-                 "prompt_tokens", "cache_bits", "want_text", "rec_ids", "rec_text", "full_ids",
-                 "finish", "from_cache", "state", "ended")  # fmt: skip
+                 "prompt_tokens", "cache_bits", "want_text", "record", "rec_ids", "rec_text",
+                 "full_ids", "finish", "from_cache", "state", "ended")  # fmt: skip
 
     def __init__(self, door: Door, key: int, api: str, want_text: bool = False) -> None:
         self.door = door
@@ -110,14 +109,14 @@ class Stream:
         self.ctx: RequestContext | None = None  # while on_done is still owed to the hooks
         self.t_recv = _perf()
         self.t_first = 0.0
-        self.n_ids = 0  # tokens sent (settled by the output processor before anyone reads it)
+        self.n_ids = 0  # tokens sent: final once ENDED (set by the output processor)
         self.prompt_tokens = 0
         self.cache_bits = 0
         self.want_text = want_text
-        # The stream's ids, recorded for the response cache as int32 (RECORD_TYPE): the whole
-        # recording becomes the cache's array in one copy, where a list of ints would be
-        # converted id by id.
-        self.rec_ids: array.array[int] | None = None
+        # Recorded for the response cache: the ids (the engine's, whole, when it ends the
+        # sequence) and the text deltas as they come (None: decoded from the ids at the end).
+        self.record = False
+        self.rec_ids: np.ndarray | None = None
         self.rec_text: list[str] | None = None
         self.full_ids: np.ndarray | None = None  # the whole prompt, a registered one's ids included
         self.finish = _ERROR  # how it ended, once ENDED
@@ -135,7 +134,7 @@ def charged_prompt_tokens(st: Stream) -> int:
     seq = st.seq
     if seq is None:
         return 0
-    return st.prompt_tokens if (seq.prefilled > 0 or seq.generated > 0) else 0
+    return st.prompt_tokens if seq.prefilled > 0 else 0
 
 
 class RequestPath:
@@ -155,7 +154,7 @@ class RequestPath:
         self.metrics = metrics
         self.model = inputs.info.name
         self._decode = tokenizer_decode or inputs.tokenizer.decode
-        self.outputs = OutputProcessor(self, metrics)
+        self.outputs = OutputProcessor(metrics)
         self.draining = False
         self.hook_tasks: set[asyncio.Task] = set()  # async on_request hooks in flight
         self._per_request_hooks = chain.per_request
@@ -186,7 +185,7 @@ class RequestPath:
         # text deltas when the engine produces them anyway; otherwise the text is decoded once
         # at the end rather than per token.
         if self._records and prep.deterministic:
-            st.rec_ids = array.array(RECORD_TYPE)
+            st.record = True
             st.rec_text = [] if prep.detokenizer is not None else None
         st.seq = Sequence(
             st, prep.prompt, prep.max_tokens, prep.sampling, prep.stop_ids, prep.stop_sequences,
@@ -234,15 +233,34 @@ class RequestPath:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    # ---- the output processor calls this ----------------------------------------------------
+    def start_draining(self) -> None:
+        """From now on every door refuses new requests (SHUTTING_DOWN); streams in flight go
+        on. Each door then closes its connections as their streams end."""
+        self.draining = True
 
-    def finished(self, st: Stream, finish: int, t_admit: float) -> None:
-        """The engine ended the sequence (its last output)."""
-        if finish == _ERROR:
-            self._end(st, _ERROR, (ErrorCode.INTERNAL, "the model backend failed", 0),
-                      t_admit=t_admit, from_engine=True)  # fmt: skip
-        else:
-            self._end(st, FINISH_BY_VALUE[finish], t_admit=t_admit, from_engine=True)
+    # ---- the engine's steps ----------------------------------------------------------------
+
+    def deliver(self, steps: list[StepOutput]) -> None:
+        """A batch of engine steps (the Outbox's consumer): the output processor writes them,
+        the streams the engine finished end here, then every door written to is flushed."""
+        dirty: list[Door] = []
+        for owner, finish, t_admit, count, ids in self.outputs.write(steps, dirty):
+            st: Stream = owner  # type: ignore[assignment]
+            if st.ended:  # cancelled, disconnected, ...: its engine ending is dropped
+                continue
+            if st.record:
+                st.rec_ids = ids
+            if finish == FINISH_ERROR:
+                error = (ErrorCode.INTERNAL, "the model backend failed", 0)
+                self._end(st, _ERROR, error, t_admit=t_admit, count=count)
+            else:
+                self._end(st, FINISH_BY_VALUE[finish], t_admit=t_admit, count=count)
+            door = st.door
+            if not door.dirty and door.open:
+                door.dirty = True
+                dirty.append(door)
+        for door in dirty:
+            door.flush()
 
     # ---- the path ---------------------------------------------------------------------------
 
@@ -317,15 +335,11 @@ class RequestPath:
         """Answer from the response cache: the stored stream, then DONE with cache bit 0."""
         st.phase = ENGINE
         self.metrics.response_cache_hit()
-        ids = cached.token_ids.tolist()
-        frames = st.door.write_cached(st, ids, cached.text)
-        self.metrics.frames_out_token.inc(frames)
-        st.n_ids = len(ids)
-        st.t_first = _perf()
+        self.outputs.replay(st, cached.token_ids.tolist(), cached.text)
+        st.from_cache = True
         st.cache_bits = p.CACHE_RESPONSE  # replayed: no precompiled KV was used either
         st.prompt_tokens = cached.prompt_tokens
-        st.from_cache = True
-        st.rec_ids = st.rec_text = None  # nothing to record: it came from the cache
+        st.record, st.rec_text = False, None  # nothing to record: it came from the cache
         self._end(st, FinishReason(cached.finish_reason))
 
     # ---- the one end of a stream -------------------------------------------------------------
@@ -337,8 +351,10 @@ class RequestPath:
         error: tuple[ErrorCode, str, int] | None = None,
         *,
         t_admit: float = 0.0,
-        from_engine: bool = False,
+        count: int | None = None,
     ) -> None:
+        """End ``st``: ``count`` is its token count when the engine ended it (None: anything
+        else ended it, and the engine is told to cancel its sequence)."""
         if st.phase is ENDED:
             return
         hooks_running = st.phase is HOOKS
@@ -346,8 +362,8 @@ class RequestPath:
         st.phase = ENDED
         st.ended = True
         st.finish = finish
-        self.outputs.stream_ended(st)  # settles st.n_ids / recordings, forgets cached plans
-        if in_engine and not from_engine:
+        self.outputs.ended(st, count)  # st.n_ids is final from here
+        if in_engine and count is None:
             self.engine.cancel(st.seq)  # type: ignore[arg-type]
         door = st.door
         now = _perf()
@@ -405,8 +421,7 @@ class RequestPath:
             return
         ids = text = None
         if st.rec_ids is not None and st.finish in COMPLETE_REASONS:
-            ids = np.frombuffer(st.rec_ids, np.int32)  # a view: the stream records no more
-            ids.flags.writeable = False  # as Completion promises
+            ids = st.rec_ids  # read-only, as Completion promises
             text = (
                 "".join(st.rec_text)
                 if st.rec_text is not None

@@ -1,182 +1,129 @@
-"""The output processor: the only place that loops over engine outputs.
+"""The output processor: the only place that reads engine steps, and where a stream's counts live.
 
-It runs on the event loop with each batch of engine steps (gateway.engine.outbox) and routes every
-output to its stream's door: tokens and text deltas to ``Door.write_token``, the last output of a
-sequence to ``RequestPath.finished`` (which ends the stream). Outputs of a stream that already
-ended (cancelled, disconnected) are dropped by looking at the stream, not by a counter.
+It runs on the event loop with each batch of engine steps (gateway.engine.outbox). A step's rows
+go to their doors through each door's token writer (``Door.token_writer``: the door's own
+encoder, e.g. the frame door's batched TOKEN frames), made once per engine row set: a
+``Fanout`` groups the rows by door and is rebuilt only when the step's ``owners`` list is a
+new one (the engine keeps it while the rows stay the same). ``write`` returns the sequences
+the engine finished; the request path ends their streams (the processor never calls it).
 
-A columnar step (TokenColumn: one token for each plain decode row) is written through a
-``ColumnPlan`` built once per row set (``TokenColumn.version``). Its rows are streams that take
-ids without text, which only the frame door serves, so the plan holds their TOKEN frames in one
-array, grouped by door: a step fills in the ids (one numpy call) and hands each door its span of
-bytes (``Door.write_frames``). The rows' streams are not touched per step: ``settle`` brings
-their token counts and response-cache recordings up to date, and the request path calls
-``stream_ended`` (which settles, and drops the plan when the stream is one of its rows) before
-it reads a stream's counts.
+A stream's counts change only here. Its token count is set once, when it ends (``ended``):
+the engine's count from its ending, or, when something else ends it, the count of the last
+step delivered to its door (the engine counts tokens by row: no counter per token, nothing to
+settle). The text recorded for the response cache and the time of the first token are written
+per step (the ids come whole with the engine's ending).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from gateway import protocol as p
-from gateway.engine.engine import NO_TOKEN, NOT_FINISHED, Output, TokenColumn
-from gateway.engine.outbox import Step
+from gateway.engine.step import Finished, StepOutput
 from gateway.ops.metrics import Metrics
 
 if TYPE_CHECKING:
-    from gateway.lifecycle import Door, RequestPath, Stream
+    from gateway.lifecycle import Door, Stream
 
 _perf = time.perf_counter
-_FRAME, _ID = p.TOKEN1_FRAME_SIZE, p.TOKEN1_ID  # a one-id TOKEN frame: its bytes, its id's word
 
 
-class ColumnPlan:
-    """The TOKEN frames of one engine row set's columnar steps, grouped by door; valid while
-    that set is."""
+class TokenWriter(Protocol):
+    """A door's encoder for one engine row set (``Door.token_writer``)."""
 
-    __slots__ = ("version", "perm", "frames", "spans", "streams", "members", "recording",
-                 "held", "steps")  # fmt: skip
+    def write(self, step: StepOutput) -> int:
+        """Write this step's tokens and text for the writer's rows; returns TOKEN frames."""
 
-    def __init__(self, version: int, owners: list[Stream]) -> None:
-        self.version = version
-        rows_by_door: dict[Door, list[int]] = {}
+
+class Fanout:
+    """One engine row set's rows by door, each door's writer, the rows whose text is recorded
+    for the response cache, and the streams (live when it was built)."""
+
+    __slots__ = ("owners", "writers", "row_of", "recording", "stale")
+
+    def __init__(self, owners: list[Stream]) -> None:
+        self.owners = owners
+        self.stale = False  # one of its streams ended: the next step builds a new one
+        by_door: dict[Door, tuple[list[Stream], list[int]]] = {}
+        self.row_of: dict[Stream, int] = {}
         self.recording: list[tuple[int, Stream]] = []
-        # A row's stream has its t_first already: its first token came from its prefill, as an
-        # Output (tests/e2e/test_protocol.py checks a columnar stream's TTFT).
         for i, st in enumerate(owners):
             if st.ended:
                 continue
-            rows = rows_by_door.get(st.door)
-            if rows is None:
-                rows_by_door[st.door] = rows = []
-            rows.append(i)
-            if st.rec_ids is not None:
+            self.row_of[st] = i
+            group = by_door.get(st.door)
+            if group is None:
+                by_door[st.door] = group = ([], [])
+            group[0].append(st)
+            group[1].append(i)
+            if st.rec_text is not None:
                 self.recording.append((i, st))
-        # The live rows grouped by door: row j of ``frames`` is the frame of ``owners[perm[j]]``.
-        order = [i for rows in rows_by_door.values() for i in rows]
-        self.streams = [owners[i] for i in order]
-        self.members = set(self.streams)  # streams hash by identity: no Python call per row
-        n = len(order)
-        self.perm = None if order == list(range(len(owners))) else np.fromiter(order, np.intp, n)
-        # fromiter: a list of ints into an array without numpy's shape discovery per element
-        self.frames = p.token1_frames(np.fromiter([st.key for st in self.streams], np.int64, n))
-        view = memoryview(self.frames.reshape(-1).view(np.uint8))
-        self.spans: list[tuple[Door, memoryview]] = []
-        start = 0
-        for door, rows in rows_by_door.items():
-            end = start + len(rows) * _FRAME
-            self.spans.append((door, view[start:end]))
-            start = end
-        self.held: list[np.ndarray] = []  # the steps' ids since the last settle, when recording
-        self.steps = 0  # steps written since the last settle
-
-    def write(self, tokens: np.ndarray, dirty: list[Door]) -> int:
-        """Write one step's ids; returns the tokens written."""
-        self.frames[:, _ID] = tokens if self.perm is None else tokens[self.perm]
-        for door, frames in self.spans:
-            door.write_frames(frames)
-            if not door.dirty:
-                door.dirty = True
-                dirty.append(door)
-        self.steps += 1
-        if self.recording:
-            self.held.append(tokens)
-        return len(self.streams)
-
-    def settle(self) -> None:
-        """Bring the streams' token counts and response-cache recordings up to date."""
-        k = self.steps
-        if not k:
-            return
-        self.steps = 0
-        for st in self.streams:
-            st.n_ids += k
-        if self.recording:
-            held, self.held = self.held, []
-            if k == 1:  # the common case while rows come and go: a settle after every step
-                ids = held[0].tolist()
-                for i, st in self.recording:
-                    st.rec_ids.append(ids[i])  # type: ignore[union-attr]
-            else:  # the steps as one block of bytes, then a slice per stream
-                data = np.stack(held, axis=1).astype(np.int32, copy=False).tobytes()  # [rows][k]
-                size = 4 * k
-                for i, st in self.recording:
-                    st.rec_ids.frombytes(data[i * size : (i + 1) * size])  # type: ignore[union-attr]
+        self.writers = [
+            (door, door.token_writer(streams, rows)) for door, (streams, rows) in by_door.items()
+        ]
 
 
 class OutputProcessor:
-    """Writes engine steps' outputs to the doors, in order; one flush per door per batch."""
+    """Writes engine steps to the doors, in order; returns the finished sequences."""
 
-    def __init__(self, path: RequestPath, metrics: Metrics) -> None:
-        self.path = path
-        self._plan: ColumnPlan | None = None
+    def __init__(self, metrics: Metrics) -> None:
+        self._fanout: Fanout | None = None
+        self._counts = np.empty(0, np.int32)  # the last delivered step's counts, by row
         self._m_tokens_out = metrics.frames_out_token
 
-    def deliver(self, steps: list[Step]) -> None:
-        dirty: list[Door] = []
+    def write(self, steps: list[StepOutput], dirty: list[Door]) -> list[Finished]:
+        """Write ``steps`` to the doors (each door written to is appended to ``dirty`` once,
+        for the caller to flush); returns the sequences that finished, in order."""
+        finished: list[Finished] = []
         n_frames = 0
-        for outputs, column in steps:
-            if outputs:
-                n_frames += self._outputs(outputs, dirty)
-            if column is not None:
-                n_frames += self._column(column, dirty)
-        for door in dirty:
-            door.flush()
+        for step in steps:
+            if step.owners:
+                n_frames += self._write_rows(step, dirty)
+            if step.finished:
+                finished += step.finished
         if n_frames:
             self._m_tokens_out.inc(n_frames)
+        return finished
 
-    def settle(self) -> None:
-        """Make every stream's n_ids and rec_ids complete (columnar steps count lazily)."""
-        if self._plan is not None:
-            self._plan.settle()
-
-    def stream_ended(self, st: Stream) -> None:
-        """Called by the request path as ``st`` ends: its counts are settled, and a plan that
-        writes to it is dropped (the next columnar step builds one without it)."""
-        plan = self._plan
-        if plan is not None:
-            if plan.steps:
-                plan.settle()
-            if st in plan.members:
-                self._plan = None
-
-    def _column(self, column: TokenColumn, dirty: list[Door]) -> int:
-        plan = self._plan
-        if plan is None or plan.version != column.version:
-            if plan is not None:
-                plan.settle()
-            self._plan = plan = ColumnPlan(column.version, column.owners)  # type: ignore[arg-type]
-        return plan.write(column.tokens, dirty)
-
-    def _outputs(self, outputs: list[Output], dirty: list[Door]) -> int:
-        """One step's Outputs; returns the TOKEN frames written."""
-        if self._plan is not None:
-            self._plan.settle()  # earlier columnar ids go first in recordings; DONE counts them
-        finished = self.path.finished
+    def _write_rows(self, step: StepOutput, dirty: list[Door]) -> int:
+        fan = self._fanout
+        if fan is None or fan.stale or fan.owners is not step.owners:
+            self._fanout = fan = Fanout(step.owners)  # type: ignore[arg-type]
+        self._counts = step.counts
         n_frames = 0
-        for st, token, text, finish, t_admit in outputs:
-            if st.ended:  # type: ignore[attr-defined]
-                continue
-            door = st.door  # type: ignore[attr-defined]
-            if st.rec_ids is not None:  # type: ignore[attr-defined]
-                if token != NO_TOKEN:
-                    st.rec_ids.append(token)  # type: ignore[attr-defined]
-                if st.rec_text is not None:  # type: ignore[attr-defined]
-                    st.rec_text.append(text)  # type: ignore[attr-defined]
-            if token != NO_TOKEN:
-                st.n_ids += 1  # type: ignore[attr-defined]
-                if not st.t_first:  # type: ignore[attr-defined]
-                    st.t_first = _perf()  # type: ignore[attr-defined]
-                n_frames += door.write_token(st, token, text)
-            elif text:
-                n_frames += door.write_token(st, token, text)
-            if finish != NOT_FINISHED:
-                finished(st, finish, t_admit)  # type: ignore[arg-type]
+        for door, writer in fan.writers:
+            n_frames += writer.write(step)
             if not door.dirty:
                 door.dirty = True
                 dirty.append(door)
+        if step.joined:
+            now = _perf()
+            for st in step.owners[-step.joined :]:
+                if not st.t_first:  # type: ignore[attr-defined]
+                    st.t_first = now  # type: ignore[attr-defined]
+        if fan.recording:
+            text = step.text
+            for i, st in fan.recording:
+                st.rec_text.append(text.get(i, ""))  # type: ignore[union-attr]
         return n_frames
+
+    def ended(self, st: Stream, count: int | None) -> None:
+        """``st`` ends: its token count becomes final (``count`` from the engine's ending, or
+        None: the tokens its door was given so far), and no later step writes to it."""
+        fan = self._fanout
+        row = fan.row_of.get(st) if fan is not None else None
+        if row is not None:
+            fan.stale = True  # type: ignore[union-attr]
+        if st.from_cache:  # counted by replay
+            return
+        if count is None:
+            count = 0 if row is None else int(self._counts[row])
+        st.n_ids = count
+
+    def replay(self, st: Stream, ids: list[int], text: str) -> None:
+        """A whole answer from the response cache, written to ``st``'s door and counted."""
+        self._m_tokens_out.inc(st.door.write_cached(st, ids, text))
+        st.n_ids = len(ids)
+        st.t_first = _perf()

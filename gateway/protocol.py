@@ -659,19 +659,19 @@ TOKEN1_FRAME = struct.Struct("<IBBHIHHi")  # a TOKEN frame carrying exactly one 
 TOKEN1_FRAME_SIZE = TOKEN1_FRAME.size  # 20
 
 
-TOKEN1_ID = 4  # the id's column in token1_frames
+TOKEN1_STREAM, TOKEN1_ID = 2, 4  # the stream's and the id's word in token1_frames
+# A one-id TOKEN frame without text as its five int32 words, stream and id 0: TOKEN1_FRAME's own
+# bytes, so the layout stays defined once.
+_TOKEN1_WORDS = np.frombuffer(TOKEN1_FRAME.pack(8, int(FrameType.TOKEN), 0, 0, 0, 1, 0, 0), "<i4")
 
 
 def token1_frames(streams: np.ndarray) -> np.ndarray:
-    """One-id TOKEN frames without text, one per stream, as little-endian int32 words [n, 5]:
-    length 8, type TOKEN (flags, reserved 0), stream, n_ids 1 (reserved 0), and the id, left 0
-    for the caller to fill in column TOKEN1_ID. The array's bytes are the n frames exactly as
-    ``pack_token1_into`` writes them, so the header words can be built once and reused."""
-    frames = np.zeros((len(streams), 5), "<i4")
-    frames[:, 0] = 8
-    frames[:, 1] = _TOKEN
-    frames[:, 2] = np.asarray(streams, "<u4").view("<i4")
-    frames[:, 3] = 1
+    """One-id TOKEN frames without text, one per stream, as little-endian int32 words [n, 5]
+    (``TOKEN1_FRAME``'s layout), the id left 0 for the caller to fill in column TOKEN1_ID. The
+    array's bytes are the n frames exactly as ``pack_token1_into`` writes them, so the header
+    words can be built once and reused."""
+    frames = np.tile(_TOKEN1_WORDS, (len(streams), 1))
+    frames[:, TOKEN1_STREAM] = np.asarray(streams, "<u4").view("<i4")
     return frames
 
 

@@ -1,10 +1,13 @@
 """The frame door: one uvloop listener, one BufferedProtocol per connection.
 
 Owns the rules of docs/protocol.md that need connection state: HELLO/auth, stream ids,
-per-connection stream limits, idle timeout, slow consumers, GOAWAY and drain. Bytes arrive
-straight into each connection's preallocated decoder buffer and are parsed in place; a REQUEST
-becomes a ``protocol.Request`` handed to the shared request path (gateway.lifecycle), which
-calls back this door's ``write_*`` methods. Output goes into the connection's FrameBuffer and
+per-connection stream limits, idle timeout, slow consumers, GOAWAY and the frame side of a drain
+(the request path decides that it drains). Bytes arrive straight into each connection's
+preallocated decoder buffer and are parsed in place; a REQUEST becomes a ``protocol.Request``
+handed to the shared request path (gateway.lifecycle), which calls back this door's ``write_*``
+methods. Engine steps reach the door through its encoder, ``TokenFrames`` (one per engine row
+set): the TOKEN frames of its streams' rows, the ids of streams without text filled into
+prebuilt frames with one numpy call per step. Output goes into the connection's FrameBuffer and
 leaves with one ``transport.write`` per connection per delivery.
 """
 
@@ -17,11 +20,13 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from gateway import protocol as p
 from gateway.codes import ErrorCode, FinishReason
 from gateway.config import ServerConfig
 from gateway.engine.backend import ModelInfo
-from gateway.engine.engine import NO_TOKEN
+from gateway.engine.step import NO_TOKEN, StepOutput
 from gateway.framebuf import FrameBuffer
 from gateway.hooks import HookError, Principal
 from gateway.lifecycle import RequestPath, Stream
@@ -55,6 +60,7 @@ class Server:
         self._sweeper: asyncio.Task | None = None
         self._all_closed = asyncio.Event()
         self._conn_ids = itertools.count(1)
+        self._draining = False  # drain() ran
         self.welcome = p.encode_welcome(
             cfg.max_frame_bytes,
             cfg.max_streams_per_connection,
@@ -102,10 +108,12 @@ class Server:
         return next(self._conn_ids)
 
     async def drain(self) -> None:
-        """Stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
-        if self.path.draining:
+        """The frame side of a drain (the request path drains from now on, for every door):
+        stop accepting, GOAWAY everyone, finish streams in flight up to drain_timeout_s."""
+        self.path.start_draining()
+        if self._draining:
             return
-        self.path.draining = True
+        self._draining = True
         log.info("draining: %d connections", len(self.connections))
         if self._server is not None:
             self._server.close()
@@ -402,17 +410,8 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------------ the door's writes
 
-    def write_token(self, st: Stream, token: int, text: str) -> int:
-        data = text.encode("utf-8") if (text and st.want_text) else b""
-        if token == NO_TOKEN:
-            if not data:
-                return 0
-            self.out.token(st.key, (), data)
-        elif data:
-            self.out.token(st.key, (token,), data)
-        else:
-            self.out.token1(st.key, token)
-        return 1
+    def token_writer(self, streams: list[Stream], rows: list[int]) -> TokenFrames:
+        return TokenFrames(self.out, streams, rows)
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         """The stored stream in frames of at most _REPLAY_IDS_PER_FRAME ids; the whole text
@@ -443,9 +442,6 @@ class Connection(asyncio.BufferedProtocol):
             self.connection_error(code, message)
             return
         self._queue_frame(p.encode_error(st.key, code, message, retry_after_ms), "ERROR")
-
-    def write_frames(self, frames: memoryview) -> None:
-        self.out.append(frames)
 
     def stream_ended(self, st: Stream) -> None:
         if self.streams.get(st.key) is st:
@@ -505,3 +501,53 @@ class Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
         self.server.connection_gone(self)  # counts and memory are released now, not at EOF
+
+
+class TokenFrames:
+    """The frame door's encoder for its streams in one engine row set (``token_writer``).
+
+    Streams that want no text get one-id TOKEN frames, prebuilt once (``protocol.token1_frames``)
+    with only the ids filled in per step; streams that want text get a frame per step with
+    their id and text delta (or the text alone when the step produced no id)."""
+
+    __slots__ = ("out", "rows", "n", "frames", "bytes", "text_rows")
+
+    def __init__(self, out: FrameBuffer, streams: list[Stream], rows: list[int]) -> None:
+        self.out = out
+        plain = [(i, st.key) for st, i in zip(streams, rows, strict=True) if not st.want_text]
+        self.text_rows = [(i, st.key) for st, i in zip(streams, rows, strict=True) if st.want_text]
+        rows = [i for i, _ in plain]
+        # The rows' ids as they are when they are all of the step's rows, in order; else taken.
+        self.rows = None if rows == list(range(len(rows))) else np.array(rows, np.intp)
+        self.n = len(rows)
+        self.frames = p.token1_frames(np.array([key for _, key in plain], np.int64))
+        self.bytes = memoryview(self.frames.reshape(-1).view(np.uint8))
+
+    def write(self, step: StepOutput) -> int:
+        n = 0
+        if self.n:
+            ids = step.tokens if self.rows is None else step.tokens[self.rows]
+            if len(ids) != self.n:  # rows beyond this door's (only when rows is None)
+                ids = ids[: self.n]
+            if step.quiet and (ids == NO_TOKEN).any():  # rows that ended without a token
+                frames = self.frames[ids != NO_TOKEN]
+                frames[:, p.TOKEN1_ID] = ids[ids != NO_TOKEN]
+                self.out.append(memoryview(frames.reshape(-1).view(np.uint8)))
+                n = len(frames)
+            else:
+                self.frames[:, p.TOKEN1_ID] = ids
+                self.out.append(self.bytes)
+                n = len(ids)
+        if self.text_rows:
+            tokens, text, out = step.tokens, step.text, self.out
+            for i, key in self.text_rows:
+                token = int(tokens[i])
+                data = text.get(i, "").encode("utf-8")
+                if token != NO_TOKEN:
+                    out.token(key, (token,), data)
+                elif data:
+                    out.token(key, (), data)
+                else:
+                    continue
+                n += 1
+        return n

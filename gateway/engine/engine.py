@@ -1,26 +1,18 @@
 """The engine: a continuous-batching scheduler running a Backend in its own thread.
 
-A step is schedule → execute → update (``step_columns``):
+A step is schedule → execute → update (``step``):
 - **schedule** takes in new sequences and cancellations, admits waiting sequences into free KV
-  slots (loading the longest prompt prefix the prefix store knows, so prefill starts after it),
-  and returns a ``StepPlan``: prompt chunks for sequences still in prefill (within
-  ``max_step_tokens``) and the decode batch of every decoding sequence. A plain dataclass that
-  tests can inspect.
+  slots (``_admit``: fair by client, then the longest prompt prefix the prefix store knows is
+  loaded, so prefill starts after it), and returns a ``StepPlan``: prompt chunks for sequences
+  still in prefill (within ``max_step_tokens``) and the decode batch of every decoding row.
 - **execute** runs the backend on the plan (nothing else); a failing batched call is retried row
   by row so that a failure ends only the sequence that caused it.
-- **update** turns sampled ids into outputs (stop checks, UTF-8-safe text, stop sequences),
-  offers the blocks of prompts whose prefill just completed to the prefix store, and frees the
-  slots of finished sequences; the caller hands the step's outputs on in ONE call.
+- **update** advances every row that sampled a token in one vectorized call on the rows
+  (gateway.engine.rows: counters, limits and stop ids by slot, one stop check), adds the text
+  of rows that detokenize (gateway.engine.sequence), offers the blocks of prompts whose prefill
+  just completed to the prefix store, frees the slots of ended sequences and returns ONE
+  ``StepOutput`` (gateway.engine.step), which the engine thread hands to ``deliver``.
 The waiting queue is bounded: ``submit`` refuses when it is full.
-
-Steady-state decode steps take a columnar path: while the decode rows are unchanged, the "plain"
-rows (no text, no stop ids) hand over their sampled ids as one ``TokenColumn`` per step instead
-of one Output tuple per token, as long as none of them samples EOS or can reach max_tokens or
-max_context; the other rows of the batch go token by token. Plain rows then all advance by
-exactly one token per step, so their counters are brought up to date only when the path is left
-(``_Columnar.sync``). The decode rows are a tuple that only ``_set_decoding`` replaces, bumping
-``_rows_version``: every cache keyed on the rows (the decode batch, the columnar path, the
-consumer's frame plan) compares versions, never object identity.
 """
 
 from __future__ import annotations
@@ -41,17 +33,28 @@ from gateway.codes import FinishReason
 from gateway.engine.backend import Backend
 from gateway.engine.compute import ComputeThread
 from gateway.engine.prefix_store import PrefixStore
-from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
-from gateway.tokenizer import Detokenizer, Tokenizer
+from gateway.engine.rows import BY_EOS, BY_LIMIT, BY_STOP_ID, Rows
+from gateway.engine.sequence import NOT_FINISHED, Sequence
+from gateway.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Output, StepOutput
+from gateway.engine.types import DecodeBatch, PrefillChunk
+from gateway.tokenizer import Tokenizer
+
+__all__ = [
+    "FINISH_ERROR", "NO_TOKEN", "NOT_FINISHED", "Engine", "EngineOverloaded", "EngineStopped",
+    "Finished", "Output", "Sequence", "StepOutput", "StepPlan",
+]  # fmt: skip
 
 log = logging.getLogger("zerolayer.engine")
 
-# Output.finish for a sequence that ended in an engine failure (the door answers INTERNAL).
-FINISH_ERROR = FinishReason.ERROR
-_MAX_TOKENS = FinishReason.MAX_TOKENS  # a global: read per request, cheaper than the enum's
-NOT_FINISHED = -2
-INT32_MAX = 2**31 - 1
-POSITION_BLOCK = 64  # decode steps whose positions are computed at once
+# Rows' reasons for ending a row, as finishes.
+_REASONS = {
+    BY_EOS: FinishReason.EOS,
+    BY_STOP_ID: FinishReason.STOP,
+    BY_LIMIT: FinishReason.MAX_TOKENS,
+}
+
+# Called from the engine thread once per step that produced anything.
+Deliver = Callable[[StepOutput], None]
 
 
 class EngineOverloaded(Exception):
@@ -66,161 +69,22 @@ class EngineStopped(Exception):
     """The engine no longer accepts work (shutting down)."""
 
 
-class Sequence:
-    """One generation request as the engine sees it. ``owner`` is opaque (the server's stream)."""
-
-    __slots__ = (
-        "owner",
-        "prompt",
-        "max_tokens",
-        "sampling",
-        "stop_ids",
-        "stop_sequences",
-        "detok",
-        "reused",
-        "slot",
-        "prefilled",
-        "generated",
-        "position",
-        "last_token",
-        "held",
-        "cancelled",
-        "t_admit",
-        "ignore_eos",
-        "fair_key",
-        "matched_stop",
-        "_max_stop",
-    )
-
-    def __init__(
-        self,
-        owner: object,
-        prompt: np.ndarray,
-        max_tokens: int,
-        sampling: SamplingRow,
-        stop_ids: frozenset[int] = frozenset(),
-        stop_sequences: tuple[str, ...] = (),
-        detokenizer: Detokenizer | None = None,
-        ignore_eos: bool = False,
-        fair_key: object = None,
-    ) -> None:
-        self.owner = owner
-        self.prompt = prompt  # int32 [n]: the whole prompt
-        self.max_tokens = max_tokens
-        self.sampling = sampling
-        self.stop_ids = stop_ids
-        self.stop_sequences = stop_sequences
-        self.detok = detokenizer  # None = no text wanted and no stop sequences
-        self.reused = 0  # leading prompt positions whose KV came from the prefix store
-        self.slot = -1
-        self.prefilled = 0  # prompt ids in the cache so far (the reused ones included)
-        self.generated = 0
-        self.position = len(prompt)  # where the next sampled token will be written
-        self.last_token = -1
-        self.held = ""  # text withheld because it may start a stop sequence
-        self.cancelled = False
-        self.t_admit = 0.0
-        self.ignore_eos = ignore_eos  # generate past EOS (vLLM's extension, HTTP only)
-        self.fair_key = fair_key  # sequences sharing a key share one turn at admission
-        self.matched_stop: str | None = None  # the stop sequence that ended it (finish STOP)
-        self._max_stop = max(map(len, stop_sequences)) if stop_sequences else 0
-
-
-# What one step produced for one sequence, as a plain tuple (one is made per token, so no class):
-#   (owner, token, text, finish, t_admit)
-# token: the new token id, or NO_TOKEN (the token that ends a stream is never sent);
-# text: its UTF-8-safe text delta ("" when none or not wanted);
-# finish: NOT_FINISHED, a FinishReason, or FINISH_ERROR; t_admit: perf_counter at slot admission.
-Output = tuple[object, int, str, int, float]
-NO_TOKEN = -1
-OWNER, TOKEN, TEXT, FINISH, T_ADMIT = range(5)
-
-
-@dataclass(slots=True)
-class TokenColumn:
-    """One columnar decode step: ``owners[i]`` got token ``tokens[i]`` and goes on (no text, not
-    finished). ``version`` names the row set: it is the same for every step while the rows stay
-    the same and changes whenever they change, so a consumer may cache per-row work under it.
-    Both arrays are read-only: the engine feeds ``tokens`` back as the next step's input."""
-
-    version: int
-    owners: list[object]
-    tokens: np.ndarray  # int32 [len(owners)]
-
-
-# Called from the engine thread once per step that produced anything.
-Deliver = Callable[[list[Output], TokenColumn | None], None]
-
-
 @dataclass(slots=True)
 class StepPlan:
-    """What one step runs: prompt chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then one decode
-    row per sequence of ``decode`` (rows version ``version``) as ``batch``."""
+    """What one step runs: prompt chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then the
+    decode batch of the decoding rows (``decode[i]`` owns row i)."""
 
     chunks: list[PrefillChunk]
     chunk_seqs: list[Sequence]
-    decode: tuple[Sequence, ...]
-    version: int
+    decode: list[Sequence]
     batch: DecodeBatch | None
-
-
-class _Columnar:
-    """The columnar path's state for one decode row set (see the module docstring): its plain
-    rows, their owners and indices in the batch (None: every row is plain), the other rows and
-    their indices, how many columnar steps the plain rows can take before one of them may
-    finish, how many they took since their counters were last written, and the last of those
-    steps' tokens."""
-
-    __slots__ = ("rows_version", "version", "seqs", "owners", "index", "others", "others_index",
-                 "limit", "steps", "last")  # fmt: skip
-
-    def __init__(self, rows: tuple[Sequence, ...], rows_version: int, max_context: int) -> None:
-        self.rows_version = rows_version
-        self.version = -1  # TokenColumn.version: set by the engine right after
-        self.steps = 0
-        self.last = np.empty(0, np.int32)
-        plain = [i for i, seq in enumerate(rows) if seq.detok is None and not seq.stop_ids]
-        if len(plain) == len(rows):
-            self.seqs, self.index = list(rows), None
-            self.others, self.others_index = [], None
-        else:
-            self.seqs = [rows[i] for i in plain]
-            self.index = np.array(plain, np.intp)
-            other = sorted(set(range(len(rows))) - set(plain))
-            self.others = [rows[i] for i in other]
-            self.others_index = np.array(other, np.intp)
-        self.owners = [seq.owner for seq in self.seqs]
-        # A row ends on the token that brings it to max_tokens or max_context: every step
-        # before that one may go columnar. (Two list minima: no Python call per row.)
-        seqs = self.seqs
-        self.limit = (
-            min(
-                min([s.max_tokens - s.generated for s in seqs]),
-                max_context - max([s.position for s in seqs]),
-            )
-            - 1
-            if seqs
-            else 0
-        )
-
-    def sync(self) -> None:
-        """Write the columnar steps taken so far into the rows' counters."""
-        k = self.steps
-        if not k:
-            return
-        self.steps = 0
-        self.limit -= k
-        for seq, token in zip(self.seqs, self.last.tolist(), strict=True):
-            seq.generated += k
-            seq.position += k
-            seq.last_token = token
 
 
 class Engine:
     """Owns the scheduler thread. ``submit`` and ``cancel`` are safe from any thread.
 
-    ``deliver(outputs, column)`` is called on the engine thread once per step that produced
-    anything (the daemon passes its ``Outbox.put``)."""
+    ``deliver(step)`` is called on the engine thread once per step that produced anything (the
+    daemon passes its ``Outbox.put``)."""
 
     def __init__(
         self,
@@ -249,29 +113,11 @@ class Engine:
         self._waiting: dict[object, collections.deque[Sequence]] = {}
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
-        self._decoding: tuple[Sequence, ...] = ()  # ... and those decoding (_set_decoding)
-        self._rows_version = 0
-        self._versions = 0  # source of new row and column versions
         self._cancel_pending = False
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
-        self._max_context = backend.info.max_context
-        self._temperature = np.zeros(n, np.float32)
-        self._top_p = np.ones(n, np.float32)
-        self._top_k = np.zeros(n, np.int32)
-        self._seeds = np.zeros(n, np.uint64)
-        self._seeded = np.zeros(n, np.bool_)
-        self._last_batch: DecodeBatch | None = None
-        self._last_batch_version = -1
-        self._positions: list[np.ndarray] = []  # the coming steps' positions (_next_positions)
-        self._last_sampled = np.empty(0, np.int32)
-        self._eos = tokenizer.eos_token_ids
-        self._eos_ids = tuple(sorted(self._eos))  # for the columnar path's vector check
-        # The one EOS id as a decode step's int32 bytes (_any_eos); the backend contract's dtype.
-        self._eos_bytes = np.array(self._eos_ids[:1], np.int32).tobytes()
-        self._col: _Columnar | None = None
-        # (version, rows) of the column a split step went on with (_split_column)
-        self._handoff: tuple[int, list[Sequence]] | None = None
+        info = backend.info
+        self._rows = Rows(n, info.max_context, info.vocab_size, tokenizer.eos_token_ids)
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -371,44 +217,29 @@ class Engine:
                 self._wake.clear()
                 continue
             try:
-                outputs, column = self.step_columns()
+                out = self.step()
             except Exception:  # a bug in the scheduler itself: nothing can be trusted
                 log.exception("engine step failed; failing the sequences in flight")
-                outputs, column = self._fail_all(), None
-            if outputs or column is not None:
-                self._deliver(outputs, column)
+                out = StepOutput(finished=self._fail_all())
+            if out:
+                self._deliver(out)
 
-    def step(self) -> list[Output]:
-        """One scheduling step with every token as its own Output (a TokenColumn expanded).
-        Public so tests can drive the engine without the thread."""
-        outputs, column = self.step_columns()
-        if column is not None:
-            col, handoff = self._col, self._handoff
-            if col is not None and col.version == column.version:
-                rows = col.seqs
-            else:  # a split step's column (_split_column)
-                assert handoff is not None and handoff[0] == column.version
-                rows = handoff[1]
-            for seq, token in zip(rows, column.tokens.tolist(), strict=True):
-                outputs.append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
-        return outputs
-
-    def step_columns(self) -> tuple[list[Output], TokenColumn | None]:
-        """One step: its Outputs, and the decode rows' tokens as one TokenColumn when the step
-        took the columnar path (no Output then comes from those rows)."""
-        outputs: list[Output] = []
-        plan = self.schedule(outputs)
+    def step(self) -> StepOutput:
+        """One step (schedule → execute → update). Public so tests can drive the engine
+        without its thread."""
+        finished: list[Finished] = []
+        plan = self.schedule(finished)
         if plan is None:
-            return outputs, None
+            return StepOutput(finished=finished)
         prefilled, decoded, failed = self.execute(plan)
-        column = self._update(plan, prefilled, decoded, failed, outputs)
+        out = self._update(plan, prefilled, decoded, failed, finished)
         self.steps += 1
-        return outputs, column
+        return out
 
     # ---- schedule ----------------------------------------------------------------------------
 
-    def schedule(self, outputs: list[Output]) -> StepPlan | None:
-        """Take in new sequences and cancellations (their endings go to ``outputs``) and plan
+    def schedule(self, finished: list[Finished]) -> StepPlan | None:
+        """Take in new sequences and cancellations (their endings go to ``finished``) and plan
         the step; None when nothing runs."""
         while self._inbox:
             seq = self._inbox.popleft()
@@ -416,11 +247,15 @@ class Engine:
             if queue is None:
                 self._waiting[seq.fair_key] = queue = collections.deque()
             queue.append(seq)
-        self._admit(outputs)
-        self._drop_cancelled(outputs)
+        while self._waiting and self._free_slots:
+            self._admit(self._next_waiting(), finished)
+        self._drop_cancelled(finished)
         if not self._running:
             return None
-        plan = StepPlan([], [], self._decoding, self._rows_version, None)
+        rows = self._rows
+        plan = StepPlan([], [], [], rows.batch())
+        if plan.batch is not None:
+            plan.decode = rows.decoding_seqs
         budget = self._max_step_tokens - len(plan.decode)
         for seq in self._prefilling:
             if budget <= 0:
@@ -438,52 +273,44 @@ class Engine:
                 )
             )
             plan.chunk_seqs.append(seq)
-        if plan.decode:
-            col = self._col
-            if col is not None and col.rows_version != plan.version:
-                col.sync()  # the rows changed: bring the old rows' counters up to date first
-                self._col = None
-            plan.batch = self._decode_batch(plan.decode, plan.version)
         return plan
 
-    def _admit(self, outputs: list[Output]) -> None:
+    def _next_waiting(self) -> Sequence:
+        """Admission order, in one place: the head of the first fairness key's queue, which
+        then goes to the end of the round."""
         waiting = self._waiting
-        while waiting and self._free_slots:
-            key = next(iter(waiting))
-            queue = waiting.pop(key)
-            seq = queue.popleft()
-            if queue:
-                waiting[key] = queue  # to the end of the round
-            with self._lock:
-                self._queued -= 1
-            seq.t_admit = time.perf_counter()
-            if seq.cancelled:
-                outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
-                continue
-            # Lowest slot first keeps the active slots consecutive, which lets the CPU kernels
-            # read the KV cache in place instead of gathering it.
-            seq.slot = slot = heapq.heappop(self._free_slots)
-            try:
-                sp = seq.sampling
-                self._temperature[slot] = sp.temperature
-                self._top_p[slot] = sp.top_p
-                self._top_k[slot] = sp.top_k
-                self._seeds[slot] = sp.seed
-                self._seeded[slot] = sp.seeded
-                if self._store is not None:
-                    # The longest known prefix's KV into the slot; prefill starts after it.
-                    seq.prefilled = seq.reused = self._store.load(seq.prompt, slot)
-            except Exception:  # this sequence alone cannot run: it ends, the others go on
-                log.exception("admitting a sequence failed; ending it")
-                outputs.append(self._end(seq, NO_TOKEN, FINISH_ERROR))
-                self.backend.free(slot)
-                heapq.heappush(self._free_slots, slot)
-                seq.slot = -1
-                continue
-            self._running.append(seq)
-            self._prefilling.append(seq)
+        key = next(iter(waiting))
+        queue = waiting.pop(key)
+        seq = queue.popleft()
+        if queue:
+            waiting[key] = queue
+        with self._lock:
+            self._queued -= 1
+        return seq
 
-    def _drop_cancelled(self, outputs: list[Output]) -> None:
+    def _admit(self, seq: Sequence, finished: list[Finished]) -> None:
+        """Give ``seq`` the lowest free slot and its row, and load its known prefix."""
+        seq.t_admit = time.perf_counter()
+        if seq.cancelled:
+            finished.append(self._end(seq, FinishReason.CANCELLED))
+            return
+        # Lowest slot first keeps the active slots consecutive, which lets the CPU kernels
+        # read the KV cache in place instead of gathering it (and the rows give views).
+        seq.slot = slot = heapq.heappop(self._free_slots)
+        try:
+            self._rows.add(slot, seq)
+            if self._store is not None:
+                # The longest known prefix's KV into the slot; prefill starts after it.
+                seq.prefilled = seq.reused = self._store.load(seq.prompt, slot)
+        except Exception:  # this sequence alone cannot run: it ends, the others go on
+            log.exception("admitting a sequence failed; ending it")
+            finished.append(self._end(seq, FINISH_ERROR))
+            self._free(seq)
+            return
+        self._running.append(seq)
+        self._prefilling.append(seq)
+
+    def _drop_cancelled(self, finished: list[Finished]) -> None:
         if not self._cancel_pending:  # no scan per step unless cancel() was called
             return
         self._cancel_pending = False
@@ -491,12 +318,12 @@ class Engine:
         for key, queue in list(self._waiting.items()):
             if not any(s.cancelled for s in queue):
                 continue
-            keep = collections.deque()
+            keep: collections.deque[Sequence] = collections.deque()
             for seq in queue:
                 if seq.cancelled:
                     with self._lock:
                         self._queued -= 1
-                    outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
+                    finished.append(self._end(seq, FinishReason.CANCELLED))
                 else:
                     keep.append(seq)
             if keep:
@@ -505,55 +332,8 @@ class Engine:
                 del self._waiting[key]
         cancelled = [s for s in self._running if s.cancelled]
         for seq in cancelled:
-            outputs.append(self._end(seq, NO_TOKEN, FinishReason.CANCELLED))
+            finished.append(self._end(seq, FinishReason.CANCELLED))
         self._release(cancelled)
-
-    def _decode_batch(self, rows: tuple[Sequence, ...], version: int) -> DecodeBatch:
-        # Sampling parameters live in per-slot arrays written once at admission; per step only
-        # the slot list, last tokens and positions are gathered. In the steady state (the same
-        # rows as the previous step) even those are reused: only the tokens are new.
-        last = self._last_batch
-        if last is not None and version == self._last_batch_version:
-            batch = DecodeBatch(
-                slots=last.slots,
-                tokens=self._last_sampled,  # each row feeds back what it sampled last step
-                positions=self._next_positions(last.positions),
-                temperature=last.temperature,
-                top_p=last.top_p,
-                top_k=last.top_k,
-                seeds=last.seeds,
-                seeded=last.seeded,
-            )
-        else:
-            # fromiter: lists of ints into arrays without numpy's shape discovery per element
-            n = len(rows)
-            slots = np.fromiter([s.slot for s in rows], np.int32, n)
-            batch = DecodeBatch(
-                slots=slots,
-                tokens=np.fromiter([s.last_token for s in rows], np.int32, n),
-                positions=np.fromiter([s.position - 1 for s in rows], np.int32, n),
-                temperature=self._temperature[slots],
-                top_p=self._top_p[slots],
-                top_k=self._top_k[slots],
-                seeds=self._seeds[slots],
-                seeded=self._seeded[slots],
-            )
-        self._last_batch, self._last_batch_version = batch, version
-        return batch
-
-    def _next_positions(self, positions: np.ndarray) -> np.ndarray:
-        """``positions + 1``, taken from a block computed for the next POSITION_BLOCK steps at
-        once: a numpy call costs tens of µs on a thread that just woke from a long backend call
-        (cold caches; docs/benchmarks.md, paced serving), a list pop almost nothing."""
-        if self._positions:
-            following = self._positions.pop()
-            if following.base is positions.base:  # the block this row came from: still valid
-                return following
-        steps = np.arange(POSITION_BLOCK, 0, -1, dtype=positions.dtype)[:, None]
-        block = positions[None, :] + steps  # row i: positions + POSITION_BLOCK - i
-        block.flags.writeable = False
-        self._positions = list(block)
-        return self._positions.pop()
 
     # ---- execute -----------------------------------------------------------------------------
 
@@ -613,244 +393,109 @@ class Engine:
         prefilled: np.ndarray | None,
         decoded: np.ndarray | None,
         failed: set[int] | None,
-        outputs: list[Output],
-    ) -> TokenColumn | None:
-        finished: list[Sequence] = []
+        finished: list[Finished],
+    ) -> StepOutput:
+        ended: list[Sequence] = []
+        # The step's rows: the decode rows, then the prompts that completed (first token).
+        seqs = plan.decode
+        sampled = decoded
+        completed: list[Sequence] = []
         if prefilled is not None:
-            completed: list[Sequence] = []
-            first: list[int] = []  # the first token of each completed prompt
-            tokens = prefilled.tolist()
-            for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, tokens, strict=True):
+            first: list[int] = []
+            for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, prefilled.tolist(),
+                                         strict=True):  # fmt: skip
                 if failed and id(seq) in failed:
-                    self._fail(seq, outputs, finished)
+                    finished.append(self._end(seq, FINISH_ERROR))
+                    ended.append(seq)
                     continue
                 seq.prefilled += len(chunk.tokens)
                 if chunk.last:
                     completed.append(seq)
                     first.append(token)
-            if completed:  # they decode from the next step on
-                self._accept_decoded(completed, first, outputs, finished)
+            if completed:
                 if self._store is not None:
                     self._offer(completed)
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
-                self._set_decoding((*self._decoding, *completed))
-        column = None
-        if decoded is not None:
-            self._last_sampled = decoded
-            if failed:
-                self._update_rows(plan.decode, decoded, failed, outputs, finished)
+                seqs = seqs + completed
+                sampled = (
+                    np.array(first, np.int32)
+                    if decoded is None
+                    else np.concatenate([decoded, np.array(first, np.int32)])
+                )
+        out = StepOutput()
+        if sampled is not None:
+            rows = self._rows
+            texts = rows.text_rows
+            if completed or failed:  # not the decode rows alone: their index and text rows
+                if failed:  # rows that failed even when run alone end; the others go on
+                    keep = [id(s) not in failed for s in seqs]
+                    for seq, ok in zip(seqs, keep, strict=True):
+                        if not ok and seq not in ended:
+                            finished.append(self._end(seq, FINISH_ERROR))
+                            ended.append(seq)
+                    sampled = sampled[np.array(keep, np.bool_)]
+                    seqs = [s for s, ok in zip(seqs, keep, strict=True) if ok]
+                    completed = [s for s in completed if id(s) not in failed]
+                index: slice | np.ndarray = np.array([s.slot for s in seqs], np.intp)
+                owners = [s.owner for s in seqs]
+                texts = [(i, s) for i, s in enumerate(seqs) if s.detok is not None]
             else:
-                column = self._update_decode(plan, decoded, outputs, finished)
-        if finished:
-            self._release(finished)
-        return column
+                index, owners = rows.index, rows.owners
+            out, endings = self._advance(seqs, owners, index, sampled, len(completed), texts)
+            for seq, finish in endings:
+                finished.append(self._end(seq, finish))
+                ended.append(seq)
+            rows.join([s.slot for s in completed if s not in ended])
+        out.finished = finished
+        if ended:
+            self._release(ended)
+        return out
 
-    def _update_decode(
+    def _advance(
         self,
-        plan: StepPlan,
+        seqs: list[Sequence],
+        owners: list[object],
+        index: slice | np.ndarray,
         sampled: np.ndarray,
-        outputs: list[Output],
-        finished: list[Sequence],
-    ) -> TokenColumn | None:
-        col = self._col
-        if col is None:
-            self._col = col = _Columnar(plan.decode, plan.version, self._max_context)
-            handoff, self._handoff = self._handoff, None
-            if handoff is not None and handoff[1] == col.seqs:
-                col.version = handoff[0]  # the rows the last column went on with: same plan
-            else:
-                self._versions += 1
-                col.version = self._versions
-        if not col.seqs:
-            self._accept_decoded(plan.decode, sampled, outputs, finished)
-            return None
-        index = col.index
-        plain = sampled if index is None else sampled[index]
-        if index is not None:
-            others = col.others_index
-            assert others is not None
-            self._accept_decoded(col.others, sampled[others], outputs, finished)
-        if col.steps < col.limit and not self._any_eos(plain):
-            col.steps += 1
-            col.last = plain
-            return TokenColumn(col.version, col.owners, plain)
-        return self._split_column(col, plain, outputs, finished)
-
-    def _split_column(
-        self, col: _Columnar, plain: np.ndarray, outputs: list[Output], finished: list[Sequence]
-    ) -> TokenColumn | None:
-        """A plain row may end at this token (EOS, max_tokens, max_context): the rows that do
-        go token by token; the others still make one column, whose version the next step's
-        columnar set-up keeps when its rows are exactly these (so the consumer's plan is built
-        once, not for this step and again for the next)."""
-        col.sync()
-        self._col = None
-        eos, max_context = self._eos, self._max_context
-        ending: list[Sequence] = []
-        ending_tokens: list[int] = []
-        going: list[Sequence] = []
-        going_tokens: list[int] = []
-        for seq, token in zip(col.seqs, plain.tolist(), strict=True):
-            ends = seq.generated + 1 >= seq.max_tokens or seq.position + 1 >= max_context
-            if ends or token in eos:
-                ending.append(seq)
-                ending_tokens.append(token)
-            else:
-                seq.generated += 1
-                seq.position += 1
-                seq.last_token = token
-                going.append(seq)
-                going_tokens.append(token)
-        self._accept_decoded(ending, ending_tokens, outputs, finished)
-        if not going:
-            return None
-        self._versions += 1
-        self._handoff = (self._versions, going)
-        owners = [seq.owner for seq in going]
-        return TokenColumn(self._versions, owners, np.array(going_tokens, np.int32))
-
-    def _update_rows(
-        self,
-        rows: tuple[Sequence, ...],
-        sampled: np.ndarray,
-        failed: set[int],
-        outputs: list[Output],
-        finished: list[Sequence],
-    ) -> None:
-        """A decode step in which some rows failed: every row token by token."""
-        self._leave_columns()
-        for seq, token in zip(rows, sampled.tolist(), strict=True):
-            if id(seq) in failed:
-                self._fail(seq, outputs, finished)
-            else:
-                self._accept_token(seq, token, outputs, finished)
-
-    def _leave_columns(self) -> None:
-        if self._col is not None:
-            self._col.sync()
-            self._col = None
-
-    def _accept_decoded(
-        self,
-        rows: tuple[Sequence, ...] | list[Sequence],
-        sampled: np.ndarray | list[int],
-        outputs: list[Output],
-        finished: list[Sequence],
-    ) -> None:
-        """Sampled tokens (a decode step's, or the first of prompts just prefilled), row by row."""
-        eos, max_context, append = self._eos, self._max_context, outputs.append
-        tokens = sampled.tolist() if isinstance(sampled, np.ndarray) else sampled
-        for seq, token in zip(rows, tokens, strict=True):
-            if seq.detok is None and not seq.stop_ids and token not in eos:
-                # The common case inlined (one per token): no text, no stop ids, not EOS.
-                seq.generated += 1
-                seq.position += 1
-                seq.last_token = token
-                if seq.generated < seq.max_tokens and seq.position < max_context:
-                    append((seq.owner, token, "", NOT_FINISHED, seq.t_admit))
-                    continue
-                append(self._end(seq, token, _MAX_TOKENS))
-                finished.append(seq)
-            else:
-                self._accept_token(seq, token, outputs, finished)
-
-    def _any_eos(self, sampled: np.ndarray) -> bool:
-        eos = self._eos_ids
-        if len(eos) == 1:  # the usual case: a byte search, no numpy ufunc and no Python int
-            # per row (after a long backend call a ufunc costs tens of µs; docs/benchmarks.md)
-            data, pattern = sampled.tobytes(), self._eos_bytes
-            at = data.find(pattern)
-            while at >= 0:
-                if at % 4 == 0:  # at an element, not across two
-                    return True
-                at = data.find(pattern, at + 1)
-            return False
-        return bool(len(eos) and np.isin(sampled, eos).any())
-
-    def _accept_token(
-        self, seq: Sequence, token: int, outputs: list[Output], finished: list[Sequence]
-    ) -> None:
-        try:
-            out = self._next_output(seq, token)
-        except Exception:  # e.g. a detokenizer failure: this sequence ends, the others go on
-            log.exception("processing a sampled token failed; ending its sequence")
-            self._fail(seq, outputs, finished)
-            return
-        outputs.append(out)
-        if out[FINISH] != NOT_FINISHED:
-            finished.append(seq)
-
-    def _next_output(self, seq: Sequence, token: int) -> Output:
-        if token in self._eos and not seq.ignore_eos:
-            return self._end(seq, NO_TOKEN, FinishReason.EOS)
-        if token in seq.stop_ids:
-            return self._end(seq, NO_TOKEN, FinishReason.STOP)
-        seq.generated += 1
-        seq.position += 1
-        seq.last_token = token
-        text = ""
-        if seq.detok is not None:
-            text = seq.detok.push(token)
-            if seq.stop_sequences:
-                text, hit = self._scan_stops(seq, text)
-                if hit:
-                    return self._end(seq, token, FinishReason.STOP, text, flush=False)
-        if seq.generated >= seq.max_tokens or seq.position >= self._max_context:
-            return self._end(seq, token, FinishReason.MAX_TOKENS, text)
-        return (seq.owner, token, text, NOT_FINISHED, seq.t_admit)
-
-    @staticmethod
-    def _scan_stops(seq: Sequence, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop sequence matched). Text that could be the
-        start of a stop sequence is held back until the next token decides."""
-        candidate = seq.held + text
-        cut = -1
-        for stop in seq.stop_sequences:
-            i = candidate.find(stop)
-            if i != -1 and (cut == -1 or i < cut):
-                cut = i
-                seq.matched_stop = stop  # the earliest match; at a tie, the first listed
-        if cut != -1:
-            seq.held = ""
-            return candidate[:cut], True
-        keep = 0
-        for k in range(min(len(candidate), seq._max_stop - 1), 0, -1):
-            tail = candidate[-k:]
-            if any(stop.startswith(tail) for stop in seq.stop_sequences):
-                keep = k
-                break
-        seq.held = candidate[len(candidate) - keep :] if keep else ""
-        return candidate[: len(candidate) - keep], False
-
-    def _end(
-        self, seq: Sequence, token: int, finish: int, text: str = "", flush: bool = True
-    ) -> Output:
-        if flush and seq.detok is not None and finish != FINISH_ERROR:
-            rest = seq.detok.flush()
-            if seq.stop_sequences:
-                rest, hit = self._scan_stops(seq, rest)
-                text += rest + ("" if hit else seq.held)
-                if hit:
-                    finish = FinishReason.STOP
-            else:
-                text += rest
-            seq.held = ""
-        if seq.t_admit:
-            elapsed = time.perf_counter() - seq.t_admit
-            self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
-        return (seq.owner, token, text, finish, seq.t_admit)
-
-    def _fail(self, seq: Sequence, outputs: list[Output], finished: list[Sequence]) -> None:
-        outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))
-        finished.append(seq)
+        joined: int,
+        texts: list[tuple[int, Sequence]],
+    ) -> tuple[StepOutput, list[tuple[Sequence, int]]]:
+        """Every row of the step sampled a token: advance the rows at once, then add the text
+        of the rows that detokenize (``texts``: (row, sequence)). Returns the step's rows and
+        the sequences that ended, with their finish."""
+        adv = self._rows.advance(index, sampled)
+        ends = {i: _REASONS[r] for i, r in zip(adv.ended, adv.reasons, strict=True)}
+        quiet = [i for i, f in ends.items() if f != FinishReason.MAX_TOKENS]
+        text: dict[int, str] = {}
+        if texts:
+            tokens = sampled.tolist()
+            for i, seq in texts:
+                try:
+                    text[i], finish = seq.text(tokens[i], ends.get(i, NOT_FINISHED))
+                except Exception:  # e.g. a detokenizer failure: this sequence ends alone
+                    log.exception("processing a sampled token failed; ending its sequence")
+                    text[i], finish = "", FINISH_ERROR
+                    quiet.append(i)
+                if finish != NOT_FINISHED:
+                    ends[i] = finish
+        if quiet:
+            sampled = sampled.copy()
+            sampled[quiet] = NO_TOKEN
+        sampled.flags.writeable = False
+        out = StepOutput(owners, sampled, adv.counts, joined, text, quiet)
+        return out, [(seqs[i], finish) for i, finish in ends.items()]
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
-    def _set_decoding(self, rows: tuple[Sequence, ...]) -> None:
-        """The only place the decode rows change: a new tuple and a new version."""
-        self._decoding = rows
-        self._versions += 1
-        self._rows_version = self._versions
+    def _end(self, seq: Sequence, finish: int) -> Finished:
+        """``seq`` ended with ``finish``: its record (the slot is freed by ``_release``)."""
+        if seq.t_admit:
+            elapsed = time.perf_counter() - seq.t_admit
+            self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
+        if seq.slot < 0:
+            return Finished(seq.owner, finish, seq.t_admit, 0, None)
+        ids = self._rows.produced_ids(seq.slot)
+        return Finished(seq.owner, finish, seq.t_admit, len(ids), ids)
 
     def _offer(self, completed: list[Sequence]) -> None:
         """Prompts just prefilled: their full blocks go to the prefix store, copied out now,
@@ -864,30 +509,28 @@ class Engine:
             except Exception:
                 log.exception("saving a prompt's KV blocks failed; they will be recomputed")
 
+    def _free(self, seq: Sequence) -> None:
+        """Give ``seq``'s slot back (its row is cleared)."""
+        slot = seq.slot
+        if slot >= 0:
+            self._rows.remove(slot)
+            self.backend.free(slot)
+            heapq.heappush(self._free_slots, slot)
+            seq.slot = -1
+
     def _release(self, seqs: list[Sequence]) -> None:
-        """Free the slots of ended sequences; the decode rows are rebuilt once for all of them."""
-        decoding = False
+        """Ended sequences leave: their slots and rows are freed."""
         for seq in seqs:
-            if seq.slot >= 0:
-                self.backend.free(seq.slot)
-                heapq.heappush(self._free_slots, seq.slot)
-                seq.slot = -1
+            self._free(seq)
             self._running.remove(seq)
             if seq.prefilled < len(seq.prompt):
                 self._prefilling.remove(seq)
-            else:
-                decoding = True
-        if decoding:  # a released sequence has slot -1; every decoding one holds a slot
-            self._set_decoding(tuple([s for s in self._decoding if s.slot >= 0]))
 
-    def _fail_all(self) -> list[Output]:
-        self._leave_columns()
-        outputs: list[Output] = []
+    def _fail_all(self) -> list[Finished]:
         running = list(self._running)
-        for seq in running:
-            outputs.append((seq.owner, NO_TOKEN, "", FINISH_ERROR, seq.t_admit))
+        finished = [self._end(seq, FINISH_ERROR) for seq in running]
         self._release(running)
-        return outputs
+        return finished
 
 
 def _one_chunk(chunks: list[PrefillChunk], i: int) -> list[PrefillChunk]:

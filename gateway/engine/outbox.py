@@ -1,6 +1,6 @@
 """The engine's outbox: steps handed from the engine thread to the event loop, with a hard bound.
 
-The engine thread ``put``s each step's outputs; the first step of a batch schedules one wake-up of
+The engine thread ``put``s each StepOutput; the first step of a batch schedules one wake-up of
 the loop, and steps that finish while that wake-up waits join it, so the loop is woken at most
 once per batch however fast the engine runs. At most ``max_pending`` steps wait: beyond that the
 engine thread blocks until the loop takes them (it is slowed to the loop's pace instead of
@@ -14,10 +14,9 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from gateway.engine.engine import Output, TokenColumn
+from gateway.engine.step import StepOutput
 
-Step = tuple[list[Output], TokenColumn | None]  # what the engine hands over per step
-Consumer = Callable[[list[Step]], None]
+Consumer = Callable[[list[StepOutput]], None]
 
 MAX_PENDING_STEPS = 16  # steps the engine may run ahead of the loop before it waits
 
@@ -29,7 +28,7 @@ class Outbox:
         self.max_pending = max_pending
         self._lock = threading.Lock()  # taken directly on the hot path (a C call)
         self._cond = threading.Condition(self._lock)  # for waiting when full
-        self._pending: list[Step] = []
+        self._pending: list[StepOutput] = []
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._consumer: Consumer | None = None
@@ -38,14 +37,14 @@ class Outbox:
         """``consumer(steps)`` runs on ``loop`` with every batch of steps, in order."""
         self._loop, self._consumer = loop, consumer
 
-    def put(self, outputs: list[Output], column: TokenColumn | None) -> None:
+    def put(self, step: StepOutput) -> None:
         """On the engine thread: queue one step; blocks while ``max_pending`` steps wait."""
         with self._lock:
             while len(self._pending) >= self.max_pending and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return
-            self._pending.append((outputs, column))
+            self._pending.append(step)
             wake = len(self._pending) == 1
         if wake:
             assert self._loop is not None, "Outbox.attach was not called"

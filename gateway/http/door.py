@@ -3,8 +3,8 @@
 For each request: route it (routes.py), check its key (``RequestPath.authenticate``), parse its
 body into a Request and a Reply (openai.py / anthropic.py), then open it as one Stream with text
 deltas. The path validates, tokenizes, runs the hooks and submits to the engine; its refusals
-and the engine's outputs come back through this door's ``write_token`` / ``write_done`` /
-``write_error``, and the output processor ``flush``es each connection once per delivery. A
+come back through this door's ``write_done`` / ``write_error``, the engine's text through its
+encoder (``token_writer``: ``TextDeltas``), and each connection is flushed once per delivery. A
 streamed response's status line goes out with its first event, so a refusal that comes before
 any token is a plain HTTP error with its own status (what the SDKs turn into their exception
 types); one after it is the API's in-stream error event. A client that goes away cancels its
@@ -18,6 +18,7 @@ import time
 
 from gateway.codes import ErrorCode, FinishReason
 from gateway.engine.backend import ModelInfo
+from gateway.engine.step import StepOutput
 from gateway.hooks import HookError, Principal
 from gateway.http import anthropic, openai
 from gateway.http.errors import HttpError, stream_error_event
@@ -169,22 +170,23 @@ class ApiConnection(HttpConnection):
 
     # ------------------------------------------------------------------ Door: outputs
 
-    # write_token and write_cached return the TOKEN frames written (for the frame metrics): none.
+    def token_writer(self, streams: list[Stream], rows: list[int]) -> TextDeltas:
+        return TextDeltas(self, streams, rows)
 
-    def write_token(self, st: Stream, token: int, text: str) -> int:
-        if not text:  # a token whose bytes end mid-character: its text comes with the next
-            return 0
+    def write_text(self, st: Stream, text: str) -> None:
+        """A text delta of ``st``'s answer (an event, or a part of the whole body)."""
         ex: Exchange = st.state  # type: ignore[assignment]
         if not ex.stream:
             ex.parts.append(text)
-            return 0
+            return
         if not ex.started:
             self._start(st, ex)
         ex.reply.token(self.out, text)
-        return 0
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
-        return self.write_token(st, -1, text)
+        if text:
+            self.write_text(st, text)
+        return 0  # TOKEN frames written (for the frame metrics): none
 
     def _start(self, st: Stream, ex: Exchange) -> None:
         ex.started = True
@@ -219,9 +221,6 @@ class ApiConnection(HttpConnection):
             self.respond_error(err, advance=False, counted=True)
         if self.api.log_requests:
             self._log(ex.request, st.api, err.status, st, detail=message)
-
-    def write_frames(self, frames: memoryview) -> None:
-        raise AssertionError("an HTTP stream always wants text: it is never in a column")
 
     def stream_ended(self, st: Stream) -> None:
         if self.st is st:
@@ -264,3 +263,22 @@ class ApiConnection(HttpConnection):
         else:
             fields["detail"] = detail
             REQUEST_LOG.info("http request refused", extra=fields)
+
+
+class TextDeltas:
+    """The HTTP door's encoder for its stream(s) in one engine row set: their text deltas.
+    (A token whose bytes end mid-character has no text yet: it comes with a later one.)"""
+
+    __slots__ = ("conn", "rows")
+
+    def __init__(self, conn: ApiConnection, streams: list[Stream], rows: list[int]) -> None:
+        self.conn = conn
+        self.rows = list(zip(rows, streams, strict=True))
+
+    def write(self, step: StepOutput) -> int:
+        text = step.text
+        for i, st in self.rows:
+            delta = text.get(i)
+            if delta:
+                self.conn.write_text(st, delta)
+        return 0  # TOKEN frames written: none

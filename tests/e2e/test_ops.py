@@ -38,8 +38,12 @@ def test_scrape_after_requests_moves_counters_by_the_right_amounts():
         res = rc.collect(conn, {1, 2, 3, 4})
         cancelled_tokens = len(res[4]["ids"]) + len(rc.parse_token(first[3])[0])
         completed = 17 + res[4]["done"]["completion_tokens"]
-        time.sleep(1.2)  # gauges refresh once a second
+        # The engine sets its gauges after the step that ended the last request: wait for that.
+        deadline = time.monotonic() + 10
         after = scrape(d.metrics_url)
+        while value(after, "zerolayer_num_requests_running") != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            after = scrape(d.metrics_url)
 
         def delta(name, **labels):
             return value(after, name, **labels) - value(before, name, **labels)

@@ -72,8 +72,10 @@ class Daemon:
         config: str | None = None,
         raw_env: dict[str, str] | None = None,
         wrapper: list[str] | None = None,
+        root: Path = ROOT,
     ) -> None:
-        """``wrapper``: a command the daemon runs under (e.g. valgrind and its options)."""
+        """``wrapper``: a command the daemon runs under (e.g. valgrind and its options);
+        ``root``: the source tree it runs (another checkout, e.g. a baseline commit)."""
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
         full_env.update(
             {
@@ -85,13 +87,15 @@ class Daemon:
             }
         )
         full_env.update({f"ZEROLAYER_{k}": str(v) for k, v in (env or {}).items()})
+        if root != ROOT:
+            full_env["PYTHONPATH"] = str(root)
         full_env.update(raw_env or {})
         cmd = [*(wrapper or ()), sys.executable, "-m", "gateway.cli", "serve"]
         if config:
             cmd += ["--config", config]
         self.proc = subprocess.Popen(
             cmd,
-            cwd=ROOT,
+            cwd=root,
             env=full_env,
             stderr=subprocess.PIPE,
             text=True,

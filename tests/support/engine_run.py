@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.engine.backend import Backend
-from gateway.engine.engine import FINISH, NOT_FINISHED, OWNER, TOKEN, Engine, Output, Sequence
+from gateway.engine.engine import NOT_FINISHED, Engine, Output, Sequence
 from gateway.engine.prefix_store import PrefixStore
 from gateway.tokenizer import Tokenizer
 
@@ -31,7 +31,7 @@ def run_engine(
     scramble(backend)
     outputs: list[Output] = []
     engine = Engine(
-        backend, tok, outputs.extend, max_queue=16, max_step_tokens=64,
+        backend, tok, lambda step: outputs.extend(step.outputs()), max_queue=16, max_step_tokens=64,
         prefill_chunk=prefill_chunk, prefix_store=store,
     )  # fmt: skip
     for s in seqs:
@@ -39,13 +39,13 @@ def run_engine(
     got: dict[object, list] = {s.owner: [] for s in seqs}
     done: set = set()
     for _ in range(2000):
-        outputs.extend(engine.step())
+        outputs.extend(engine.step().outputs())
         for out in outputs:
-            if out[TOKEN] >= 0:
-                got[out[OWNER]].append(out[TOKEN])
-            if out[FINISH] != NOT_FINISHED:
-                got[out[OWNER]].append(("end", int(out[FINISH])))
-                done.add(out[OWNER])
+            if out.token >= 0:
+                got[out.owner].append(out.token)
+            if out.finish != NOT_FINISHED:
+                got[out.owner].append(("end", int(out.finish)))
+                done.add(out.owner)
         outputs.clear()
         if len(done) == len(seqs):
             return got

@@ -62,7 +62,7 @@ def make_server(**server: object) -> tuple[Server, list[Completion]]:
     engine = Engine(
         backend,
         tokenizer,
-        lambda outputs, column: None,  # never started: the test steps it
+        lambda step: None,  # never started: the test steps it
         max_queue=64,
         max_step_tokens=64,
         prefill_chunk=16,

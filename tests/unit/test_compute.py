@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gateway.engine.compute import ComputeThread
-from gateway.engine.engine import FINISH, NOT_FINISHED, Engine, Sequence
+from gateway.engine.engine import Engine, Sequence, StepOutput
 from gateway.engine.synthetic import SyntheticBackend
 from gateway.engine.types import SamplingRow
 from gateway.tokenizer import ByteTokenizer
@@ -45,9 +45,9 @@ def test_engine_loop_runs_on_the_thread_that_built_the_backend():
     done = threading.Event()
     loop_threads: set[int] = set()
 
-    def deliver(outputs, column) -> None:
+    def deliver(step: StepOutput) -> None:
         loop_threads.add(threading.get_ident())
-        if any(out[FINISH] != NOT_FINISHED for out in outputs):
+        if step.finished:
             done.set()
 
     engine = Engine(

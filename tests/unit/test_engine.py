@@ -9,12 +9,8 @@ import pytest
 
 from gateway.engine.backend import Backend, ModelInfo
 from gateway.engine.engine import (
-    FINISH,
     NO_TOKEN,
     NOT_FINISHED,
-    OWNER,
-    POSITION_BLOCK,
-    TEXT,
     Engine,
     EngineOverloaded,
     EngineStopped,
@@ -86,11 +82,11 @@ def seq(owner, prompt=b"hi", max_tokens=10, text=True, stops=(), stop_ids=(), **
 
 def run(engine: Engine, sink: list[Output], limit: int = 1000) -> dict:
     for _ in range(limit):
-        sink.extend(engine.step())
+        sink.extend(engine.step().outputs())
         if engine.idle:
             break
     streams: dict = {}
-    for owner, token, text, finish, _ in sink:
+    for owner, token, text, finish in sink:
         s = streams.setdefault(owner, {"ids": [], "text": "", "finish": None, "ends": 0})
         assert s["finish"] is None, "output after the stream ended"
         if token != NO_TOKEN:
@@ -170,7 +166,7 @@ def test_text_deltas_never_split_utf8():
     engine, sink = make_engine(Scripted(euro + [ord("x")] + euro[:2]))
     engine.submit(seq("u", max_tokens=6))
     run(engine, sink)
-    deltas = [o[TEXT] for o in sink]
+    deltas = [o.text for o in sink]
     for d in deltas:
         d.encode("utf-8")  # each delta is a valid string
     assert "".join(deltas) == "€x\ufffd"  # the unfinished tail is flushed as U+FFFD
@@ -181,10 +177,10 @@ def test_chunked_prefill_interleaves_with_decode():
     backend = Scripted([ord("z")], num_slots=2)
     engine, sink = make_engine(backend, max_step_tokens=16, prefill_chunk=8)
     engine.submit(seq("short", prompt=b"ab", max_tokens=30))
-    sink.extend(engine.step())  # short prefilled, first token out
+    sink.extend(engine.step().outputs())  # short prefilled, first token out
     engine.submit(seq("long", prompt=b"x" * 40, max_tokens=2))
     for _ in range(5):
-        sink.extend(engine.step())
+        sink.extend(engine.step().outputs())
     long_chunks = [c for step in backend.prefills[1:] for c in step]
     assert [c[2] for c in long_chunks] == [8, 8, 8, 8, 8]  # 40 tokens in chunks of 8
     assert [c[1] for c in long_chunks] == [0, 8, 16, 24, 32]
@@ -198,7 +194,7 @@ def test_step_token_budget_limits_prefill():
     engine, sink = make_engine(backend, max_step_tokens=10, prefill_chunk=10)
     for i in range(3):
         engine.submit(seq(i, prompt=b"y" * 7, max_tokens=1))
-    sink.extend(engine.step())
+    sink.extend(engine.step().outputs())
     assert sum(c[2] for c in backend.prefills[0]) == 10
 
 
@@ -209,7 +205,7 @@ def test_cancel_frees_slot_at_next_step():
     engine.submit(s1)
     engine.submit(s2)
     for _ in range(3):
-        sink.extend(engine.step())
+        sink.extend(engine.step().outputs())
     assert engine.slots_used == 1 and engine.waiting == 1
     engine.cancel(s1)
     res = run(engine, sink)
@@ -223,7 +219,7 @@ def test_cancel_while_waiting():
     s1, s2 = seq("one", max_tokens=5), seq("two", max_tokens=5)
     engine.submit(s1)
     engine.submit(s2)
-    sink.extend(engine.step())
+    sink.extend(engine.step().outputs())
     engine.cancel(s2)
     res = run(engine, sink)
     assert res["two"] == {"ids": [], "text": "", "finish": FinishReason.CANCELLED, "ends": 1}
@@ -258,7 +254,7 @@ def test_backend_failure_fails_sequences_not_engine():
     engine = Engine(
         Broken([1]),
         TOK,
-        lambda outs, _column: outputs.extend(outs),
+        lambda step: outputs.extend(step.outputs()),
         max_queue=4,
         max_step_tokens=64,
         prefill_chunk=32,
@@ -270,7 +266,7 @@ def test_backend_failure_fails_sequences_not_engine():
             if outputs:
                 break
             time.sleep(0.01)
-        assert outputs and outputs[-1][FINISH] == -1
+        assert outputs and outputs[-1].finish == -1
         assert engine.alive
         assert engine.slots_used == 0
     finally:
@@ -314,15 +310,15 @@ def test_rows_stay_right_through_prefill_only_steps_and_mixed_rows():
         solo[name] = run(engine, sink)[name]
     engine, sink = make_engine(SyntheticBackend(4, 300, 256), max_step_tokens=9, prefill_chunk=8)
     engine.submit(seq("a", **kinds()["a"]))
-    sink.extend(engine.step())
+    sink.extend(engine.step().outputs())
     engine.submit(seq("long", **kinds()["long"]))  # 5 chunks: "a" ends before they are done
     doomed = seq("doomed", prompt=b"y" * 30, max_tokens=5)
     engine.submit(doomed)
     for _ in range(2):
-        sink.extend(engine.step())
+        sink.extend(engine.step().outputs())
     engine.cancel(doomed)  # while still prefilling
     for _ in range(2):
-        sink.extend(engine.step())
+        sink.extend(engine.step().outputs())
     for name in ("text", "stop"):
         engine.submit(seq(name, **kinds()[name]))
     together = run(engine, sink)
@@ -338,99 +334,73 @@ def test_empty_prompt_is_refused():
         engine.submit(seq("e", prompt=b""))
 
 
-# ---------------------------------------------------------------------- the columnar decode path
-
-
-def columnar_steps(engine: Engine, sink: list[Output], limit: int = 1000) -> int:
-    """Drive ``engine`` like its thread does (step_columns), expanding each TokenColumn into the
-    Outputs ``step`` would give; returns how many steps were columnar."""
-    n = 0
-    for _ in range(limit):
-        outputs, column = engine.step_columns()
-        sink.extend(outputs)
-        if column is not None:
-            n += 1
-            running = {s.owner for s in engine._running}
-            assert set(column.owners) <= running  # never a sequence that has ended
-            assert len(column.owners) == len(column.tokens)
-            tokens = column.tokens.tolist()
-            sink.extend(
-                (o, t, "", NOT_FINISHED, 0.0) for o, t in zip(column.owners, tokens, strict=True)
-            )
-        if engine.idle:
-            break
-    return n
+# ---------------------------------------------------------------------- rows and steps
 
 
 def plain(owner, prompt, max_tokens, stop_ids=()):
     return seq(owner, prompt=prompt, max_tokens=max_tokens, text=False, stop_ids=stop_ids)
 
 
-def test_columnar_steps_give_what_token_by_token_gives():
-    """Plain rows (no text, no stop ids) go columnar; rows given a stop id that never comes go
-    token by token, alone or mixed into the same batches as plain rows. All give the same ids,
-    finishes and counts, with rows ending at different steps (max_tokens, max_context) and
-    joining while others decode."""
+def test_rows_with_and_without_stop_ids_and_text_give_the_same_ids():
+    """Plain rows, rows given a stop id that never comes and rows with text, alone or mixed
+    into the same batches, give the same ids, finishes and counts, with rows ending at
+    different steps (max_tokens, max_context) and joining while others decode."""
     prompts = {f"s{i}": (bytes([65 + i]) * (1 + i), 5 + 7 * i) for i in range(6)}
     prompts["ctx"] = (b"c" * 50, 200)  # max_context 64 ends it first
 
-    def drive(by_token: set[str]):
+    def drive(stopping: set[str], texts: set[str] = set()):  # noqa: B006
         engine, sink = make_engine(SyntheticBackend(8, 300, 64), max_step_tokens=16)
         names = list(prompts)
 
         def submit(name):
             # 299: a stop id the synthetic backend never samples
-            stop_ids = (299,) if name in by_token else ()
-            engine.submit(plain(name, *prompts[name], stop_ids=stop_ids))
+            stop_ids = (299,) if name in stopping else ()
+            prompt, max_tokens = prompts[name]
+            engine.submit(seq(name, prompt, max_tokens, text=name in texts, stop_ids=stop_ids))
 
         for name in names[:3]:
             submit(name)
-        outputs, _ = engine.step_columns()  # the first three prefill ...
-        sink.extend(outputs)
+        sink.extend(engine.step().outputs())  # the first three prefill ...
         for name in names[3:]:  # ... and the rest join while they decode
             submit(name)
-        n = columnar_steps(engine, sink)
+        res = run(engine, sink)
         assert engine.slots_used == 0
-        return run(engine, sink, limit=0), n
+        for r in res.values():
+            r["text"] = ""
+        return res
 
-    by_token, n_tok = drive(set(prompts))
-    columnar, n_col = drive(set())
-    mixed, n_mixed = drive({"s1", "s4", "ctx"})
-    assert n_col > 10 and n_mixed > 10 and n_tok == 0
-    assert columnar == by_token
-    assert mixed == by_token
+    every = drive(set(prompts))
+    assert drive(set()) == every
+    assert drive({"s1", "s4", "ctx"}) == every
+    assert drive(set(), texts={"s0", "s3", "ctx"}) == every
     for name, (_, max_tokens) in prompts.items():
         if name != "ctx":
-            assert len(columnar[name]["ids"]) == max_tokens
-            assert columnar[name]["finish"] == FinishReason.MAX_TOKENS
-    assert len(columnar["ctx"]["ids"]) == 64 - 50 and columnar["ctx"]["finish"] == 1
-    assert all(r["ends"] == 1 for r in columnar.values())
+            assert len(every[name]["ids"]) == max_tokens
+            assert every[name]["finish"] == FinishReason.MAX_TOKENS
+    assert len(every["ctx"]["ids"]) == 64 - 50 and every["ctx"]["finish"] == 1
+    assert all(r["ends"] == 1 for r in every.values())
 
 
-def test_a_split_step_ends_its_rows_and_hands_its_column_on():
-    """When plain rows reach max_tokens, only they go token by token: the others still come as
-    one column in that step, under a version the next step keeps (its rows are the same)."""
+def test_a_step_output_keeps_its_owners_list_while_the_rows_stay():
+    """Consecutive steps with the same rows hand out the same owners list (a consumer keys its
+    per-row work on it); a row that ends or joins gives a new one. Counts are by row."""
     engine, _ = make_engine(SyntheticBackend(4, 300, 256))
     for name, max_tokens in (("short", 4), ("a", 12), ("b", 12)):
         engine.submit(plain(name, b"x" + name.encode(), max_tokens))
-    steps = []
-    for _ in range(8):
-        steps.append(engine.step_columns())
-    split = next(i for i, (outs, _) in enumerate(steps) if any(o[3] >= 0 for o in outs))
-    assert split > 1  # after some columnar steps
-    (owner, token, _, finish, _), *rest = steps[split][0]
-    assert owner == "short" and finish == FinishReason.MAX_TOKENS and token != NO_TOKEN
-    assert rest == []  # the other rows came as a column
-    column, following = steps[split][1], steps[split + 1][1]
-    assert column is not None and following is not None
-    assert column.owners == following.owners == ["a", "b"]
-    assert column.version == following.version  # one plan for the consumer, not two
-    assert steps[split - 1][1] is not None and steps[split - 1][1].version != column.version
+    steps = [engine.step() for _ in range(8)]
+    assert steps[0].owners == ["short", "a", "b"] and steps[0].joined == 3
+    assert steps[0].counts.tolist() == [1, 1, 1]
+    assert steps[1].owners is steps[2].owners is steps[3].owners  # the same rows
+    assert steps[3].counts.tolist() == [4, 4, 4]
+    assert [f.owner for f in steps[3].finished] == ["short"]  # its 4th token ends it
+    assert steps[3].finished[0].count == 4 and steps[3].tokens[0] != NO_TOKEN
+    assert steps[4].owners == ["a", "b"] and steps[4].owners is not steps[3].owners
+    assert steps[4].owners is steps[5].owners and steps[4].joined == 0
 
 
-def test_decode_positions_advance_by_one_across_position_blocks():
-    """Steady steps take their positions from blocks of POSITION_BLOCK: every decode step of a
-    long sequence gets the position after the last one, across block ends and a row change."""
+def test_decode_positions_advance_by_one():
+    """Every decode step of a long sequence gets the position after the last one, also across
+    a change of the rows (a shorter sequence leaves, so the slots stop being a slice)."""
     seen: list[list[int]] = []
 
     class Recording(SyntheticBackend):
@@ -439,16 +409,19 @@ def test_decode_positions_advance_by_one_across_position_blocks():
             return super().decode(batch)
 
     engine, sink = make_engine(Recording(4, 300, 1024))
-    engine.submit(plain("long", b"abc", 3 * POSITION_BLOCK + 5))
-    engine.submit(plain("short", b"de", POSITION_BLOCK + 3))  # leaves mid-way: rows change
+    engine.submit(plain("long", b"abc", 200))
+    engine.submit(plain("short", b"de", 70))  # leaves mid-way: rows change
+    engine.submit(plain("third", b"f", 150))
     run(engine, sink)
     longs = [positions[0] for positions in seen]  # "long" holds slot 0, the first row
-    shorts = [positions[1] for positions in seen if len(positions) == 2]
-    assert longs == list(range(3, 3 + 3 * POSITION_BLOCK + 4))  # every step, one further
-    assert shorts == list(range(2, 2 + POSITION_BLOCK + 2))
+    shorts = [positions[1] for positions in seen if len(positions) == 3]
+    thirds = [positions[-1] for positions in seen if len(positions) > 1]
+    assert longs == list(range(3, 3 + 199))  # every step, one further
+    assert shorts == list(range(2, 2 + 69))
+    assert thirds == list(range(1, 1 + 149))
 
 
-def test_eos_in_the_middle_of_columnar_steps():
+def test_eos_in_the_middle_of_steps():
     for eos in (257, 258):  # the tokenizer's only EOS id, or one of two
         backend = Scripted([ord(c) for c in "abcdefgh"] + [eos] + [ord("z")] * 100)
         tokenizer = ByteTokenizer()
@@ -457,16 +430,14 @@ def test_eos_in_the_middle_of_columnar_steps():
         engine.submit(plain("eos", b"x", max_tokens=50))
         engine.submit(plain("short", b"y", max_tokens=4))
         engine.submit(seq("text", b"z", max_tokens=50))  # a text row in the same batches
-        n = columnar_steps(engine, sink)
-        res = run(engine, sink, limit=0)
-        assert n > 0
+        res = run(engine, sink)
         assert res["eos"] == {"ids": list(b"abcdefgh"), "text": "", "finish": 0, "ends": 1}
         assert res["short"]["ids"] == list(b"abcd") and res["short"]["finish"] == 1
         assert res["text"] == {"ids": list(b"abcdefgh"), "text": "abcdefgh", "finish": 0, "ends": 1}
 
 
-def test_cancel_and_new_rows_in_the_middle_of_columnar_steps():
-    """A cancel and a text row arriving mid-way: the columnar rows' counters stay exact."""
+def test_cancel_and_new_rows_in_the_middle_of_steps():
+    """A cancel and a text row arriving mid-way: the other rows' counters stay exact."""
 
     def solo(name, **kw):
         engine, sink = make_engine(SyntheticBackend(4, 300, 256))
@@ -479,13 +450,13 @@ def test_cancel_and_new_rows_in_the_middle_of_columnar_steps():
     doomed = plain("doomed", b"dd", 30)
     engine.submit(seq("a", **kw_a))
     engine.submit(doomed)
-    assert columnar_steps(engine, sink, limit=6) == 5
+    for _ in range(6):
+        sink.extend(engine.step().outputs())
     engine.cancel(doomed)
     engine.submit(seq("text", **kw_t))
-    columnar_steps(engine, sink)
-    res = run(engine, sink, limit=0)
+    res = run(engine, sink)
     assert res["doomed"]["finish"] == FinishReason.CANCELLED and res["doomed"]["ends"] == 1
-    assert len(res["doomed"]["ids"]) == 5 + 1  # the prefill's token, then 5 columnar steps
+    assert len(res["doomed"]["ids"]) == 6  # the prefill's token, then 5 decode steps
     assert res["a"] == solo("a", **kw_a)
     assert res["text"] == solo("text", **kw_t)
     assert engine.slots_used == 0
@@ -583,7 +554,7 @@ def test_a_sequence_that_cannot_be_admitted_ends_alone():
     engine.submit(seq("bad", max_tokens=3, top_k=2**31))
     engine.submit(seq("good", max_tokens=3))
     got = run(engine, sink)
-    finishes = {o[OWNER]: o[FINISH] for o in sink if o[FINISH] != NOT_FINISHED}
+    finishes = {o.owner: o.finish for o in sink if o.finish != NOT_FINISHED}
     assert finishes == {"bad": FinishReason.ERROR, "good": FinishReason.MAX_TOKENS}
     assert got["good"]["ids"] == [5, 6, 7] and engine.slots_used == 0
 
@@ -606,32 +577,13 @@ def test_a_backend_failure_of_one_row_ends_only_that_sequence():
     for name in ("a", "b", "c"):  # slots 0, 1, 2
         engine.submit(seq(name, max_tokens=6))
     got = run(engine, sink)
-    finishes = {o[OWNER]: o[FINISH] for o in sink if o[FINISH] != NOT_FINISHED}
+    finishes = {o.owner: o.finish for o in sink if o.finish != NOT_FINISHED}
     assert finishes == {
         "a": FinishReason.MAX_TOKENS,
         "b": FinishReason.ERROR,
         "c": FinishReason.MAX_TOKENS,
     }
     assert len(got["a"]["ids"]) == len(got["c"]["ids"]) == 6 and engine.slots_used == 0
-
-
-def test_decode_rows_are_versioned_not_identified_by_object():
-    """Every change of the decode rows gives a new version (the batch cache, the columnar path
-    and the output processor's plan key on it), and the rows cannot be appended to in place."""
-    engine, sink = make_engine(SyntheticBackend(4, 300, 256))
-    engine.submit(plain("a", b"aa", 20))
-    engine.step_columns()
-    v1 = engine._rows_version
-    assert isinstance(engine._decoding, tuple)  # no .append: changes go through _set_decoding
-    engine.submit(plain("b", b"bb", 20))
-    engine.step_columns()
-    assert engine._rows_version != v1
-    columns = []
-    for _ in range(5):
-        outputs, column = engine.step_columns()
-        if column is not None:
-            columns.append(column.version)
-    assert len(columns) == 5 and len(set(columns)) == 1  # a steady row set keeps its version
 
 
 def test_stop_closes_the_backend_on_the_engine_thread():
@@ -647,7 +599,7 @@ def test_stop_closes_the_backend_on_the_engine_thread():
 
     compute = ComputeThread("test-close")
     engine = Engine(
-        Closing([1]), TOK, lambda o, c: None, max_queue=4, max_step_tokens=64, prefill_chunk=8
+        Closing([1]), TOK, lambda step: None, max_queue=4, max_step_tokens=64, prefill_chunk=8
     )
     engine.start(compute)
     engine_thread = compute.thread.ident
@@ -665,22 +617,10 @@ def test_admission_is_round_robin_across_fairness_keys():
     engine.step()  # a0 and a1 take both slots
     engine.submit(Sequence("b", np.array([1, 2], np.int32), 4, SamplingRow(), fair_key="B"))
     for _ in range(200):
-        for out in engine.step():
-            if out[FINISH] != NOT_FINISHED:
-                order.append(out[OWNER])
+        for out in engine.step().outputs():
+            if out.finish != NOT_FINISHED:
+                order.append(out.owner)
         if engine.idle:
             break
     assert len(order) == 13
     assert order.index("b") <= 3  # after at most the two running and one more of A's
-
-
-def test_the_columnar_eos_check_finds_eos_only_as_a_whole_row():
-    """EOS (257: bytes 01 01 00 00) is found by a byte search of the step's int32 ids: a match
-    across two rows (... 00 00 00 01 | 01 00 00 00 ...) is not EOS."""
-    engine, _ = make_engine(SyntheticBackend(num_slots=2, vocab_size=300, max_context=64))
-    assert TOK.eos_token_ids == frozenset({257})
-    straddle = np.array([7, 0x01000000, 1, 9], np.int32)
-    assert not engine._any_eos(straddle)
-    assert engine._any_eos(np.array([7, 0x01000000, 1, 257], np.int32))
-    assert engine._any_eos(np.array([257], np.int32))
-    assert not engine._any_eos(np.array([256, 258, 0x0102, 0x01010000], np.int32))

@@ -28,7 +28,7 @@ def run(backend, tokenizer, seqs: list[Sequence]) -> dict[object, list[int]]:
         engine.submit(s)
     got: dict[object, list[int]] = {s.owner: [] for s in seqs}
     for _ in range(500):
-        for owner, token, _text, _finish, _t in engine.step():
+        for owner, token, _text, _finish in engine.step().outputs():
             if token != NO_TOKEN:
                 got[owner].append(token)
         if engine.running == 0 and engine.waiting == 0:
@@ -94,7 +94,7 @@ def test_cancel_frees_the_slot_at_the_next_step(cpu):
     engine.step()
     assert engine.slots_used == 1
     engine.cancel(s)
-    finishes = [f for _, _, _, f, _ in engine.step() if f != NOT_FINISHED]
+    finishes = [f for _, _, _, f in engine.step().outputs() if f != NOT_FINISHED]
     assert finishes == [3]
     assert engine.slots_used == 0
 

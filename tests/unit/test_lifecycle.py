@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from gateway import protocol as p
 from gateway.codes import ErrorCode, FinishReason
 from gateway.config import AuthConfig
-from gateway.engine.engine import Engine
+from gateway.engine.engine import Engine, StepOutput
 from gateway.engine.synthetic import SyntheticBackend
 from gateway.hooks import CachedResponse, Chain, HookError, Principal
 from gateway.hooks.ratelimit import RateLimiter
@@ -36,9 +35,8 @@ class Door:
         self.endings: list[tuple[int, str, object]] = []  # (key, "done"/"error", detail)
         self.ended: list[int] = []
 
-    def write_token(self, st: Stream, token: int, text: str) -> int:
-        self.tokens.setdefault(st.key, []).append(token)
-        return 1
+    def token_writer(self, streams: list[Stream], rows: list[int]) -> Writer:
+        return Writer(self, streams, rows)
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         self.tokens.setdefault(st.key, []).extend(ids)
@@ -50,18 +48,25 @@ class Door:
     def write_error(self, st: Stream, code: ErrorCode, message: str, retry_ms: int) -> None:
         self.endings.append((st.key, "error", code))
 
-    def write_frames(self, frames: memoryview) -> None:
-        words = np.frombuffer(frames, "<i4").reshape(-1, 5)  # one-id TOKEN frames
-        assert (words[:, 0] == 8).all() and (words[:, 3] == 1).all()
-        keys, ids = words[:, 2].view("<u4").tolist(), words[:, p.TOKEN1_ID].tolist()
-        for key, t in zip(keys, ids, strict=True):
-            self.tokens.setdefault(key, []).append(t)
-
     def stream_ended(self, st: Stream) -> None:
         self.ended.append(st.key)
 
     def flush(self) -> None:
         self.dirty = False
+
+
+class Writer:
+    """The recording door's encoder: each produced id, by stream."""
+
+    def __init__(self, door: Door, streams: list[Stream], rows: list[int]) -> None:
+        self.door, self.rows = door, list(zip(rows, streams, strict=True))
+
+    def write(self, step: StepOutput) -> int:
+        for i, st in self.rows:
+            token = int(step.tokens[i])
+            if token >= 0:
+                self.door.tokens.setdefault(st.key, []).append(token)
+        return 0
 
 
 def make_path(
@@ -79,7 +84,7 @@ def make_path(
     chain = Chain.build(settings)
     backend = SyntheticBackend(num_slots=2, vocab_size=300, max_context=256)
     engine = Engine(
-        backend, ByteTokenizer(), lambda o, c: None, max_queue=8, max_step_tokens=64,
+        backend, ByteTokenizer(), lambda step: None, max_queue=8, max_step_tokens=64,
         prefill_chunk=16,
     )  # fmt: skip
     return RequestPath(engine, InputProcessor(ByteTokenizer(), backend.info), chain, Metrics())
@@ -96,8 +101,7 @@ def request(**kw) -> p.Request:
 
 def run_engine(path: RequestPath, steps: int = 50) -> None:
     for _ in range(steps):
-        outputs, column = path.engine.step_columns()
-        path.outputs.deliver([(outputs, column)])
+        path.deliver([path.engine.step()])
         if path.engine.idle:
             return
 
@@ -153,7 +157,7 @@ def test_cancel_in_the_queue_charges_no_prompt_but_a_started_prefill_does() -> N
     run_engine(path)
     assert charged_prompt_tokens(queued) == 0
     started = open_stream(path, door, 2, request(max_tokens=50))
-    path.engine.step_columns()  # prefilled and first token sampled
+    path.engine.step()  # prefilled and first token sampled
     path.cancel(started)
     run_engine(path)
     assert charged_prompt_tokens(started) == started.prompt_tokens

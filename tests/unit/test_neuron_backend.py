@@ -581,7 +581,7 @@ def test_engine_drives_the_backend_end_to_end(fake_tnx: Recorder, checkpoint: Pa
     engine = Engine(
         backend,
         tokenizer,
-        outputs.extend,
+        lambda step: outputs.extend(step.outputs()),
         max_queue=8,
         max_step_tokens=8,
         prefill_chunk=3,  # smaller than the prompts: exercises chunk buffering
@@ -591,11 +591,11 @@ def test_engine_drives_the_backend_end_to_end(fake_tnx: Recorder, checkpoint: Pa
     for i, p in enumerate(prompts):
         engine.submit(Sequence(i, np.asarray(p, np.int32), 5, SamplingRow()))
     for _ in range(60):
-        outputs.extend(engine.step())
+        outputs.extend(engine.step().outputs())
         if engine.running == 0 and engine.waiting == 0:
             break
     got: dict[int, list[int]] = {0: [], 1: [], 2: []}
-    for owner, token, _text, _finish, _t in outputs:
+    for owner, token, _text, _finish in outputs:
         if token != NO_TOKEN:
             got[owner].append(token)
     for i, p in enumerate(prompts):

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 from gateway.engine.outbox import Outbox
+from gateway.engine.step import StepOutput
 
 
 def test_bound_is_hard_and_steps_arrive_in_order_in_few_batches() -> None:
@@ -18,7 +19,7 @@ def test_bound_is_hard_and_steps_arrive_in_order_in_few_batches() -> None:
         def engine() -> None:
             nonlocal high
             for i in range(200):
-                outbox.put([i], None)  # type: ignore[list-item]
+                outbox.put(i)  # type: ignore[arg-type]
                 high = max(high, outbox.pending)
 
         thread = threading.Thread(target=engine)
@@ -26,7 +27,7 @@ def test_bound_is_hard_and_steps_arrive_in_order_in_few_batches() -> None:
         while thread.is_alive() or outbox.pending:
             await asyncio.sleep(0.001)
         thread.join()
-        steps = [outputs[0] for batch in batches for outputs, _ in batch]
+        steps = [step for batch in batches for step in batch]
         assert steps == list(range(200))
         assert high <= 4  # never more than max_pending waiting, however slow the loop
         assert len(batches) < 200
@@ -39,16 +40,16 @@ def test_close_releases_a_blocked_engine_thread_and_drops_later_steps() -> None:
     try:
         outbox = Outbox(max_pending=2)
         outbox.attach(loop, lambda steps: None)
-        outbox.put([], None)
-        outbox.put([], None)
-        blocked = threading.Thread(target=outbox.put, args=([], None))
+        outbox.put(StepOutput())
+        outbox.put(StepOutput())
+        blocked = threading.Thread(target=outbox.put, args=(StepOutput(),))
         blocked.start()
         blocked.join(0.2)
         assert blocked.is_alive()  # the third step waits for the loop
         outbox.close()
         blocked.join(5)
         assert not blocked.is_alive()
-        outbox.put([], None)  # after close: dropped, never blocks
+        outbox.put(StepOutput())  # after close: dropped, never blocks
         assert outbox.pending == 0
     finally:
         loop.close()

@@ -1,0 +1,250 @@
+"""The redesign's guard: this tree against a baseline checkout, side by side in one run.
+
+Each measurement runs a daemon of this tree ("new") and one of ``--base`` (another checkout of
+the repository, e.g. ``git worktree add ../base 7a48e61``; "base") in the same script, their runs
+interleaved round by round (the order alternating) so that the host's drift between rounds hits
+both; a figure is the median over rounds, a ratio the median of the per-round ratios.
+
+- **flat**: serving CPU per token flat out (serving.py's flat load, synthetic backend, no
+  step time).
+- **paced**: serving CPU per token of the paced burst and of the open loop (serving.py's paced
+  and paced-open loads, synthetic step time ``--step-ms``), with the no-logic pump beside them.
+- **instructions**: user-space instructions per request under callgrind, paced burst and open
+  loop, for the pump, base and new (one warm-up, then ``--instr-runs`` runs per load between a
+  counter reset and a dump).
+- **engine**: benchmarks/engine.py's daemon half (``--size``, default smollm2: the real default
+  model) at 1, 8 and 32 streams: output tokens/s.
+
+    python benchmarks/guard.py --base DIR [--parts flat,paced,instructions,engine] [--write]
+
+Results: ``benchmarks/results/guard-<part>.json`` and the ``guard-<part>`` sections of
+docs/benchmarks.md, each stamped with the two commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import engine as eng  # noqa: E402
+from benchmarks import serving as srv  # noqa: E402
+from benchmarks._report import RESULTS, machine, parser, publish, table  # noqa: E402
+from tests.support.daemon import ROOT, Daemon  # noqa: E402
+
+TREES = ("base", "new")
+
+
+def commit(root: Path) -> str:
+    return subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+
+
+def paired(runs: dict[str, list[float]], key: str = "base") -> tuple[float, list[float]]:
+    """new / base, round by round: the median and the per-round ratios."""
+    return srv.paired_ratio(runs["new"], runs[key])
+
+
+def flat(args, roots: dict[str, Path]) -> dict:
+    load = {
+        "concurrency": 64, "num_requests": 64 * args.flat_rounds, "input_len": "4",
+        "output_len": "256", "connections": 1,
+    }  # fmt: skip
+    env = {
+        "ENGINE__BACKEND": "synthetic", "ENGINE__MAX_BATCH_SIZE": "64",
+        "ENGINE__MAX_CONTEXT": "2048", "ENGINE__SYNTHETIC_VOCAB_SIZE": str(srv.VOCAB),
+    }  # fmt: skip
+    cpu: dict[str, list[float]] = {t: [] for t in TREES}
+    with contextlib.ExitStack() as stack:
+        daemons = {t: stack.enter_context(Daemon(env, root=roots[t])) for t in TREES}
+        for d in daemons.values():
+            srv.measure(d.endpoint, d.proc.pid, load, warmup=True)
+        for i, order in enumerate(srv.rotations(list(TREES), args.rounds), 1):
+            for t in order:
+                r = srv.measure(daemons[t].endpoint, daemons[t].proc.pid, load)
+                cpu[t].append(r["server_cpu_us_per_token"])
+                print(f"flat {i}: {t} {cpu[t][-1]:.3f} µs/token", file=sys.stderr, flush=True)
+        for d in daemons.values():
+            d.terminate()
+    ratio, ratios = paired(cpu)
+    return {"load": load, "cpu_us_per_token": cpu, "new_vs_base": ratio, "ratios": ratios}
+
+
+def paced(args, roots: dict[str, Path]) -> dict:
+    loads = {"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)}
+    env = srv.paced_env(args)
+    with contextlib.ExitStack() as stack:
+        floor = stack.enter_context(srv.Floor(args.step_ms))
+        servers: srv.Servers = {"pump": (floor.endpoint, floor.proc.pid)}
+        daemons = [stack.enter_context(Daemon(env, root=roots[t])) for t in TREES]
+        for t, d in zip(TREES, daemons, strict=True):
+            servers[t] = (d.endpoint, d.proc.pid)
+        runs, orders = srv.interleaved_runs(servers, loads, args)
+        for d in daemons:
+            d.terminate()
+    out: dict = {"loads": loads, "step_ms": args.step_ms, "round_orders": orders}
+    for load in loads:
+        cpu = {name: [r["server_cpu_us_per_token"] for r in runs[(name, load)]] for name in servers}
+        ratio, ratios = paired(cpu)
+        out[load] = {
+            "cpu_us_per_token": cpu,
+            "new_vs_base": ratio,
+            "ratios": ratios,
+            "new_vs_pump": paired(cpu, "pump")[0],
+            "base_vs_pump": srv.paired_ratio(cpu["base"], cpu["pump"])[0],
+            "foreign_load": {n: [r["foreign_load"] for r in runs[(n, load)]] for n in servers},
+        }
+    return out
+
+
+def instructions(args, roots: dict[str, Path]) -> dict:
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        raise SystemExit("the instructions part needs valgrind (Debian: valgrind)")
+    loads = {"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)}
+    out: dict = {"loads": loads, "runs": args.instr_runs, "per_request": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        wrapper = ["valgrind", "--tool=callgrind", f"--log-file={tmp}/log.%p",
+                   f"--callgrind-out-file={tmp}/cg.%p"]  # fmt: skip
+
+        def count(endpoint: str, pid: int) -> dict[str, float]:
+            srv.measure(endpoint, pid, loads["burst"], warmup=True)
+            got = {}
+            for name, load in loads.items():
+                subprocess.run(["callgrind_control", "-z", str(pid)], check=True,
+                               capture_output=True)  # fmt: skip
+                for _ in range(args.instr_runs):
+                    srv.measure(endpoint, pid, load, warmup=True)
+                subprocess.run(["callgrind_control", "-d", str(pid)], check=True,
+                               capture_output=True)  # fmt: skip
+                total = srv.callgrind_total(tmp, pid)
+                got[name] = total / (args.instr_runs * load["num_requests"])
+                print(f"instructions {name}: {got[name]:,.0f} / request", file=sys.stderr)
+            return got
+
+        with srv.Floor(args.step_ms, wrapper) as floor:
+            out["per_request"]["pump"] = count(floor.endpoint, floor.proc.pid)
+        for t in TREES:
+            with Daemon(srv.paced_env(args), wrapper=wrapper, root=roots[t]) as d:
+                out["per_request"][t] = count(d.endpoint, d.proc.pid)
+                d.terminate()
+    per = out["per_request"]
+    out["new_vs_base"] = {n: per["new"][n] / per["base"][n] for n in loads}
+    out["vs_pump"] = {t: {n: per[t][n] / per["pump"][n] for n in loads} for t in TREES}
+    return out
+
+
+def engine(args, roots: dict[str, Path]) -> dict:
+    e = argparse.Namespace(
+        size=args.size, model="", data_dir="", tokens=None, requests=None, runs=1,
+        streams=[1, 8, 32], threads=0, dtype=args.dtype, max_context=2048, seed=0,
+        quiet_wait=10.0,
+    )  # fmt: skip
+    tokens, requests, _ = eng.SIZE_DEFAULTS[args.size]
+    e.tokens, e.requests = tokens, requests
+    directory, config = eng.checkpoint(e)
+    prompts = eng.make_prompts(config, e.requests, e.seed)
+    tps: dict[str, dict[str, list[float]]] = {t: {} for t in TREES}
+    for i, order in enumerate(srv.rotations(list(TREES), args.rounds), 1):
+        for t in order:
+            res = eng.run_daemon(e, directory, prompts, root=roots[t])
+            for streams, run in res.items():
+                tps[t].setdefault(streams, []).append(run["tokens_per_s"])
+            print(f"engine {i}: {t} {[round(v[-1]) for v in tps[t].values()]}", file=sys.stderr)
+    ratios = {s: srv.paired_ratio(tps["new"][s], tps["base"][s])[0] for s in tps["new"]}
+    return {"size": args.size, "dtype": args.dtype, "tokens_per_s": tps, "new_vs_base": ratios}
+
+
+PARTS = {"flat": flat, "paced": paced, "instructions": instructions, "engine": engine}
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def markdown(r: dict) -> str:
+    base, new = r["commits"]["base"], r["commits"]["new"]
+    lines = [
+        f"## Guard ({', '.join(p for p in PARTS if p in r)}): this tree against a baseline\n",
+        f"`python benchmarks/guard.py --base <checkout of {base}>` at {new}: every figure "
+        f"below from one run with both trees' daemons side by side, rounds interleaved "
+        f"({r['rounds']} rounds, order alternating), median over rounds; a ratio is new / base "
+        "(or / the pump), the median of per-round ratios. The machine (2 cores) was shared "
+        "with other engineers' jobs during the run: the foreign load columns say how much.\n",
+    ]
+    rows = []
+    if "flat" in r:
+        f = r["flat"]
+        c = f["cpu_us_per_token"]
+        rows.append(["flat out, server CPU µs/token", f"{med(c['base']):.3f}",
+                     f"{med(c['new']):.3f}", f"{f['new_vs_base']:.2f}x"])  # fmt: skip
+    if "paced" in r:
+        for load in ("burst", "open"):
+            p = r["paced"][load]
+            c = p["cpu_us_per_token"]
+            rows.append([f"paced {load}, server CPU µs/token (pump {med(c['pump']):.2f})",
+                         f"{med(c['base']):.2f}", f"{med(c['new']):.2f}",
+                         f"{p['new_vs_base']:.2f}x"])  # fmt: skip
+    if "instructions" in r:
+        i = r["instructions"]
+        for load in ("burst", "open"):
+            per = i["per_request"]
+            rows.append([f"paced {load}, instructions / request (pump {per['pump'][load]:,.0f})",
+                         f"{per['base'][load]:,.0f} ({i['vs_pump']['base'][load]:.2f}x pump)",
+                         f"{per['new'][load]:,.0f} ({i['vs_pump']['new'][load]:.2f}x pump)",
+                         f"{i['new_vs_base'][load]:.2f}x"])  # fmt: skip
+    if "engine" in r:
+        e = r["engine"]
+        for s in e["tokens_per_s"]["new"]:
+            rows.append([f"engine tokens/s, {e['size']} {e['dtype']}, {s} streams",
+                         f"{med(e['tokens_per_s']['base'][s]):,.0f}",
+                         f"{med(e['tokens_per_s']['new'][s]):,.0f}",
+                         f"{e['new_vs_base'][s]:.2f}x"])  # fmt: skip
+    lines.append(table(["measure", f"base {base}", f"new {new}", "new / base"], rows))
+    if "paced" in r:
+        fl = {load: {n: med(v) for n, v in r["paced"][load]["foreign_load"].items()}
+              for load in ("burst", "open")}  # fmt: skip
+        lines.append(f"\nForeign load (share of the machine other processes used), median: {fl}.\n")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = parser(__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, type=Path, help="the baseline checkout")
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--flat-rounds", type=int, default=10, help="flat: requests = 64 x this")
+    ap.add_argument("--instr-runs", type=int, default=1)
+    ap.add_argument("--step-ms", type=float, default=20.0)
+    ap.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    ap.add_argument("--paced-prompt-len", type=int, default=16)
+    ap.add_argument("--size", default="smollm2", choices=sorted(eng.SIZE_DEFAULTS))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    args = ap.parse_args()
+    args.paced_runs = args.rounds
+    roots = {"base": args.base.resolve(), "new": ROOT}
+    head = {
+        "machine": machine(),
+        "commits": {t: commit(roots[t]) for t in TREES},
+        "rounds": args.rounds,
+    }
+    for part in args.parts.split(","):  # each part its own results file and docs section
+        results = {**head, part: PARTS[part](args, roots)}
+        publish(args, f"guard-{part}", results, markdown(results))
+        if not args.write:  # the figures survive a print-only run
+            last = RESULTS / f"guard-{part}.last.json"
+            last.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
