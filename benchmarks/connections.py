@@ -17,7 +17,6 @@ import asyncio
 import gc
 import os
 import resource
-import struct
 import sys
 import time
 
@@ -27,7 +26,7 @@ from benchmarks._report import machine, machine_line, parser, publish, table  # 
 from gateway import protocol as p  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
-HDR = struct.Struct("<IBBHI")
+HDR = p.HEADER
 
 
 def rss_kib(pid: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import struct
 import sys
 import time
 
@@ -24,7 +23,7 @@ from benchmarks._report import machine, machine_line, parser, publish, table  # 
 from gateway import protocol as p  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
-HDR = struct.Struct("<IBBHI")
+HDR = p.HEADER
 
 
 async def frame(reader: asyncio.StreamReader) -> tuple[int, int]:

@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import contextlib
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from gateway import protocol as p  # noqa: E402
 from tests.support import fuzzframes as ff  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
 
@@ -230,12 +231,14 @@ class Campaign:
                     self.error(payload, data, self.t.conn_errors)
 
     def error(self, payload: bytes, data: bytes, into: dict[str, int]) -> None:
-        code = struct.unpack_from("<H", payload)[0] if len(payload) >= 2 else -1
+        try:
+            code, _, msg = p.parse_error(memoryview(payload))
+        except p.ProtocolError:
+            code, msg = -1, ""
         name = ERROR_NAMES.get(code, str(code))
         into[name] = into.get(name, 0) + 1
         if code == ff.INTERNAL:
             self.t.internal += 1
-            msg = payload[8:].decode("utf-8", "replace")
             self.finding(f"INTERNAL: {msg}", data)
 
     async def long_streams(self) -> None:
@@ -256,13 +259,14 @@ class Campaign:
                 frames, buf = ff.split_frames(buf + chunk)
                 for ftype, _, payload in frames:
                     if ftype == ff.TOKEN:
-                        got += struct.unpack_from("<H", payload)[0]
+                        got += len(p.parse_token(memoryview(payload))[0])
                     elif ftype == ff.DONE:
-                        reason, _, _, _, ct = struct.unpack_from("<BBHII", payload)
+                        done = p.parse_done(memoryview(payload))
+                        reason, ct = done.finish_reason, done.completion_tokens
                         finished = f"finish={reason} completion_tokens={ct}"
-                        ok = reason == 1 and ct == n == got
+                        ok = reason == p.FinishReason.MAX_TOKENS and ct == n == got
                     elif ftype == ff.ERROR:
-                        finished = "ERROR " + payload[8:].decode("utf-8", "replace")
+                        finished = "ERROR " + p.parse_error(memoryview(payload))[2]
                         ok = False
             self.t.long_streams += 1
             if finished == "closed" or not ok:

@@ -46,7 +46,6 @@ import itertools
 import math
 import os
 import statistics
-import struct
 import subprocess
 import sys
 import threading
@@ -71,7 +70,7 @@ from gateway import protocol as p  # noqa: E402
 from gateway.bench import BenchOptions, run  # noqa: E402
 from tests.support.daemon import Daemon, child_preexec  # noqa: E402
 
-HDR = struct.Struct("<IBBHI")
+HDR = p.HEADER
 VOCAB = 100_000
 WELCOME = p.encode_welcome(1 << 24, 1024, VOCAB, -1, 4096, "floor")
 
@@ -86,7 +85,7 @@ def _token(stream: int) -> bytes:
 
 
 def _done(stream: int, sent: int) -> bytes:
-    return struct.pack("<IBBHIBBHIIIII", 24, 3, 0, 0, stream, 1, 0, 0, 0, sent, 0, 0, 0)
+    return p.encode_done(stream, p.Done(p.FinishReason.MAX_TOKENS, 0, 0, sent, 0, 0, 0))
 
 
 class FloorProtocol(asyncio.Protocol):
@@ -112,17 +111,17 @@ class FloorProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        while len(self.buf) >= 12:
+        while len(self.buf) >= p.HEADER_SIZE:
             length, ftype, _, _, stream = HDR.unpack_from(self.buf)
-            if len(self.buf) < 12 + length:
+            if len(self.buf) < p.HEADER_SIZE + length:
                 break
-            if ftype == 1:
-                (max_tokens,) = struct.unpack_from("<I", self.buf, 12)
+            if ftype == p.FrameType.REQUEST:  # max_tokens: the first field of a binary REQUEST
+                max_tokens = p.REQUEST_FIXED.unpack_from(self.buf, p.HEADER_SIZE)[0]
                 self.active[stream] = max_tokens
                 self.sent[stream] = 0
-            elif ftype == 8:
+            elif ftype == p.FrameType.HELLO:
                 self.transport.write(WELCOME)
-            del self.buf[: 12 + length]
+            del self.buf[: p.HEADER_SIZE + length]
         loop = asyncio.get_running_loop()
         if self.pace_s:
             if self.active and not FloorProtocol.ticking:

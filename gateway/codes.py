@@ -1,4 +1,5 @@
-"""The codes every layer shares, defined once: ERROR codes and how a stream finished.
+"""The codes every layer shares, defined once: ERROR codes, how a stream finished, and the one
+refusal type.
 
 Dependency-free on purpose: the protocol codec, the engine, the hooks, the doors, the metrics and
 the CLI import these names instead of repeating numbers. docs/protocol.md is the wire contract
@@ -50,8 +51,34 @@ class FinishReason(IntEnum):
 #: machinery (read once per request).
 FINISH_BY_VALUE: dict[int, FinishReason] = {int(r): r for r in FinishReason}
 
-#: FinishReason.label of each reason, computed once (it is read once per request).
-FINISH_LABELS: dict[int, str] = {r: r.name.lower() for r in FinishReason}
+#: The API labels (metrics, logs, error shapes): the frame door's and the HTTP APIs'.
+FRAMES = "frames"
+OPENAI = "openai"
+ANTHROPIC = "anthropic"
+APIS: tuple[str, ...] = (FRAMES, OPENAI, ANTHROPIC)
+
+#: Each finish reason's name in each API, the one table: ``FINISH_NAMES[api][reason]``. The
+#: frame door's names are the labels of metrics, logs and the CLI ("eos", "max_tokens", ...);
+#: OpenAI's ``finish_reason`` and Anthropic's ``stop_reason`` follow their APIs (a cancelled
+#: stream is never answered over HTTP: its client went away).
+FINISH_NAMES: dict[str, dict[int, str]] = {
+    FRAMES: {r: r.name.lower() for r in FinishReason},
+    OPENAI: {
+        FinishReason.EOS: "stop",
+        FinishReason.MAX_TOKENS: "length",
+        FinishReason.STOP: "stop",
+        FinishReason.CANCELLED: "stop",
+    },
+    ANTHROPIC: {
+        FinishReason.EOS: "end_turn",
+        FinishReason.MAX_TOKENS: "max_tokens",
+        FinishReason.STOP: "stop_sequence",
+        FinishReason.CANCELLED: "end_turn",
+    },
+}
+
+#: FinishReason.label of each reason (it is read once per request).
+FINISH_LABELS: dict[int, str] = FINISH_NAMES[FRAMES]
 
 #: The finish reasons a DONE frame can carry, in wire order.
 DONE_REASONS: tuple[FinishReason, ...] = (
@@ -62,6 +89,51 @@ DONE_REASONS: tuple[FinishReason, ...] = (
 )
 #: Finished with a complete answer (what a response cache may store).
 COMPLETE_REASONS = frozenset({FinishReason.EOS, FinishReason.MAX_TOKENS, FinishReason.STOP})
+
+
+U32_MAX = 2**32 - 1
+
+
+class Refusal(Exception):
+    """One request refused, by any layer (validation, the input processor, a hook, the request
+    path): its stream ends in ERROR and the connection goes on.
+
+    ``code`` is the ErrorCode (a value outside the protocol's becomes INTERNAL, said in the
+    message); ``message`` names the field at fault; ``field`` is that field's name when there is
+    one (the HTTP door's ``error.param``); ``retry_after_ms`` the retry hint (u32 on the wire);
+    ``reason`` a machine-readable detail for APIs that carry one (OpenAI's ``error.code``; the
+    code's lower-case name when empty). Each door turns a Refusal into its wire form through one
+    table: the frame door into an ERROR frame, the HTTP door through gateway.http.errors.STATUS.
+    Hooks raise it under its documented name ``gateway.hooks.HookError``.
+    """
+
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        retry_after_ms: int = 0,
+        field: str | None = None,
+        reason: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.code = error_code(code)
+        if self.code != code:
+            message = f"{message} (refused with unknown error code {code!r})"
+        self.message = message
+        self.retry_after_ms = min(max(0, int(retry_after_ms)), U32_MAX)
+        self.field = field
+        self.reason = reason or self.code.name.lower()
+
+    def __repr__(self) -> str:
+        return (
+            f"Refusal({self.code.name}, {self.message!r}, retry_after_ms={self.retry_after_ms}"
+            f"{f', field={self.field!r}' if self.field else ''})"
+        )
+
+
+def invalid(message: str, field: str | None = None, reason: str = "") -> Refusal:
+    """An INVALID_REQUEST refusal naming ``field``."""
+    return Refusal(ErrorCode.INVALID_REQUEST, message, field=field, reason=reason)
 
 
 def error_code(value: int) -> ErrorCode:

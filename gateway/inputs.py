@@ -1,6 +1,8 @@
-"""The input processor: a parsed request (from any door) → what the engine runs, or a refusal.
+"""The input processor: a validated request (from any door) → what the engine runs, or a refusal.
 
-Validates every field against what the model and the engine can hold, renders the chat template
+The request's fields were range-checked by its door's parser (gateway.validation, the same rules
+for every door); what depends on the model is checked here: token ids inside the vocabulary,
+prompt + max_tokens inside the context, a registered prompt's id. Renders the chat template
 (a registered prompt named by ``prompt_id`` supplies the system text) and tokenizes. Reusing KV
 of a prompt's beginning is the engine's prefix store's business, not this module's: a request's
 ids are the same whether or not anything is reused. Pure: no server, connection or hook is
@@ -13,30 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway import protocol as p
-from gateway.codes import ErrorCode
+from gateway.codes import ErrorCode, Refusal, invalid
 from gateway.engine.backend import ModelInfo
 from gateway.engine.types import SamplingRow
 from gateway.prompts import CompiledPrompt, PromptRegistry
+from gateway.request import Request
 from gateway.tokenizer import Detokenizer, Tokenizer
-
-INT32_MAX = 2**31 - 1
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-class RequestRefused(Exception):
-    """A refusal of one request (its stream ends in ERROR; the connection goes on)."""
-
-    def __init__(self, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_ms = retry_after_ms
-
-
-def _invalid(message: str) -> RequestRefused:
-    return RequestRefused(ErrorCode.INVALID_REQUEST, message)
-
 
 _NO_STOP_IDS: frozenset[int] = frozenset()
 _UMAX = np.maximum.reduce  # the ufunc itself: ndarray.max() goes through a Python wrapper
@@ -63,7 +47,7 @@ class Prepared:
 
 
 class InputProcessor:
-    """Turns a ``protocol.Request`` into a ``Prepared``; raises RequestRefused."""
+    """Turns a validated ``Request`` into a ``Prepared``; raises Refusal."""
 
     def __init__(
         self,
@@ -75,21 +59,20 @@ class InputProcessor:
         self.info = info
         self.prompts = prompts
 
-    def prepare(self, req: p.Request) -> Prepared:
-        self._check_sampling(req)
+    def prepare(self, req: Request) -> Prepared:
         vocab = self.info.vocab_size
         compiled, system = self._registered(req) if req.prompt_id else (None, req.system)
         ids = self._prompt_ids(req, compiled, system)
         if not len(ids):
-            raise _invalid("the prompt is empty after tokenization")
+            raise invalid("the prompt is empty after tokenization", "prompt")
         if _outside(req.stop_ids, vocab):
-            raise _invalid(f"stop token id outside the vocabulary [0, {vocab})")
+            raise invalid(f"stop token id outside the vocabulary [0, {vocab})", "stop_ids")
         max_context = self.info.max_context
         max_tokens = req.max_tokens
-        if req.fit_max_tokens:  # an upper bound: what fits beside the prompt
-            max_tokens = min(max_tokens, max_context - len(ids))
+        if max_tokens is None:  # as many as fit beside the prompt
+            max_tokens = max_context - len(ids)
         if max_tokens < 1 or len(ids) + max_tokens > max_context:
-            raise RequestRefused(
+            raise Refusal(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt ({len(ids)} tokens) + max_tokens ({max(max_tokens, 1)}) exceeds "
                 f"max_context {max_context}",
@@ -112,20 +95,22 @@ class InputProcessor:
             ignore_eos=req.ignore_eos,
         )
 
-    def count_prompt_tokens(self, req: p.Request) -> int:
+    def count_prompt_tokens(self, req: Request) -> int:
         """The prompt's length in tokens, as ``prepare`` would make it (chat template and
         registered prompt included), without the context or sampling checks."""
         compiled, system = self._registered(req)
         return len(self._prompt_ids(req, compiled, system))
 
-    def _prompt_ids(self, req: p.Request, compiled, system: str | None) -> np.ndarray:  # noqa: ANN001
+    def _prompt_ids(
+        self, req: Request, compiled: CompiledPrompt | None, system: str | None
+    ) -> np.ndarray:
         """The full prompt ids (a registered prompt's ids first; the engine's prefix store finds
         their KV)."""
         if req.prompt_ids is not None:
             ids = req.prompt_ids
             vocab = self.info.vocab_size
             if _outside(ids, vocab):
-                raise _invalid(f"prompt token id outside the vocabulary [0, {vocab})")
+                raise invalid(f"prompt token id outside the vocabulary [0, {vocab})", "prompt")
             if compiled is not None:
                 ids = np.concatenate((compiled.ids, ids))
             return ids
@@ -138,33 +123,22 @@ class InputProcessor:
             text = req.prompt_text or ""
         return tok.encode_prompt(text)
 
-    @staticmethod
-    def _check_sampling(req: p.Request) -> None:
-        """What the engine's per-slot arrays hold (float32, int32, uint64), beyond the wire's
-        own ranges: a value the engine cannot store is refused here, naming the field."""
-        if not 0 <= req.temperature <= FLOAT32_MAX:
-            raise _invalid(f"temperature must be a finite float32 >= 0, got {req.temperature}")
-        if not 0 < req.top_p <= 1:
-            raise _invalid(f"top_p must be in (0, 1], got {req.top_p}")
-        if not 0 <= req.top_k <= INT32_MAX:
-            raise _invalid(f"top_k must be in [0, {INT32_MAX}] (0 = off), got {req.top_k}")
-        if req.seed is not None and not 0 <= req.seed < 2**64:
-            raise _invalid(f"seed must be in [0, 2**64), got {req.seed}")
-        if req.max_tokens < 1:
-            raise _invalid("max_tokens must be >= 1")
-
-    def _registered(self, req: p.Request) -> tuple[CompiledPrompt | None, str | None]:
+    def _registered(self, req: Request) -> tuple[CompiledPrompt | None, str | None]:
         """The registered prompt the request names, and the system text to render."""
         system = req.system
         if req.prompt_id:
             compiled = self.prompts.by_id(req.prompt_id) if self.prompts is not None else None
             if compiled is None:
-                raise RequestRefused(
-                    ErrorCode.UNKNOWN_PROMPT, f"no precompiled prompt {req.prompt_id}"
+                raise Refusal(
+                    ErrorCode.UNKNOWN_PROMPT,
+                    f"no precompiled prompt {req.prompt_id}",
+                    0,
+                    "prompt_id",
                 )
             if system is not None and system != compiled.text:
-                raise _invalid(
-                    f"system differs from the text of prompt {req.prompt_id}; send one of them"
+                raise invalid(
+                    f"system differs from the text of prompt {req.prompt_id}; send one of them",
+                    "system",
                 )
             return compiled, compiled.text
         return None, system

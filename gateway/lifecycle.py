@@ -36,11 +36,18 @@ from typing import Protocol
 import numpy as np
 
 from gateway import protocol as p
-from gateway.codes import COMPLETE_REASONS, FINISH_BY_VALUE, FINISH_LABELS, ErrorCode, FinishReason
+from gateway.codes import (
+    COMPLETE_REASONS,
+    FINISH_BY_VALUE,
+    FINISH_LABELS,
+    ErrorCode,
+    FinishReason,
+    Refusal,
+)
 from gateway.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
 from gateway.engine.step import FINISH_ERROR, StepOutput
 from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
-from gateway.inputs import InputProcessor, RequestRefused
+from gateway.inputs import InputProcessor
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
 from gateway.outputs import OutputProcessor, TokenWriter
@@ -173,9 +180,9 @@ class RequestPath:
         assert st.phase is NEW
         try:
             if self.draining:
-                raise RequestRefused(ErrorCode.SHUTTING_DOWN, "server is draining")
+                raise Refusal(ErrorCode.SHUTTING_DOWN, "server is draining")
             prep = self.inputs.prepare(req)
-        except RequestRefused as exc:
+        except Refusal as exc:
             self.fail(st, exc.code, exc.message, exc.retry_after_ms)
             return
         st.full_ids = prep.prompt

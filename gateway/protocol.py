@@ -5,21 +5,32 @@ caller (a socket protocol, a test) writes into ``get_buffer()``, reports ``advan
 frames with ``next_frame()`` as ``(type, flags, stream, payload)`` where ``payload`` is a memoryview
 into that buffer, valid until the next ``get_buffer()``. Header rules that do not depend on the
 server's state (types, flags, reserved bits, direction, stream kind, size) are checked here and
-raise ``ProtocolError``; payload parsers raise ``ProtocolError`` with INVALID_REQUEST for stream
-errors.
+raise ``ProtocolError`` (the connection closes). ``parse_request`` decodes a REQUEST into the
+door-neutral ``gateway.request.Request`` and validates it with gateway.validation, raising
+``Refusal`` (that stream alone ends in ERROR).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
 
-from gateway.codes import ErrorCode, FinishReason  # noqa: F401 - FinishReason: re-exported
+from gateway.codes import ErrorCode, FinishReason, Refusal, invalid  # noqa: F401 - re-exported
+from gateway.request import NO_STOP_IDS, Request  # noqa: F401 - Request: re-exported
+from gateway.validation import (
+    check_keys,
+    get_float,
+    get_int,
+    get_messages,
+    get_stops,
+    get_text,
+    load_object,
+    validate,
+)
 
 VERSION = 1
 HEADER = struct.Struct("<IBBHI")  # length, type, flags, reserved, stream
@@ -51,8 +62,6 @@ CACHE_RESPONSE = 0x01
 CACHE_PROMPT = 0x02
 
 REQUEST_FIXED = struct.Struct("<IffIQIHH")  # 32 bytes
-NO_STOP_IDS = np.empty(0, np.int32)  # the stop ids of a request without any (shared: read-only)
-NO_STOP_IDS.flags.writeable = False
 TOKEN_HEAD = struct.Struct("<HH")
 DONE_BODY = struct.Struct("<BBHIIIII")  # 24 bytes
 ERROR_HEAD = struct.Struct("<HHI")
@@ -89,13 +98,15 @@ for _t in FrameType:
 
 
 class ProtocolError(Exception):
-    """A violation of the protocol: ``code`` says which, ``stream`` where (0 = the connection)."""
+    """A violation of the framing itself (header, HELLO, PING, CANCEL, a stream in use): the
+    peer cannot be trusted to frame what follows, so the ERROR goes on stream 0 and the
+    connection closes. Distinct from ``Refusal``, which ends one stream and keeps the
+    connection: a REQUEST whose payload is bad is refused, not a protocol error."""
 
-    def __init__(self, code: ErrorCode, message: str, stream: int = 0) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.stream = stream
 
 
 # --------------------------------------------------------------------------------------- decoding
@@ -235,61 +246,21 @@ class FrameDecoder:
 # --------------------------------------------------------------------------------------- requests
 
 
-@dataclass(slots=True)
-class Request:
-    """A parsed REQUEST (binary or JSON). Prompt ids are copied out of the receive buffer."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    prompt_id: int = 0
-    stop_ids: np.ndarray = field(default_factory=lambda: NO_STOP_IDS)  # int32
-    prompt_ids: np.ndarray | None = None  # int32, when the prompt came as ids
-    prompt_text: str | None = None  # raw text prompt
-    messages: list[dict[str, str]] | None = None  # JSON chat
-    system: str | None = None
-    stop_sequences: tuple[str, ...] = ()
-    want_text: bool = False
-    is_json: bool = False
-    # Set by the HTTP door only (never by a frame): generate past EOS (vLLM's extension), and
-    # max_tokens is an upper bound to lower to what fits in the context beside the prompt (an
-    # API request that did not give max_tokens).
-    ignore_eos: bool = False
-    fit_max_tokens: bool = False
-
-
-def _invalid(stream: int, message: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.INVALID_REQUEST, message, stream)
-
-
-def _check_sampling(stream: int, temperature: float, top_p: float, top_k: int) -> None:
-    if not math.isfinite(temperature) or temperature < 0:
-        raise _invalid(stream, f"temperature must be a finite number >= 0, got {temperature}")
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise _invalid(stream, f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise _invalid(stream, f"top_k must be >= 0, got {top_k}")
-
-
-def parse_request(stream: int, flags: int, payload: memoryview) -> Request:
-    """Parse a REQUEST payload; raises ProtocolError(INVALID_REQUEST, stream=stream)."""
+def parse_request(flags: int, payload: memoryview) -> Request:
+    """Parse and validate a REQUEST payload (binary or JSON). Raises ``Refusal`` (the stream
+    ends in ERROR; the connection goes on): gateway.validation's rules, the same as HTTP's."""
     if flags & FLAG_JSON:
-        return _parse_json_request(stream, payload)
+        return validate(_parse_json_request(payload))
     if len(payload) < REQUEST_FIXED.size:
-        raise _invalid(stream, f"binary REQUEST needs at least 32 bytes, got {len(payload)}")
+        raise invalid(f"binary REQUEST needs at least 32 bytes, got {len(payload)}")
     max_tokens, temperature, top_p, top_k, seed, prompt_id, n_stop, options = (
         REQUEST_FIXED.unpack_from(payload, 0)
     )
     if options & ~KNOWN_OPTIONS:
-        raise _invalid(stream, f"unknown option bits 0x{options:04x}")
-    if max_tokens < 1:
-        raise _invalid(stream, "max_tokens must be >= 1")
-    _check_sampling(stream, temperature, top_p, top_k)
+        raise invalid(f"unknown option bits 0x{options:04x}", "options")
     prompt_at = REQUEST_FIXED.size + 4 * n_stop
     if prompt_at > len(payload):
-        raise _invalid(stream, f"n_stop {n_stop} does not fit in the payload")
+        raise invalid(f"n_stop {n_stop} does not fit in the payload", "n_stop")
     stop_ids = (
         np.frombuffer(payload, dtype="<i4", count=n_stop, offset=REQUEST_FIXED.size).astype(
             np.int32  # a copy: the payload view is reused
@@ -307,21 +278,23 @@ def parse_request(stream: int, flags: int, payload: memoryview) -> Request:
         stop_ids=stop_ids,
         want_text=bool(options & OPT_TEXT_DELTAS),
     )
+    validate(req)
     rest = payload[prompt_at:]
     if options & OPT_TEXT_PROMPT:
         try:
             req.prompt_text = str(rest, "utf-8")
         except UnicodeDecodeError as exc:
-            raise _invalid(stream, f"prompt is not valid UTF-8: {exc.reason}") from None
+            raise invalid(f"prompt is not valid UTF-8: {exc.reason}", "prompt") from None
     else:
         if len(rest) % 4:
-            raise _invalid(stream, "token-id prompt length is not a multiple of 4")
+            raise invalid("token-id prompt length is not a multiple of 4", "prompt")
         req.prompt_ids = np.frombuffer(rest, dtype="<i4").astype(np.int32)
     if not len(rest) and not prompt_id:
-        raise _invalid(stream, "empty prompt without a prompt_id")
+        raise invalid("empty prompt without a prompt_id", "prompt")
     return req
 
 
+# The keys of a JSON REQUEST (docs/protocol.md); their values follow gateway.validation.
 _JSON_KEYS = frozenset(
     {
         "max_tokens",
@@ -338,93 +311,34 @@ _JSON_KEYS = frozenset(
 )
 
 
-def _json_int(stream: int, obj: dict, key: str, default: int, lo: int, hi: int) -> int:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise _invalid(stream, f"{key} must be an integer in [{lo}, {hi}]")
-    return value
-
-
-def _json_float(stream: int, obj: dict, key: str, default: float) -> float:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _invalid(stream, f"{key} must be a number")
-    try:
-        return float(value)
-    except OverflowError:  # a JSON integer too large for a double
-        raise _invalid(stream, f"{key} is out of range") from None
-
-
-def _json_text(stream: int, key: str, value: object, allow_empty: bool = True) -> str:
-    """A JSON string that is also valid UTF-8: JSON admits lone surrogates (\\ud800), UTF-8 not."""
-    if not isinstance(value, str) or not (allow_empty or value):
-        raise _invalid(stream, f"{key} must be a {'' if allow_empty else 'non-empty '}string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _invalid(stream, f"{key} is not valid UTF-8 (lone surrogate)") from None
-    return value
-
-
-def _parse_json_request(stream: int, payload: memoryview) -> Request:
-    try:
-        obj = json.loads(str(payload, "utf-8"))
-    except UnicodeDecodeError as exc:
-        raise _invalid(stream, f"JSON request is not valid UTF-8: {exc.reason}") from None
-    except ValueError as exc:
-        raise _invalid(stream, f"invalid JSON: {exc}") from None
-    except RecursionError:  # e.g. "[[[[..." nested deeper than the parser's stack
-        raise _invalid(stream, "invalid JSON: nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise _invalid(stream, "JSON request must be an object")
-    unknown = obj.keys() - _JSON_KEYS
-    if unknown:
-        raise _invalid(stream, f"unknown JSON keys: {', '.join(sorted(unknown))}")
+def _parse_json_request(payload: memoryview) -> Request:
+    obj = load_object(payload, "JSON request")
+    check_keys(obj, _JSON_KEYS)
     if "max_tokens" not in obj:
-        raise _invalid(stream, "max_tokens is required")
+        raise invalid("max_tokens is required", "max_tokens")
     if ("messages" in obj) == ("prompt" in obj):
-        raise _invalid(stream, "exactly one of messages and prompt is required")
+        raise invalid("exactly one of messages and prompt is required", "messages")
     req = Request(
-        max_tokens=_json_int(stream, obj, "max_tokens", 0, 1, U32_MAX),
-        temperature=_json_float(stream, obj, "temperature", 0.0),
-        top_p=_json_float(stream, obj, "top_p", 1.0),
-        top_k=_json_int(stream, obj, "top_k", 0, 0, U32_MAX),
-        prompt_id=_json_int(stream, obj, "prompt_id", 0, 0, U32_MAX),
+        max_tokens=get_int(obj, "max_tokens", 0),
+        temperature=get_float(obj, "temperature", 0.0),
+        top_p=get_float(obj, "top_p", 1.0),
+        top_k=get_int(obj, "top_k", 0),
+        seed=get_int(obj, "seed", 0) if "seed" in obj else None,
+        prompt_id=get_int(obj, "prompt_id", 0),
+        stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
         want_text=True,
-        is_json=True,
     )
-    _check_sampling(stream, req.temperature, req.top_p, req.top_k)
-    if "seed" in obj:
-        req.seed = _json_int(stream, obj, "seed", 0, 0, 2**64 - 1)
-    system = obj.get("system")
-    if system is not None:
-        _json_text(stream, "system", system)
-    req.system = system or None
-    stops = obj.get("stop_sequences", [])
-    if not isinstance(stops, list):
-        raise _invalid(stream, "stop_sequences must be a list of non-empty strings")
-    req.stop_sequences = tuple(_json_text(stream, "stop_sequences", s, False) for s in stops)
+    if "system" in obj:
+        req.system = get_text(obj["system"], "system") or None
     if "prompt" in obj:
-        req.prompt_text = _json_text(stream, "prompt", obj["prompt"])
+        req.prompt_text = get_text(obj["prompt"], "prompt")
         if not req.prompt_text and not req.prompt_id and not req.system:
-            raise _invalid(stream, "empty prompt without a prompt_id")
+            raise invalid("empty prompt without a prompt_id", "prompt")
     else:
-        messages = obj["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise _invalid(stream, "messages must be a non-empty list")
-        for m in messages:
-            if (
-                not isinstance(m, dict)
-                or m.keys() != {"role", "content"}
-                or m["role"] not in ("user", "assistant")
-                or not isinstance(m["content"], str)
-            ):
-                raise _invalid(
-                    stream,
-                    'each message must be {"role": "user"|"assistant", "content": str}',
-                )
-            _json_text(stream, "message content", m["content"])
-        req.messages = messages
+        req.messages = [
+            {"role": role, "content": text}
+            for role, text, _ in get_messages(obj, ("user", "assistant"))
+        ]
     return req
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gateway import protocol as p
-from gateway.codes import ErrorCode, FinishReason
+from gateway.codes import FRAMES, ErrorCode, FinishReason, Refusal
 from gateway.config import ServerConfig
 from gateway.engine.backend import ModelInfo
 from gateway.engine.step import NO_TOKEN, StepOutput
@@ -388,7 +388,7 @@ class Connection(asyncio.BufferedProtocol):
     def _on_request(self, stream: int, flags: int, payload: memoryview) -> None:
         if stream in self.streams:
             raise ProtocolError(ErrorCode.STREAM_IN_USE, f"stream {stream} is already in flight")
-        st = Stream(self, stream, "frames")
+        st = Stream(self, stream, FRAMES)
         self.streams[stream] = st
         if len(self.streams) > self.cfg.max_streams_per_connection:
             self.path.refuse(
@@ -401,8 +401,8 @@ class Connection(asyncio.BufferedProtocol):
             self.path.refuse(st, ErrorCode.SLOW_CONSUMER, "client is not reading its output")
             return
         try:
-            req = p.parse_request(stream, flags, payload)
-        except ProtocolError as exc:
+            req = p.parse_request(flags, payload)
+        except Refusal as exc:
             self.path.refuse(st, exc.code, exc.message)
             return
         assert self.principal is not None

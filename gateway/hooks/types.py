@@ -1,7 +1,7 @@
 """The narrow types hooks exchange with the server: who is calling, what is asked, how it ended.
 
-Error codes and finish reasons are gateway.codes' (defined once, re-exported here) so that a hook
-module needs nothing but ``gateway.hooks`` to refuse a request.
+Error codes, finish reasons and the refusal type are gateway.codes' (defined once, re-exported
+here) so that a hook module needs nothing but ``gateway.hooks`` to refuse a request.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gateway.codes import ErrorCode, FinishReason, error_code
+from gateway.codes import ErrorCode, FinishReason, Refusal
 
 UNAUTHENTICATED = ErrorCode.UNAUTHENTICATED
 RATE_LIMITED = ErrorCode.RATE_LIMITED
@@ -26,21 +26,10 @@ FINISH_CANCELLED = FinishReason.CANCELLED
 FINISH_ERROR = FinishReason.ERROR
 
 
-class HookError(Exception):
-    """Raised by a hook to refuse; the server answers with an ERROR frame carrying these fields."""
-
-    def __init__(self, code: int, message: str, retry_after_ms: int = 0) -> None:
-        super().__init__(message)
-        # Checked here, once: a code outside the protocol's becomes INTERNAL for that stream
-        # only, instead of failing wherever the code is later turned into a frame.
-        self.code = error_code(code)
-        if self.code != code:
-            message = f"{message} (a hook refused with unknown error code {code!r})"
-        self.message = message
-        self.retry_after_ms = min(max(0, int(retry_after_ms)), 0xFFFFFFFF)  # u32 on the wire
-
-    def __repr__(self) -> str:
-        return f"HookError({self.code}, {self.message!r}, retry_after_ms={self.retry_after_ms})"
+#: Raised by a hook to refuse: ``HookError(code, message, retry_after_ms=0)``. It is the one
+#: refusal type of every layer (gateway.codes.Refusal) under the name hooks have always used; the
+#: server answers with an ERROR frame (or the HTTP API's error) carrying these fields.
+HookError = Refusal
 
 
 class HookConfigError(Exception):

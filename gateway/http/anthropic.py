@@ -2,7 +2,8 @@
 
 ``parse_messages`` reads ``system`` (a string or text blocks), ``messages`` (user/assistant,
 content as a string or text blocks), ``max_tokens`` (required), ``stop_sequences``,
-``temperature`` (default 1.0), ``top_p``, ``top_k`` and ``stream``; tools, thinking, images and
+``temperature`` (default 1.0), ``top_p``, ``top_k`` and ``stream`` (their ranges are
+gateway.validation's, the same as every door's); tools, thinking, images and
 an assistant prefill (a final assistant message) are refused with a 400 naming the field.
 ``parse_count_tokens`` reads the same conversation for ``/v1/messages/count_tokens``. The reply
 writes the ``message`` object, or the event sequence message_start, content_block_start, ping,
@@ -11,11 +12,12 @@ content_block_delta (text_delta) ..., content_block_stop, message_delta, message
 
 from __future__ import annotations
 
-from gateway.http.errors import ANTHROPIC, invalid
-from gateway.http.fields import (
-    U32_MAX,
+from gateway.codes import ANTHROPIC, FINISH_NAMES, FinishReason, invalid
+from gateway.http.fields import check_model, refuse_unless
+from gateway.http.reply import Ending, Reply, dumps, encode_basestring, new_id
+from gateway.request import Request
+from gateway.validation import (
     check_keys,
-    check_model,
     get_bool,
     get_float,
     get_int,
@@ -23,10 +25,8 @@ from gateway.http.fields import (
     get_stops,
     get_text_parts,
     load_object,
-    refuse_unless,
+    validate,
 )
-from gateway.http.reply import FINISH_STOP, Ending, Reply, dumps, encode_basestring, new_id
-from gateway.protocol import Request
 
 _CONVERSATION = ("model", "messages", "system", "tools", "tool_choice", "thinking")
 MESSAGES_KEYS = frozenset(
@@ -45,8 +45,7 @@ MESSAGES_KEYS = frozenset(
 )
 COUNT_TOKENS_KEYS = frozenset(_CONVERSATION)
 
-# by FinishReason: eos, max_tokens, stop, cancelled
-_STOP_REASON = ("end_turn", "max_tokens", "stop_sequence", "end_turn")
+_STOP_REASON = FINISH_NAMES[ANTHROPIC]
 
 
 def _conversation(obj: dict, served: str, req: Request) -> str:
@@ -85,29 +84,24 @@ def parse_messages(body: bytes, served: str) -> MessagesReply:
     if "max_tokens" not in obj:
         raise invalid("max_tokens is required", "max_tokens")
     req = Request(
-        max_tokens=get_int(obj, "max_tokens", 0, 1, U32_MAX),
-        temperature=get_float(obj, "temperature", 1.0, 0.0, 1.0),
-        top_p=get_float(obj, "top_p", 1.0, 0.0, 1.0),
-        top_k=get_int(obj, "top_k", 0, 0, U32_MAX),
+        max_tokens=get_int(obj, "max_tokens", 0),
+        temperature=get_float(obj, "temperature", 1.0),
+        top_p=get_float(obj, "top_p", 1.0),
+        top_k=get_int(obj, "top_k", 0),
+        stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
         want_text=True,
-        is_json=True,
     )
-    if req.top_p == 0.0:
-        raise invalid("top_p must be in (0, 1]", "top_p")
-    if isinstance(obj.get("stop_sequences"), str):
-        raise invalid("stop_sequences must be a list of strings", "stop_sequences")
-    req.stop_sequences = get_stops(obj, "stop_sequences")
     model = _conversation(obj, served, req)
-    return MessagesReply(req, get_bool(obj, "stream"), model)
+    return MessagesReply(validate(req), get_bool(obj, "stream"), model)
 
 
 def parse_count_tokens(body: bytes, served: str) -> Request:
     """POST /v1/messages/count_tokens: the conversation only (what its prompt would be)."""
     obj = load_object(body)
     check_keys(obj, COUNT_TOKENS_KEYS)
-    req = Request(max_tokens=1, want_text=True, is_json=True)
+    req = Request(max_tokens=None, want_text=True)
     _conversation(obj, served, req)
-    return req
+    return validate(req)
 
 
 def count_tokens_body(input_tokens: int) -> bytes:
@@ -147,7 +141,7 @@ class MessagesReply(Reply):
         """(stop_reason, stop_sequence). Which stop string matched is known when the request
         path says so, or when the request had only one."""
         stop = None
-        if ending.finish == FINISH_STOP:
+        if ending.finish == FinishReason.STOP:
             stop = ending.stop_sequence
             if stop is None and len(self.req.stop_sequences) == 1:
                 stop = self.req.stop_sequences[0]

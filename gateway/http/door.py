@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 import time
 
-from gateway.codes import ErrorCode, FinishReason
+from gateway.codes import ErrorCode, FinishReason, Refusal
 from gateway.engine.backend import ModelInfo
 from gateway.engine.step import StepOutput
-from gateway.hooks import HookError, Principal
+from gateway.hooks import Principal
 from gateway.http import anthropic, openai
-from gateway.http.errors import HttpError, stream_error_event
+from gateway.http.errors import HttpError, http_error, stream_error_event
 from gateway.http.reply import Ending, Reply
 from gateway.http.routes import (
     CHAT,
@@ -36,7 +36,6 @@ from gateway.http.routes import (
     route,
 )
 from gateway.http.server import HttpConnection, HttpServer, Incoming
-from gateway.inputs import RequestRefused
 from gateway.lifecycle import RequestPath, Stream
 from gateway.ops.logging import REQUEST_LOG
 from gateway.protocol import CACHE_PROMPT
@@ -52,7 +51,6 @@ class HttpApi:
     def __init__(self, path: RequestPath, info: ModelInfo) -> None:
         self.path = path
         self.model = info.name
-        self.max_context = info.max_context
         created = int(time.time())
         self.models_body = openai.models_body(self.model, created)
         self.model_body = openai.model_body(self.model, created)
@@ -97,7 +95,10 @@ class ApiConnection(HttpConnection):
 
     def handle(self, request: Incoming) -> None:
         try:
-            self._handle(request)
+            try:
+                self._handle(request)
+            except Refusal as refusal:  # validation, a hook: through the one table
+                raise http_error(refusal) from None
         except HttpError as err:  # refused before the request path: answered by the shell
             if self.api.log_requests:
                 self._log(request, request.api, err.status, detail=err.message)
@@ -126,9 +127,9 @@ class ApiConnection(HttpConnection):
             self._count_tokens(body)
             return
         if endpoint == CHAT:
-            reply: Reply = openai.parse_chat(body, api.model, api.max_context)
+            reply: Reply = openai.parse_chat(body, api.model)
         elif endpoint == COMPLETION:
-            reply = openai.parse_completion(body, api.model, api.max_context)
+            reply = openai.parse_completion(body, api.model)
         else:
             assert endpoint == MESSAGES
             reply = anthropic.parse_messages(body, api.model)
@@ -139,17 +140,11 @@ class ApiConnection(HttpConnection):
         self.path.open(st, principal, reply.req)
 
     def _authenticate(self, request: Incoming) -> Principal:
-        try:
-            return self.path.authenticate(api_key(request))
-        except HookError as exc:
-            raise HttpError.from_code(exc.code, exc.message, exc.retry_after_ms) from None
+        return self.path.authenticate(api_key(request))  # a Refusal: handle maps it
 
     def _count_tokens(self, body: bytes) -> None:
         req = anthropic.parse_count_tokens(body, self.api.model)
-        try:
-            n = self.path.inputs.count_prompt_tokens(req)
-        except RequestRefused as exc:
-            raise HttpError.from_code(exc.code, exc.message, exc.retry_after_ms) from None
+        n = self.path.inputs.count_prompt_tokens(req)  # a Refusal: handle maps it
         self.respond(200, anthropic.count_tokens_body(n))
 
     def disconnected(self, request: Incoming) -> None:

@@ -1,20 +1,20 @@
 """HTTP errors of both APIs: the one table from our error codes to statuses, and the bodies.
 
 Every refusal the HTTP door sends goes through here. ``STATUS`` maps the protocol's ErrorCode
-(the same codes the frame port sends) to an HTTP status; ``_KINDS`` gives each status its error
-type in each API's own shape: OpenAI ``{"error": {"message", "type", "param", "code"}}``,
-Anthropic ``{"type": "error", "error": {"type", "message"}}``. Anthropic answers "overloaded"
-with its own 529 where OpenAI uses 503. Errors that only HTTP has (unknown path, method, body
-size, content type, timeouts) are raised as ``HttpError`` with their status directly.
+(the same codes the frame port sends) to an HTTP status: ``http_error`` turns a
+``gateway.codes.Refusal`` (from validation, the input processor, a hook or the request path)
+into its HTTP form through it. ``_KINDS`` gives each status its error type in each API's own
+shape: OpenAI ``{"error": {"message", "type", "param", "code"}}``, Anthropic
+``{"type": "error", "error": {"type", "message"}}``. Anthropic answers "overloaded" with its own
+529 where OpenAI uses 503. ``HttpError`` is the answer the HTTP shell writes; errors that only
+HTTP has (unknown path, method, body size, content type, timeouts, an unknown model) are raised
+as ``HttpError`` with their status directly.
 """
 
 from __future__ import annotations
 
-from gateway.codes import ErrorCode, error_code
+from gateway.codes import ANTHROPIC, OPENAI, ErrorCode, Refusal  # noqa: F401 - re-exported
 from gateway.http.reply import dumps
-
-OPENAI = "openai"
-ANTHROPIC = "anthropic"
 
 # ErrorCode → HTTP status: the one table. Codes that only the frame port can produce (framing,
 # streams per connection) still get a status so that no code is ever unmapped.
@@ -85,7 +85,8 @@ _STATUS_CODE: dict[int, ErrorCode] = {
 
 
 class HttpError(Exception):
-    """A refusal of one HTTP request, before its response started.
+    """The HTTP answer to a refused request, before its response started: the wire form of a
+    ``Refusal`` (``http_error``), or an error only HTTP has (raised with its status).
 
     ``param`` names the offending request field (OpenAI's ``param``); ``code`` is OpenAI's
     machine-readable ``code`` (defaults to the ErrorCode's lower-case name when one is given).
@@ -119,24 +120,21 @@ class HttpError(Exception):
     def from_code(
         cls, code: int, message: str, retry_after_ms: int = 0, param: str | None = None
     ) -> HttpError:
-        """The HTTP form of a protocol ErrorCode (a hook's or the request path's refusal)."""
-        return cls(
-            STATUS.get(code, 500),
-            message,
-            param=param,
-            code=_code_name(code),
-            retry_after_ms=retry_after_ms,
-            error=error_code(code),
-        )
+        """The HTTP form of an ERROR the request path ends a stream with."""
+        return http_error(Refusal(code, message, retry_after_ms, param))
 
 
-def invalid(message: str, param: str | None = None) -> HttpError:
-    """A 400 naming the field at fault."""
-    return HttpError(400, message, param=param, code="invalid_request")
-
-
-def _code_name(code: int) -> str:
-    return error_code(code).name.lower()
+def http_error(refusal: Refusal) -> HttpError:
+    """The HTTP form of a refusal, through the one table ``STATUS``: ``param`` is the field
+    it names, OpenAI's ``code`` its reason."""
+    return HttpError(
+        STATUS.get(refusal.code, 500),
+        refusal.message,
+        param=refusal.field,
+        code=refusal.reason,
+        retry_after_ms=refusal.retry_after_ms,
+        error=refusal.code,
+    )
 
 
 def status_for(api: str, status: int) -> int:

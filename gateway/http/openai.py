@@ -14,26 +14,23 @@ from __future__ import annotations
 from abc import abstractmethod
 from datetime import datetime, timezone
 
-import numpy as np
-
-from gateway.http.errors import OPENAI, invalid
-from gateway.http.fields import (
-    U32_MAX,
-    U64_MAX,
+from gateway.codes import FINISH_NAMES, OPENAI, invalid
+from gateway.http.fields import check_model, refuse_unless
+from gateway.http.reply import Ending, Reply, dumps, encode_basestring, new_id, now
+from gateway.request import Request
+from gateway.validation import (
     check_keys,
-    check_model,
     get_bool,
     get_float,
     get_int,
     get_messages,
     get_stops,
     get_text,
+    get_token_ids,
     load_object,
     present,
-    refuse_unless,
+    validate,
 )
-from gateway.http.reply import Ending, Reply, dumps, encode_basestring, new_id, now
-from gateway.protocol import Request
 
 # Accepted because they do not change the result.
 _NEUTRAL = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
@@ -59,7 +56,7 @@ COMPLETION_KEYS = frozenset(
 )  # fmt: skip
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's documented default for /v1/completions
 
-_FINISH = ("stop", "length", "stop", "stop")  # by FinishReason: eos, max_tokens, stop, cancelled
+_FINISH = FINISH_NAMES[OPENAI]
 
 
 def _refuse_unsupported(obj: dict) -> None:
@@ -89,18 +86,15 @@ def _refuse_unsupported(obj: dict) -> None:
 
 
 def _sampling(obj: dict, req: Request) -> None:
-    """The fields both endpoints share, read into ``req``."""
-    req.temperature = get_float(obj, "temperature", 1.0, 0.0, 2.0)
-    req.top_p = get_float(obj, "top_p", 1.0, 0.0, 1.0)
-    if req.top_p == 0.0:
-        raise invalid("top_p must be in (0, 1]", "top_p")
-    top_k = get_int(obj, "top_k", 0, -1, U32_MAX)
-    req.top_k = max(top_k, 0)  # -1 = off, as in vLLM
+    """The fields both endpoints share, read into ``req`` (their ranges: ``validate``)."""
+    req.temperature = get_float(obj, "temperature", 1.0)
+    req.top_p = get_float(obj, "top_p", 1.0)
+    req.top_k = get_int(obj, "top_k", 0)
     if "seed" in obj:
-        req.seed = get_int(obj, "seed", 0, -(2**63), U64_MAX) & U64_MAX
-    req.prompt_id = get_int(obj, "prompt_id", 0, 0, U32_MAX)
+        req.seed = get_int(obj, "seed", 0)
+    req.prompt_id = get_int(obj, "prompt_id", 0)
     req.ignore_eos = get_bool(obj, "ignore_eos")
-    req.stop_sequences = get_stops(obj, "stop")
+    req.stop_sequences = get_stops(obj, "stop", allow_string=True)
 
 
 def _stream_flags(obj: dict) -> tuple[bool, bool]:
@@ -118,19 +112,12 @@ def _stream_flags(obj: dict) -> tuple[bool, bool]:
     return stream, get_bool(options, "include_usage")
 
 
-def _max_tokens(obj: dict, req: Request, max_context: int, default: int | None) -> None:
-    """max_tokens / max_completion_tokens; when absent, ``default`` or whatever fits."""
-    given = [k for k in ("max_completion_tokens", "max_tokens") if k in obj]
-    values = {get_int(obj, k, 0, 1, U32_MAX) for k in given}
+def _max_tokens(obj: dict, default: int | None) -> int | None:
+    """max_tokens / max_completion_tokens; when absent, ``default`` (None: whatever fits)."""
+    values = {get_int(obj, k, 0) for k in ("max_completion_tokens", "max_tokens") if k in obj}
     if len(values) > 1:
         raise invalid("max_tokens and max_completion_tokens disagree", "max_tokens")
-    if values:
-        req.max_tokens = values.pop()
-    elif default is not None:
-        req.max_tokens = default
-    else:
-        req.max_tokens = max_context
-        req.fit_max_tokens = True  # lowered to what fits beside the prompt
+    return values.pop() if values else default
 
 
 def _messages(obj: dict) -> tuple[list[dict[str, str]], str | None]:
@@ -149,29 +136,27 @@ def _messages(obj: dict) -> tuple[list[dict[str, str]], str | None]:
     return out, ("\n".join(system) if system else None)
 
 
-def parse_chat(body: bytes, served: str, max_context: int) -> ChatReply:
+def parse_chat(body: bytes, served: str) -> ChatReply:
     """POST /v1/chat/completions."""
     obj = load_object(body)
     check_keys(obj, CHAT_KEYS)
     _refuse_unsupported(obj)
     model = check_model(obj, served)
-    req = Request(max_tokens=1, temperature=1.0, want_text=True, is_json=True)
-    _max_tokens(obj, req, max_context, None)
+    req = Request(max_tokens=_max_tokens(obj, None), want_text=True)
     _sampling(obj, req)
     req.messages, req.system = _messages(obj)
     stream, include_usage = _stream_flags(obj)
-    return ChatReply(req, stream, model, include_usage)
+    return ChatReply(validate(req), stream, model, include_usage)
 
 
-def parse_completion(body: bytes, served: str, max_context: int) -> CompletionReply:
+def parse_completion(body: bytes, served: str) -> CompletionReply:
     """POST /v1/completions: the prompt as text or token ids (one prompt only)."""
     obj = load_object(body)
     check_keys(obj, COMPLETION_KEYS)
     _refuse_unsupported(obj)
     refuse_unless(obj, "logprobs", False, "logprobs are not supported")
     model = check_model(obj, served)
-    req = Request(max_tokens=1, temperature=1.0, want_text=True, is_json=True)
-    _max_tokens(obj, req, max_context, COMPLETION_MAX_TOKENS_DEFAULT)
+    req = Request(max_tokens=_max_tokens(obj, COMPLETION_MAX_TOKENS_DEFAULT), want_text=True)
     _sampling(obj, req)
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -179,11 +164,7 @@ def parse_completion(body: bytes, served: str, max_context: int) -> CompletionRe
     if isinstance(prompt, str):
         req.prompt_text = get_text(prompt, "prompt")
     elif isinstance(prompt, list) and prompt:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise invalid("prompt must be a string or a list of token ids", "prompt")
-        if not all(0 <= t <= 2**31 - 1 for t in prompt):
-            raise invalid("prompt token ids must be >= 0", "prompt")
-        req.prompt_ids = np.array(prompt, np.int32)
+        req.prompt_ids = get_token_ids(prompt, "prompt")
     elif isinstance(prompt, list):
         raise invalid("prompt must hold one string or one list of token ids", "prompt")
     else:
@@ -191,7 +172,7 @@ def parse_completion(body: bytes, served: str, max_context: int) -> CompletionRe
     if not req.prompt_text and req.prompt_ids is None and not req.prompt_id:
         raise invalid("empty prompt without a prompt_id", "prompt")
     stream, include_usage = _stream_flags(obj)
-    return CompletionReply(req, stream, model, include_usage)
+    return CompletionReply(validate(req), stream, model, include_usage)
 
 
 # ------------------------------------------------------------------------------------ replies

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # the C escaper: "text" -> '"text"' (non-ASCII kept)
 
-from gateway.protocol import FinishReason, Request
+from gateway.request import Request
 
 __all__ = ["Ending", "Reply", "dumps", "encode_basestring", "new_id", "now"]
 
@@ -78,9 +78,3 @@ class Reply(ABC):
     @abstractmethod
     def body(self, text: str, ending: Ending) -> bytes:
         """The whole response object (non-streaming)."""
-
-
-FINISH_EOS = int(FinishReason.EOS)
-FINISH_MAX_TOKENS = int(FinishReason.MAX_TOKENS)
-FINISH_STOP = int(FinishReason.STOP)
-FINISH_CANCELLED = int(FinishReason.CANCELLED)

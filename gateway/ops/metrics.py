@@ -23,7 +23,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from gateway.codes import DONE_REASONS, ErrorCode
+from gateway.codes import APIS, DONE_REASONS, FRAMES, ErrorCode  # APIS: doors (Stream.api)
 from gateway.protocol import FrameType
 
 __all__ = [
@@ -39,8 +39,6 @@ FRAME_TYPES: tuple[str, ...] = tuple(t.name for t in FrameType)
 FINISH_REASONS: tuple[str, ...] = tuple(r.label for r in DONE_REASONS)
 ERROR_CODES: tuple[str, ...] = tuple(c.name for c in ErrorCode)
 DIRECTIONS: tuple[str, ...] = ("in", "out")
-# The doors a request can come through (gateway.lifecycle.Stream.api).
-APIS: tuple[str, ...] = ("frames", "openai", "anthropic")
 PHASES: tuple[str, ...] = ("prefill", "decode")
 
 # LLM-sized buckets: a first token can take from a millisecond (cache hit) to minutes (long
@@ -305,7 +303,7 @@ class Metrics:
         queue_s: float,
         ttft_s: float | None,
         e2e_s: float,
-        api: str = "frames",
+        api: str = FRAMES,
     ) -> None:
         """A stream ended in DONE. ``ttft_s`` is None when no token was sent.
 
@@ -324,7 +322,7 @@ class Metrics:
             self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
 
-    def request_error(self, code_name: str | int, api: str = "frames") -> None:
+    def request_error(self, code_name: str | int, api: str = FRAMES) -> None:
         """An ERROR was sent (a frame, or an HTTP error response or event); ``code_name`` is the
         protocol name ("OVERLOADED") or the ErrorCode value, ``api`` the door (APIS)."""
         child = self._errors.get((code_name, api))

@@ -10,9 +10,18 @@ import openai.types as ot
 import openai.types.chat as oc
 import pytest
 
+from gateway.codes import Refusal
 from gateway.http import anthropic as an
 from gateway.http import openai as oa
-from gateway.http.errors import ANTHROPIC, OPENAI, STATUS, HttpError, error_body, status_for
+from gateway.http.errors import (
+    ANTHROPIC,
+    OPENAI,
+    STATUS,
+    HttpError,
+    error_body,
+    http_error,
+    status_for,
+)
 from gateway.http.reply import Ending
 from gateway.protocol import ErrorCode, FinishReason
 from tests.support.rawhttp import sse_events
@@ -22,9 +31,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def chat(**fields) -> oa.ChatReply:
-    return oa.parse_chat(
-        json.dumps({"model": MODEL, "messages": USER, **fields}).encode(), MODEL, 512
-    )
+    return oa.parse_chat(json.dumps({"model": MODEL, "messages": USER, **fields}).encode(), MODEL)
 
 
 def messages(**fields) -> an.MessagesReply:
@@ -33,9 +40,11 @@ def messages(**fields) -> an.MessagesReply:
 
 
 def refused(fn, *args) -> HttpError:
-    with pytest.raises(HttpError) as info:
+    """The HTTP answer the door sends for a refused body (a Refusal goes through the table)."""
+    with pytest.raises((HttpError, Refusal)) as info:
         fn(*args)
-    return info.value
+    err = info.value
+    return http_error(err) if isinstance(err, Refusal) else err
 
 
 # ----------------------------------------------------------------------------------- OpenAI
@@ -45,7 +54,7 @@ def test_chat_defaults_follow_openai():
     r = chat()
     req = r.req
     assert (req.temperature, req.top_p, req.top_k, req.seed) == (1.0, 1.0, 0, None)
-    assert req.fit_max_tokens and req.max_tokens == 512  # lowered to what fits by the path
+    assert req.max_tokens is None  # what fits beside the prompt, found by the path
     assert req.want_text and req.messages == USER and req.system is None
     assert not r.stream and not r.include_usage
 
@@ -84,7 +93,7 @@ def test_chat_fields():
         {"role": "assistant", "content": "ok"},
         {"role": "user", "content": "go"},
     ]
-    assert (req.max_tokens, req.fit_max_tokens) == (7, False)
+    assert req.max_tokens == 7
     assert (req.temperature, req.top_p, req.top_k) == (0.2, 0.5, 0)
     assert req.seed == 2**64 - 1
     assert req.stop_sequences == ("\n", "END")
@@ -144,19 +153,19 @@ def test_unknown_model_is_404_and_bad_bodies_are_400():
     err = refused(lambda: chat(model="gpt-4"))
     assert (err.status, err.param, err.code) == (404, "model", "model_not_found")
     for body in (b"{", b"[]", b"\xff\xfe", b"[" * 100_000, b'"x"'):
-        assert refused(oa.parse_chat, body, MODEL, 512).status == 400
+        assert refused(oa.parse_chat, body, MODEL).status == 400
 
 
 def test_completion_prompts():
     def comp(**fields):
-        return oa.parse_completion(json.dumps({"model": MODEL, **fields}).encode(), MODEL, 512)
+        return oa.parse_completion(json.dumps({"model": MODEL, **fields}).encode(), MODEL)
 
     assert comp(prompt="abc").req.prompt_text == "abc"
     assert comp(prompt=["abc"]).req.prompt_text == "abc"
     assert comp(prompt=[1, 2, 3]).req.prompt_ids.tolist() == [1, 2, 3]
     assert comp(prompt=[[4, 5]]).req.prompt_ids.tolist() == [4, 5]
     r = comp(prompt="x")
-    assert (r.req.max_tokens, r.req.fit_max_tokens) == (16, False)  # OpenAI's default
+    assert r.req.max_tokens == 16  # OpenAI's default
     for fields, param in (
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
@@ -203,7 +212,7 @@ def test_chat_and_completion_bodies_match_the_sdk_types():
     assert done.choices[0].message.content == "hello"
     assert done.choices[0].finish_reason == "stop"
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (3, 2)
-    comp = oa.parse_completion(b'{"prompt": "x", "stream": true}', MODEL, 512)
+    comp = oa.parse_completion(b'{"prompt": "x", "stream": true}', MODEL)
     out = bytearray()
     comp.start(out, 1)
     comp.token(out, "ab")
@@ -233,7 +242,7 @@ def test_messages_defaults_and_fields():
     r = messages()
     req = r.req
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (8, 1.0, 1.0, 0)
-    assert not req.fit_max_tokens and req.messages == USER and not r.stream
+    assert req.max_tokens == 8 and req.messages == USER and not r.stream
     r = messages(
         system=[{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}],
         messages=[
@@ -260,8 +269,8 @@ def test_messages_defaults_and_fields():
     [
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"temperature": 1.5}, "temperature"),
-        ({"top_k": -1}, "top_k"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_k": -2}, "top_k"),
         ({"stop_sequences": "x"}, "stop_sequences"),
         ({"tools": [{"name": "t"}]}, "tools"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
@@ -278,6 +287,13 @@ def test_messages_defaults_and_fields():
 def test_messages_refusals_name_the_field(fields, param):
     err = refused(lambda: messages(**fields))
     assert (err.status, err.param) == (400, param), err.message
+
+
+def test_messages_ranges_are_every_doors():
+    # One table for every door (gateway.validation): OpenAI's temperature range and vLLM's
+    # top_k -1 hold on /v1/messages too.
+    req = messages(temperature=2.0, top_k=-1).req
+    assert (req.temperature, req.top_k) == (2.0, 0)
 
 
 def test_messages_stream_matches_the_sdk_types():

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from gateway import protocol as p
+from gateway.codes import Refusal
 from gateway.protocol import ErrorCode, FinishReason, FrameType, ProtocolError
+from gateway.request import Request
 
 HDR = struct.Struct("<IBBHI")
 MAX = 1 << 20
@@ -82,22 +84,22 @@ def binary_payload(
     return memoryview(fixed + tail)
 
 
-def request_error(payload: memoryview | bytes, stream: int = 7, flags: int = 0) -> ProtocolError:
-    with pytest.raises(ProtocolError) as exc:
-        p.parse_request(stream, flags, memoryview(payload))
+def request_error(payload: memoryview | bytes, flags: int = 0) -> Refusal:
+    """A REQUEST payload refused: the stream ends in INVALID_REQUEST, never the connection."""
+    with pytest.raises(Refusal) as exc:
+        p.parse_request(flags, memoryview(payload))
     assert exc.value.code == ErrorCode.INVALID_REQUEST
-    assert exc.value.stream == stream
     return exc.value
 
 
-def parse_json(obj: object, stream: int = 1) -> p.Request:
+def parse_json(obj: object) -> Request:
     body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-    return p.parse_request(stream, p.FLAG_JSON, memoryview(body))
+    return p.parse_request(p.FLAG_JSON, memoryview(body))
 
 
-def json_error(obj: object, stream: int = 9) -> ProtocolError:
+def json_error(obj: object) -> Refusal:
     body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-    return request_error(body, stream=stream, flags=p.FLAG_JSON)
+    return request_error(body, flags=p.FLAG_JSON)
 
 
 # ------------------------------------------------------------------------------------ round trips
@@ -109,26 +111,26 @@ def test_round_trip_binary_request_token_ids() -> None:
     )
     ftype, flags, stream, payload = decode_one("server", wire)
     assert (ftype, flags, stream) == (FrameType.REQUEST, 0, 5)
-    req = p.parse_request(stream, flags, payload)
+    req = p.parse_request(flags, payload)
     assert req.max_tokens == 12 and req.top_k == 3 and req.prompt_id == 4
     assert req.seed == 0  # seed 0 with the seed bit set is a real seed, not "none"
     assert req.stop_ids.tolist() == [9, 10]
     assert req.prompt_ids.tolist() == [1, -2, 2**31 - 1]
-    assert req.prompt_text is None and not req.want_text and not req.is_json
+    assert req.prompt_text is None and not req.want_text
 
 
 def test_round_trip_binary_request_text_prompt() -> None:
     wire = p.encode_request(
         1, "héllo ✓", 3, temperature=0.25, top_p=0.5, seed=2**64 - 1, text_deltas=True
     )
-    req = p.parse_request(1, 0, decode_one("server", wire)[3])
+    req = p.parse_request(0, decode_one("server", wire)[3])
     assert req.prompt_text == "héllo ✓" and req.prompt_ids is None
     assert (req.temperature, req.top_p, req.seed, req.want_text) == (0.25, 0.5, 2**64 - 1, True)
     assert req.stop_ids.dtype == np.int32 and len(req.stop_ids) == 0
 
 
 def test_round_trip_binary_request_bytes_prompt_is_text() -> None:
-    req = p.parse_request(2, 0, decode_one("server", p.encode_request(2, b"abc", 1))[3])
+    req = p.parse_request(0, decode_one("server", p.encode_request(2, b"abc", 1))[3])
     assert req.prompt_text == "abc"
 
 
@@ -150,8 +152,8 @@ def test_round_trip_json_request() -> None:
     }
     ftype, flags, stream, payload = decode_one("server", p.encode_json_request(11, body))
     assert (ftype, flags, stream) == (FrameType.REQUEST, p.FLAG_JSON, 11)
-    req = p.parse_request(stream, flags, payload)
-    assert req.is_json and req.want_text
+    req = p.parse_request(flags, payload)
+    assert req.want_text
     assert req.messages == body["messages"] and req.system == "You are terse."
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (64, 0.7, 0.9, 50)
     assert (req.seed, req.prompt_id) == (123, 2)
@@ -373,7 +375,7 @@ def test_token_ids_are_int32_views() -> None:
 def test_request_prompt_ids_are_copied_out_of_the_buffer() -> None:
     # The receive buffer is reused; a parsed Request must not alias it.
     payload = decode_one("server", p.encode_request(1, [4, 5, 6], 2, stop_ids=[8]))[3]
-    req = p.parse_request(1, 0, payload)
+    req = p.parse_request(0, payload)
     raw_bytes = np.frombuffer(payload, dtype=np.uint8)
     assert not np.shares_memory(req.prompt_ids, raw_bytes)
     assert not np.shares_memory(req.stop_ids, raw_bytes)
@@ -388,7 +390,7 @@ def test_request_prompt_ids_are_copied_out_of_the_buffer() -> None:
 @pytest.mark.parametrize("role", ["server", "client"])
 def test_unknown_type(ftype: int, role: str) -> None:
     err = header_error(role, raw(ftype, 0))
-    assert err.code == ErrorCode.MALFORMED_FRAME and err.stream == 0
+    assert err.code == ErrorCode.MALFORMED_FRAME
 
 
 @pytest.mark.parametrize(
@@ -453,7 +455,7 @@ def test_client_receiving_client_frames(ftype: int, stream: int) -> None:
 )
 def test_wrong_kind_of_stream(role: str, ftype: int, stream: int) -> None:
     err = header_error(role, raw(ftype, stream, b"" if ftype != FrameType.REQUEST else b"x" * 32))
-    assert err.code == ErrorCode.MALFORMED_FRAME and err.stream == 0
+    assert err.code == ErrorCode.MALFORMED_FRAME
 
 
 def test_error_frame_allowed_on_any_stream() -> None:
@@ -468,7 +470,7 @@ def test_frame_too_large_from_the_header_alone() -> None:
     dec.feed(HDR.pack(1001, FrameType.REQUEST, 0, 0, 1)[11:])  # no payload byte sent
     with pytest.raises(ProtocolError) as exc:
         dec.next_frame()
-    assert exc.value.code == ErrorCode.FRAME_TOO_LARGE and exc.value.stream == 0
+    assert exc.value.code == ErrorCode.FRAME_TOO_LARGE
     assert dec.capacity == 64  # nothing was allocated for the refused payload
 
 
@@ -507,7 +509,7 @@ def test_invalid_role() -> None:
 def test_hello_key_len_mismatch(payload: bytes) -> None:
     with pytest.raises(ProtocolError) as exc:
         p.parse_hello(memoryview(payload))
-    assert exc.value.code == ErrorCode.MALFORMED_FRAME and exc.value.stream == 0
+    assert exc.value.code == ErrorCode.MALFORMED_FRAME
 
 
 def test_ping_over_64_bytes() -> None:
@@ -548,7 +550,7 @@ def test_request_n_stop_does_not_fit(n_stop: int, tail: bytes) -> None:
 
 
 def test_request_n_stop_exactly_fits_with_prompt_id() -> None:
-    req = p.parse_request(1, 0, binary_payload(n_stop=2, prompt_id=3, tail=bytes(8)))
+    req = p.parse_request(0, binary_payload(n_stop=2, prompt_id=3, tail=bytes(8)))
     assert req.stop_ids.tolist() == [0, 0] and len(req.prompt_ids) == 0
 
 
@@ -566,7 +568,7 @@ def test_request_invalid_utf8_text(tail: bytes) -> None:
 @pytest.mark.parametrize("options", [0, p.OPT_TEXT_PROMPT])
 def test_request_empty_prompt_without_prompt_id(options: int) -> None:
     request_error(binary_payload(options=options, tail=b""))
-    req = p.parse_request(1, 0, binary_payload(options=options, tail=b"", prompt_id=1))
+    req = p.parse_request(0, binary_payload(options=options, tail=b"", prompt_id=1))
     assert req.prompt_id == 1
 
 
@@ -581,13 +583,14 @@ def test_request_bad_top_p(top_p: float) -> None:
 
 
 def test_request_seed_ignored_without_option_bit() -> None:
-    assert p.parse_request(1, 0, binary_payload(seed=77)).seed is None
-    assert p.parse_request(1, 0, binary_payload(seed=77, options=p.OPT_SEED)).seed == 77
+    assert p.parse_request(0, binary_payload(seed=77)).seed is None
+    assert p.parse_request(0, binary_payload(seed=77, options=p.OPT_SEED)).seed == 77
 
 
-def test_request_error_carries_stream_id() -> None:
-    for stream in (1, 12345, 2**32 - 1):
-        assert request_error(binary_payload(max_tokens=0), stream=stream).stream == stream
+def test_request_refusal_names_its_field() -> None:
+    assert request_error(binary_payload(max_tokens=0)).field == "max_tokens"
+    assert request_error(binary_payload(temperature=2.5)).field == "temperature"
+    assert request_error(binary_payload(top_k=2**31)).field == "top_k"
 
 
 # ------------------------------------------------------------------------- JSON REQUEST errors
@@ -660,14 +663,14 @@ def test_json_bad_messages(messages: object) -> None:
         ("temperature", "hot"),
         ("temperature", True),
         ("temperature", -1),
-        ("temperature", None),
+        ("temperature", 2.001),
         pytest.param("temperature", 10**400, id="temperature-huge-int"),
         ("top_p", 0),
         ("top_p", 1.5),
         ("top_p", [1]),
-        ("top_k", -1),
+        ("top_k", -2),
         ("top_k", 2.0),
-        ("top_k", 2**32),
+        ("top_k", 2**31),
         ("prompt_id", -1),
         ("prompt_id", "1"),
         ("prompt", 5),
@@ -681,14 +684,23 @@ def test_json_bad_types_and_ranges(key: str, value: object) -> None:
     assert key in json_error(obj).message
 
 
-@pytest.mark.parametrize("seed", [-1, 2**64, 1.0, "1", True, None])
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 1.0, "1", True])
 def test_json_seed_out_of_range(seed: object) -> None:
     assert "seed" in json_error({"max_tokens": 1, "prompt": "x", "seed": seed}).message
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2**64 - 1])
+@pytest.mark.parametrize("seed", [0, 1, 2**64 - 1, -1, -(2**63)])
 def test_json_seed_in_range(seed: int) -> None:
-    assert parse_json({"max_tokens": 1, "prompt": "x", "seed": seed}).seed == seed
+    # A negative seed (OpenAI's are int64) is its two's complement, as on the HTTP door.
+    assert parse_json({"max_tokens": 1, "prompt": "x", "seed": seed}).seed == seed % 2**64
+
+
+def test_json_nulls_are_absent_and_minus_one_top_k_is_off() -> None:
+    # The JSON conventions of every door (gateway.validation): null = absent, top_k -1 = off.
+    req = parse_json(
+        {"max_tokens": 1, "prompt": "x", "temperature": None, "seed": None, "top_k": -1}
+    )
+    assert (req.temperature, req.seed, req.top_k) == (0.0, None, 0)
 
 
 @pytest.mark.parametrize("stops", ["\n", [1], [""], ["ok", None], {"a": 1}, [["x"]]])
@@ -722,8 +734,9 @@ def test_json_surrogate_pair_is_fine() -> None:
     assert req.prompt_text == "\U0001f600"
 
 
-def test_json_error_carries_stream_id() -> None:
-    assert json_error({"prompt": "x"}, stream=2**32 - 1).stream == 2**32 - 1
+def test_json_refusal_names_its_field() -> None:
+    assert json_error({"prompt": "x"}).field == "max_tokens"
+    assert json_error({"max_tokens": 1, "prompt": "x", "top_p": 0}).field == "top_p"
 
 
 # -------------------------------------------------------------- client-side payload parsing errors
@@ -817,11 +830,6 @@ def test_packed_frames_in_one_buffer_decode_in_order() -> None:
 
 
 def test_protocol_error_fields() -> None:
-    err = ProtocolError(ErrorCode.SLOW_CONSUMER, "msg", 4)
-    assert (err.code, err.message, err.stream, str(err)) == (
-        ErrorCode.SLOW_CONSUMER,
-        "msg",
-        4,
-        "msg",
-    )
-    assert ProtocolError(ErrorCode.INTERNAL, "x").stream == 0
+    err = ProtocolError(ErrorCode.MALFORMED_FRAME, "msg")
+    assert (err.code, err.message, str(err)) == (ErrorCode.MALFORMED_FRAME, "msg", "msg")
+    assert not isinstance(err, Refusal)  # a connection error is not one stream's refusal

@@ -1,7 +1,7 @@
 """Property tests of the frame codec: any valid frame survives encode -> FrameDecoder (fed in any
 chunking) -> parse, arbitrary bytes make the decoder and every payload parser raise nothing but
-``ProtocolError``, what the parser accepts fits the engine's columns, and the fuzz corpus
-decodes safely."""
+``ProtocolError`` (or a REQUEST's ``Refusal``), what the parser accepts fits the engine's columns,
+and the fuzz corpus decodes safely."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway import protocol as p
-from gateway.codes import DONE_REASONS
+from gateway.codes import DONE_REASONS, Refusal
 from gateway.engine.backend import ModelInfo
 from gateway.engine.types import SamplingRow
-from gateway.inputs import InputProcessor, RequestRefused
+from gateway.inputs import InputProcessor
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
 from gateway.tokenizer import ByteTokenizer
 from tests.support.fuzzframes import corpus_files, read_corpus
@@ -53,14 +53,13 @@ def request_fields(req: p.Request) -> tuple[Any, ...]:
         req.system,
         req.stop_sequences,
         req.want_text,
-        req.is_json,
     )
 
 
 def decoded(ftype: int, flags: int, stream: int, payload: memoryview) -> tuple[Any, ...]:
     """What a receiver learns from one frame, through the public parsers."""
     if ftype == FrameType.REQUEST:
-        body: Any = request_fields(p.parse_request(stream, flags, payload))
+        body: Any = request_fields(p.parse_request(flags, payload))
     elif ftype == FrameType.TOKEN:
         ids, text = p.parse_token(payload)
         body = (tuple(ids.tolist()), text)
@@ -86,7 +85,7 @@ def decoded(ftype: int, flags: int, stream: int, payload: memoryview) -> tuple[A
 
 # ------------------------------------------------------------------------ valid frame strategies
 
-f32_nonneg = st.floats(min_value=0, max_value=65536, width=32)
+f32_temperature = st.floats(min_value=0, max_value=2, width=32)  # gateway.validation's range
 f32_top_p = st.floats(min_value=0, max_value=1, exclude_min=True, width=32)
 text = st.text(max_size=40)  # hypothesis' default alphabet has no lone surrogates
 
@@ -95,8 +94,8 @@ text = st.text(max_size=40)  # hypothesis' default alphabet has no lone surrogat
 def binary_requests(draw: st.DrawFn) -> Case:
     stream = draw(STREAM)
     max_tokens = draw(st.integers(1, U32))
-    temperature, top_p = draw(f32_nonneg), draw(f32_top_p)
-    top_k, prompt_id = draw(st.integers(0, U32)), draw(st.integers(0, U32))
+    temperature, top_p = draw(f32_temperature), draw(f32_top_p)
+    top_k, prompt_id = draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, U32))
     seed = draw(st.none() | st.integers(0, U64))
     stop_ids = draw(st.lists(I32, max_size=8))
     text_deltas = draw(st.booleans())
@@ -130,7 +129,6 @@ def binary_requests(draw: st.DrawFn) -> Case:
         None,
         (),
         text_deltas,
-        False,
     )
     return wire, (FrameType.REQUEST, 0, stream, fields)
 
@@ -142,9 +140,9 @@ def json_requests(draw: st.DrawFn) -> Case:
     optional = {
         "system": text,
         "prompt_id": st.integers(0, U32),
-        "temperature": st.floats(min_value=0, max_value=1e6),
+        "temperature": st.floats(min_value=0, max_value=2),
         "top_p": st.floats(min_value=0, max_value=1, exclude_min=True),
-        "top_k": st.integers(0, U32),
+        "top_k": st.integers(0, 2**31 - 1),
         "seed": st.integers(0, U64),
         "stop_sequences": st.lists(st.text(min_size=1, max_size=8), max_size=4),
     }
@@ -174,7 +172,6 @@ def json_requests(draw: st.DrawFn) -> Case:
         obj.get("messages"),
         obj.get("system") or None,
         tuple(obj.get("stop_sequences", ())),
-        True,
         True,
     )
     return p.encode_json_request(stream, obj), (FrameType.REQUEST, p.FLAG_JSON, stream, fields)
@@ -311,7 +308,8 @@ def test_server_bound_frame_round_trips_through_get_buffer(case: Case, cuts: lis
 
 
 def drain(role: str, chunks: list[bytes], max_frame_bytes: int) -> None:
-    """Feed arbitrary bytes and parse whatever frames come out; only ProtocolError may escape."""
+    """Feed arbitrary bytes and parse whatever frames come out; only ProtocolError (the
+    connection's) or Refusal (one REQUEST's) may escape."""
     dec = p.FrameDecoder(role, max_frame_bytes, initial_size=24)
     try:
         for chunk in chunks:
@@ -320,6 +318,8 @@ def drain(role: str, chunks: list[bytes], max_frame_bytes: int) -> None:
                 decoded(*frame)
     except ProtocolError as exc:
         assert isinstance(exc.code, ErrorCode)
+    except Refusal as exc:
+        assert exc.code == ErrorCode.INVALID_REQUEST
 
 
 @FUZZ
@@ -370,9 +370,9 @@ def test_payload_parsers_raise_only_protocol_error(payload: bytes) -> None:
             parse(memoryview(payload))
     for flags in (0, p.FLAG_JSON):
         try:
-            p.parse_request(5, flags, memoryview(payload))
-        except ProtocolError as exc:
-            assert exc.code == ErrorCode.INVALID_REQUEST and exc.stream == 5
+            p.parse_request(flags, memoryview(payload))
+        except Refusal as exc:
+            assert exc.code == ErrorCode.INVALID_REQUEST
 
 
 @FUZZ
@@ -394,9 +394,9 @@ def test_binary_request_with_random_fields_raises_only_invalid_request(
 ) -> None:
     payload = memoryview(p.REQUEST_FIXED.pack(*fixed) + tail)
     try:
-        req = p.parse_request(3, 0, payload)
-    except ProtocolError as exc:
-        assert exc.code == ErrorCode.INVALID_REQUEST and exc.stream == 3
+        req = p.parse_request(0, payload)
+    except Refusal as exc:
+        assert exc.code == ErrorCode.INVALID_REQUEST
     else:
         assert req.max_tokens >= 1 and req.temperature >= 0 and 0 < req.top_p <= 1
 
@@ -424,9 +424,9 @@ REQUEST_KEYS += ["top_k", "seed", "stop_sequences", "role", "content"]
 
 def parse_json_fuzzed(body: bytes) -> None:
     try:
-        p.parse_request(8, p.FLAG_JSON, memoryview(body))
-    except ProtocolError as exc:
-        assert exc.code == ErrorCode.INVALID_REQUEST and exc.stream == 8
+        p.parse_request(p.FLAG_JSON, memoryview(body))
+    except Refusal as exc:
+        assert exc.code == ErrorCode.INVALID_REQUEST
 
 
 @FUZZ
@@ -470,11 +470,10 @@ def test_json_request_with_a_lone_surrogate_is_invalid(case: Case, at: int) -> N
         return  # only messages with empty contents and no other strings: nothing to corrupt
     pos = starts[at % len(starts)]
     bad = (body[:pos] + "\\ud800" + body[pos:]).encode("ascii")
-    stream = case[1][2]
     try:
-        p.parse_request(stream, p.FLAG_JSON, memoryview(bad))
-    except ProtocolError as exc:
-        assert exc.code == ErrorCode.INVALID_REQUEST and exc.stream == stream
+        p.parse_request(p.FLAG_JSON, memoryview(bad))
+    except Refusal as exc:
+        assert exc.code == ErrorCode.INVALID_REQUEST
     else:
         raise AssertionError("a lone surrogate was accepted")
 
@@ -528,9 +527,9 @@ def test_what_the_request_path_accepts_fits_the_engine_columns(
         fixed = p.REQUEST_FIXED.pack(1, t32, p32, top_k, seed or 0, 0, 0, options)
         payload, flags = fixed + b"\x01\x00\x00\x00", 0
     try:
-        req = p.parse_request(1, flags, memoryview(payload))
+        req = p.parse_request(flags, memoryview(payload))
         prepared = InputProcessor(ByteTokenizer(), INFO).prepare(req)
-    except (ProtocolError, RequestRefused) as exc:
+    except Refusal as exc:
         assert exc.code == ErrorCode.INVALID_REQUEST
     else:
         _engine_columns(prepared.sampling)

@@ -1,0 +1,37 @@
+"""The door-neutral request: what every door (frames, OpenAI, Anthropic) parses its wire into.
+
+A ``Request`` carries the fields as the client gave them, in the units the engine uses; each door
+fills it from its own wire format and gateway.validation checks its values, the same rules for
+every door, before the request path sees it. Nothing here knows a wire format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NO_STOP_IDS = np.empty(0, np.int32)  # the stop ids of a request without any (shared: read-only)
+NO_STOP_IDS.flags.writeable = False
+
+
+@dataclass(slots=True)
+class Request:
+    """A parsed request. Prompt ids are copied out of any receive buffer."""
+
+    # None = as many as fit in the context beside the prompt (an API request that did not give
+    # max_tokens); the input processor turns it into a number.
+    max_tokens: int | None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off (validation maps vLLM's -1 to 0)
+    seed: int | None = None  # None = unseeded; else in [0, 2**64)
+    prompt_id: int = 0  # a registered prompt, 0 = none
+    stop_ids: np.ndarray = field(default_factory=lambda: NO_STOP_IDS)  # int32
+    prompt_ids: np.ndarray | None = None  # int32, when the prompt came as ids
+    prompt_text: str | None = None  # raw text prompt
+    messages: list[dict[str, str]] | None = None  # chat
+    system: str | None = None
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False  # a stop rule: generate past EOS (vLLM's extension)
+    want_text: bool = False  # the door wants text deltas
