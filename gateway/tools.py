@@ -1,0 +1,443 @@
+"""Tool calls: definitions in, the model's text out as calls, for both HTTP APIs.
+
+- ``Tool`` / ``tools_from_openai`` / ``tools_from_anthropic``: definitions checked, each error a
+  ``ToolError`` naming the field (a tool whose parameters are not a JSON Schema object, a
+  duplicate name, a tool_choice naming no tool).
+- ``system_prompt``: the generic rendering for a chat template without ``tools`` support (the
+  template's own rendering is used where ``template_supports_tools`` says it has one).
+- ``parse``: a finished output into content and calls, for Hermes-style
+  ``<tool_call>{json}</tool_call>`` (Qwen), Llama 3 JSON (``<|python_tag|>`` optional,
+  ``"parameters"``), and a generic JSON form (one call or a list, ``"arguments"``).
+- ``CallStream``: the same incrementally, as events — content text, a call's start (index, id,
+  name), its arguments text in pieces (the raw JSON of the arguments, so the pieces join to a
+  valid document, as OpenAI's ``function.arguments`` deltas and Anthropic's
+  ``input_json_delta`` carry them), its end.
+- ``forced_schema``: ``tool_choice`` ``required`` or a named function as a JSON Schema for the
+  grammar engine (gateway/structured.py), so even a model without tool training returns a valid
+  call in the generic form.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolError(ValueError):
+    def __init__(self, field_name: str, why: str) -> None:
+        super().__init__(f"{field_name}: {why}")
+        self.field = field_name
+        self.why = why
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+
+def _check_schema(schema: Any, where: str) -> dict[str, Any]:
+    if not isinstance(schema, dict):
+        raise ToolError(where, "must be a JSON Schema object")
+    kind = schema.get("type", "object")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if not kinds or not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
+        raise ToolError(f"{where}.type", f"not a JSON Schema type: {kind!r}")
+    if "properties" in schema and not isinstance(schema["properties"], dict):
+        raise ToolError(f"{where}.properties", "must be an object")
+    if "required" in schema and not (
+        isinstance(schema["required"], list) and all(isinstance(r, str) for r in schema["required"])
+    ):
+        raise ToolError(f"{where}.required", "must be a list of property names")
+    return schema
+
+
+def _tool(name: Any, description: Any, params: Any, where: str, pfield: str) -> Tool:
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise ToolError(f"{where}.name", "must be a string of 1 to 64 characters")
+    if description is not None and not isinstance(description, str):
+        raise ToolError(f"{where}.description", "must be a string")
+    params = {"type": "object", "properties": {}} if params is None else params
+    return Tool(name, description or "", _check_schema(params, f"{where}.{pfield}"))
+
+
+def _unique(tools: list[Tool], where: str) -> list[Tool]:
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        if t.name in seen:
+            raise ToolError(f"{where}[{i}].name", f"duplicate tool name {t.name!r}")
+        seen.add(t.name)
+    return tools
+
+
+def tools_from_openai(value: Any) -> list[Tool]:
+    """OpenAI ``tools``: [{"type": "function", "function": {name, description, parameters}}]."""
+    if not isinstance(value, list):
+        raise ToolError("tools", "must be a list")
+    out = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            raise ToolError(f"tools[{i}].type", "must be 'function'")
+        fn = entry.get("function")
+        if not isinstance(fn, dict):
+            raise ToolError(f"tools[{i}].function", "must be an object")
+        where = f"tools[{i}].function"
+        out.append(
+            _tool(fn.get("name"), fn.get("description"), fn.get("parameters"), where, "parameters")
+        )
+    return _unique(out, "tools")
+
+
+def tools_from_anthropic(value: Any) -> list[Tool]:
+    """Anthropic ``tools``: [{name, description, input_schema}]."""
+    if not isinstance(value, list):
+        raise ToolError("tools", "must be a list")
+    out = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise ToolError(f"tools[{i}]", "must be an object")
+        if "input_schema" not in entry:
+            raise ToolError(f"tools[{i}].input_schema", "is required")
+        out.append(
+            _tool(
+                entry.get("name"),
+                entry.get("description"),
+                entry["input_schema"],
+                f"tools[{i}]",
+                "input_schema",
+            )
+        )
+    return _unique(out, "tools")
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What the request lets the model do: ``mode`` none / auto / required; ``name`` forces one."""
+
+    mode: str
+    name: str | None = None
+
+
+def choice_from_openai(value: Any, tools: list[Tool]) -> Choice:
+    if value is None:
+        return Choice("auto" if tools else "none")
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise ToolError("tool_choice", "'required' needs tools")
+        return Choice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = (value.get("function") or {}).get("name")
+        return Choice("required", _named(name, tools, "tool_choice.function.name"))
+    raise ToolError("tool_choice", "must be none, auto, required or a named function")
+
+
+def choice_from_anthropic(value: Any, tools: list[Tool]) -> Choice:
+    if value is None:
+        return Choice("auto" if tools else "none")
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("auto", "none"):
+        return Choice(kind)
+    if kind == "any":
+        if not tools:
+            raise ToolError("tool_choice", "'any' needs tools")
+        return Choice("required")
+    if kind == "tool":
+        return Choice("required", _named(value.get("name"), tools, "tool_choice.name"))
+    raise ToolError("tool_choice.type", "must be auto, any, tool or none")
+
+
+def _named(name: Any, tools: list[Tool], where: str) -> str:
+    if not any(t.name == name for t in tools):
+        raise ToolError(where, f"names no tool defined in tools: {name!r}")
+    return str(name)
+
+
+def template_supports_tools(template_source: str | None) -> bool:
+    """Whether a chat template renders a ``tools`` variable itself."""
+    return bool(template_source) and "tools" in str(template_source)
+
+
+def system_prompt(tools: list[Tool]) -> str:
+    """The generic rendering: tool signatures and the Hermes call format, for the system turn."""
+    lines = [
+        "You may call one or more functions to assist with the user query.",
+        "Function signatures, in JSON:",
+        "<tools>",
+    ]
+    for t in tools:
+        spec = {"name": t.name, "description": t.description, "parameters": t.parameters}
+        lines.append(json.dumps({"type": "function", "function": spec}))
+    lines += [
+        "</tools>",
+        "For each call, answer with a JSON object holding the function name and arguments "
+        f"between {HERMES_OPEN} and {HERMES_CLOSE} tags:",
+        f'{HERMES_OPEN}{{"name": <function-name>, "arguments": <args-json-object>}}{HERMES_CLOSE}',
+    ]
+    return "\n".join(lines)
+
+
+def forced_schema(
+    tools: list[Tool], choice: Choice, parallel: bool = True
+) -> dict[str, Any] | None:
+    """The JSON Schema an output must match under ``choice`` (None when not forced): one call
+    ``{"name": ..., "arguments": {...}}``, or with ``parallel`` a list of one or more."""
+    if choice.mode != "required":
+        return None
+    chosen = [t for t in tools if choice.name is None or t.name == choice.name]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if parallel and choice.name is None:
+        return {"type": "array", "items": one, "minItems": 1}
+    return one
+
+
+def _as_call(obj: Any) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models emit the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args))
+
+
+def _json_calls(text: str) -> list[ToolCall] | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_as_call(o) for o in items]
+    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+
+
+def parse(text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished output; text that is no call stays content. With
+    ``tools``, a call naming no defined tool is left as content."""
+    names = {t.name for t in tools} if tools else None
+    calls: list[ToolCall] = []
+    content: list[str] = []
+    rest = text
+    if HERMES_OPEN in rest:
+        while HERMES_OPEN in rest:
+            before, _, after = rest.partition(HERMES_OPEN)
+            body, closed, rest = after.partition(HERMES_CLOSE)
+            found = _json_calls(body.strip())
+            content.append(before)
+            if found is None:
+                content.append(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""))
+            else:
+                calls += found
+        content.append(rest)
+    else:
+        stripped = rest.strip()
+        if stripped.startswith(PYTHON_TAG):
+            stripped = stripped[len(PYTHON_TAG) :].strip()
+        found = _json_calls(stripped) if stripped[:1] in ("{", "[") else None
+        if found is None:
+            content.append(rest)
+        else:
+            calls = found
+    if names is not None and any(c.name not in names for c in calls):
+        return text, []
+    return "".join(content).strip() if calls else "".join(content), calls
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Content:
+    text: str
+
+
+@dataclass(slots=True)
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(slots=True)
+class ArgumentsDelta:
+    index: int
+    text: str
+
+
+@dataclass(slots=True)
+class CallEnd:
+    index: int
+
+
+Event = Content | CallStart | ArgumentsDelta | CallEnd
+
+
+class CallStream:
+    """Hermes-style calls out of a growing text, as events (``feed`` each delta, then ``close``).
+
+    Outside a call, text passes through as ``Content`` except a tail that could begin
+    ``<tool_call>``. Inside one, the body is scanned: once ``"name"`` is read a ``CallStart``
+    goes out, and the value of ``"arguments"`` streams as ``ArgumentsDelta`` pieces as its
+    characters arrive (a JSON scanner finds where the value ends).
+    """
+
+    def __init__(self) -> None:
+        self._pending = ""  # outside: text held back; inside: the call body so far
+        self._inside = False
+        self._index = -1
+        self._sent_args = 0  # how much of the arguments value went out
+        self._started = False
+
+    def feed(self, delta: str) -> list[Event]:
+        events: list[Event] = []
+        self._pending += delta
+        while True:
+            if not self._inside:
+                at = self._pending.find(HERMES_OPEN)
+                if at < 0:
+                    keep = _partial_suffix(self._pending, HERMES_OPEN)
+                    cut = len(self._pending) - keep
+                    if cut:
+                        events.append(Content(self._pending[:cut]))
+                    self._pending = self._pending[cut:]
+                    return events
+                if at:
+                    events.append(Content(self._pending[:at]))
+                self._pending = self._pending[at + len(HERMES_OPEN) :]
+                self._inside, self._started, self._sent_args = True, False, 0
+                self._index += 1
+                continue
+            end = self._pending.find(HERMES_CLOSE)
+            body = self._pending if end < 0 else self._pending[:end]
+            events += self._scan(body, final=end >= 0)
+            if end < 0:
+                return events
+            self._pending = self._pending[end + len(HERMES_CLOSE) :]
+            self._inside = False
+
+    def close(self) -> list[Event]:
+        """The end of the output: held text goes out; an unclosed call ends as it is."""
+        events: list[Event] = []
+        if self._inside:
+            events += self._scan(self._pending, final=True)
+        elif self._pending:
+            events.append(Content(self._pending))
+        self._pending = ""
+        self._inside = False
+        return events
+
+    def _scan(self, body: str, final: bool) -> list[Event]:
+        events: list[Event] = []
+        if not self._started:
+            name = _string_value(body, "name")
+            if name is None:
+                return events
+            events.append(CallStart(self._index, "call_" + secrets.token_hex(12), name))
+            self._started = True
+        span = _value_span(body, "arguments") or _value_span(body, "parameters")
+        if span is not None:
+            start, stop, complete = span
+            if stop - start > self._sent_args:
+                events.append(ArgumentsDelta(self._index, body[start + self._sent_args : stop]))
+                self._sent_args = stop - start
+            if complete and final:
+                events.append(CallEnd(self._index))
+        elif final:
+            events.append(ArgumentsDelta(self._index, "{}"))
+            events.append(CallEnd(self._index))
+        return events
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _key_end(body: str, key: str) -> int | None:
+    """Index just past ``"key":`` and following spaces, or None."""
+    at = body.find(f'"{key}"')
+    if at < 0:
+        return None
+    i = at + len(key) + 2
+    while i < len(body) and body[i] in " \t\n\r":
+        i += 1
+    if i >= len(body) or body[i] != ":":
+        return None
+    i += 1
+    while i < len(body) and body[i] in " \t\n\r":
+        i += 1
+    return i
+
+
+def _string_value(body: str, key: str) -> str | None:
+    """The complete string value of ``key`` once it has arrived."""
+    i = _key_end(body, key)
+    if i is None or i >= len(body) or body[i] != '"':
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(body, i)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _value_span(body: str, key: str) -> tuple[int, int, bool] | None:
+    """(start, stop, complete) of ``key``'s value so far: a JSON scanner over strings and
+    nesting, stopping where the value ends (complete) or where the text does."""
+    start = _key_end(body, key)
+    if start is None or start >= len(body):
+        return None
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(body)):
+        c = body[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                if depth == 0:
+                    return start, i + 1, True
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return start, i + 1, True
+            if depth < 0:
+                return start, i, True
+        elif depth == 0 and c in ",":
+            return start, i, True
+    return start, len(body), False

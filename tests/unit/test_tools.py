@@ -1,0 +1,158 @@
+"""gateway.tools: definitions and their errors, the formats parsed, streaming events, and the
+forced-call schema accepting exactly valid calls."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from gateway.tools import (
+    ArgumentsDelta,
+    CallEnd,
+    CallStart,
+    CallStream,
+    Content,
+    ToolError,
+    choice_from_anthropic,
+    choice_from_openai,
+    forced_schema,
+    parse,
+    system_prompt,
+    tools_from_anthropic,
+    tools_from_openai,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+TOOLS = tools_from_openai([WEATHER, {"type": "function", "function": {"name": "now"}}])
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ("x", "tools"),
+        ([{"type": "web"}], "tools[0].type"),
+        ([{"type": "function", "function": {"name": ""}}], "tools[0].function.name"),
+        (
+            [{"type": "function", "function": {"name": "a", "parameters": []}}],
+            "tools[0].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "a", "parameters": {"type": "objekt"}}}],
+            "tools[0].function.parameters.type",
+        ),
+        ([WEATHER, WEATHER], "tools[1].name"),
+    ],
+)
+def test_bad_openai_tools_name_the_field(value: object, field: str) -> None:
+    with pytest.raises(ToolError) as err:
+        tools_from_openai(value)
+    assert err.value.field == field
+
+
+def test_anthropic_tools_and_choices() -> None:
+    tools = tools_from_anthropic([{"name": "f", "input_schema": {"type": "object"}}])
+    assert tools[0].parameters == {"type": "object"}
+    with pytest.raises(ToolError) as err:
+        tools_from_anthropic([{"name": "f"}])
+    assert err.value.field == "tools[0].input_schema"
+    assert choice_from_anthropic({"type": "any"}, tools).mode == "required"
+    assert choice_from_anthropic({"type": "tool", "name": "f"}, tools).name == "f"
+    with pytest.raises(ToolError) as err:
+        choice_from_anthropic({"type": "tool", "name": "g"}, tools)
+    assert err.value.field == "tool_choice.name"
+
+
+def test_openai_tool_choice() -> None:
+    assert choice_from_openai(None, TOOLS).mode == "auto"
+    assert choice_from_openai(None, []).mode == "none"
+    named = choice_from_openai({"type": "function", "function": {"name": "now"}}, TOOLS)
+    assert (named.mode, named.name) == ("required", "now")
+    with pytest.raises(ToolError) as err:
+        choice_from_openai({"type": "function", "function": {"name": "nope"}}, TOOLS)
+    assert err.value.field == "tool_choice.function.name"
+
+
+def test_parse_hermes_llama3_and_generic() -> None:
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    text = f"Let me check.<tool_call>\n{call}\n</tool_call>"
+    content, calls = parse(text, TOOLS)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    _, calls = parse('<|python_tag|>{"name": "now", "parameters": {}}', TOOLS)
+    assert [c.name for c in calls] == ["now"]
+    _, calls = parse(
+        '[{"name": "now", "arguments": {}}, '
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"A\\"}"}]'
+    )
+    assert [c.name for c in calls] == ["now", "get_weather"]
+    assert json.loads(calls[1].arguments) == {"city": "A"}
+    assert parse("plain answer {not json", TOOLS) == ("plain answer {not json", [])
+    assert parse('{"name": "unknown", "arguments": {}}', TOOLS)[1] == []  # not a defined tool
+
+
+def _stream(text: str, step: int) -> list:
+    s = CallStream()
+    events = []
+    for i in range(0, len(text), step):
+        events += s.feed(text[i : i + step])
+    return events + s.close()
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_stream_events_join_to_the_calls(step: int) -> None:
+    text = (
+        'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris \\"FR\\"", '
+        '"unit": "c"}}</tool_call><tool_call>{"name": "now", "arguments": {}}</tool_call> done'
+    )
+    events = _stream(text, step)
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    assert content == "Sure.  done"
+    starts = [e for e in events if isinstance(e, CallStart)]
+    assert [(e.index, e.name) for e in starts] == [(0, "get_weather"), (1, "now")]
+    for index, want in ((0, {"city": 'Paris "FR"', "unit": "c"}), (1, {})):
+        args = "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == index)
+        assert json.loads(args) == want
+    assert [e.index for e in events if isinstance(e, CallEnd)] == [0, 1]
+    if step == 1:  # arguments really stream: more than one piece
+        assert sum(isinstance(e, ArgumentsDelta) and e.index == 0 for e in events) > 3
+
+
+def test_stream_without_calls_is_content() -> None:
+    events = _stream("a <tool and <b>", 2)
+    assert "".join(e.text for e in events) == "a <tool and <b>"
+
+
+def test_forced_schema_accepts_only_valid_calls() -> None:
+    required = forced_schema(TOOLS, choice_from_openai("required", TOOLS))
+    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "X"}}], required)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "arguments": {}}], required)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], required)
+    named = forced_schema(
+        TOOLS, choice_from_openai({"type": "function", "function": {"name": "now"}}, TOOLS)
+    )
+    jsonschema.validate({"name": "now", "arguments": {}}, named)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "arguments": {"city": "X"}}, named)
+    assert forced_schema(TOOLS, choice_from_openai("auto", TOOLS)) is None
+    # what the grammar forces parses back into the same calls
+    assert parse(json.dumps({"name": "now", "arguments": {}}), TOOLS)[1][0].name == "now"
+
+
+def test_system_prompt_lists_every_tool() -> None:
+    text = system_prompt(TOOLS)
+    assert "get_weather" in text and '"now"' in text and "<tool_call>" in text
