@@ -21,6 +21,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from gateway.client import Client, ServerError
 
@@ -73,8 +74,8 @@ class ChatSession:
             self.write(f"unknown command {name}: /help lists them\n")
         return True
 
-    def request(self, text: str) -> dict:
-        request: dict = {
+    def request(self, text: str) -> dict[str, Any]:
+        request: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "messages": [*self.history, {"role": "user", "content": text}],
@@ -101,7 +102,7 @@ class ChatSession:
         ]
         return answer
 
-    async def _stream(self, request: dict) -> tuple[str, bool]:
+    async def _stream(self, request: dict[str, Any]) -> tuple[str, bool]:
         stream = await self.client.generate_json(request)
         parts: list[str] = []
         try:

@@ -129,11 +129,11 @@ class Rows:
 
     def produced(self, slot: int) -> int:
         """Tokens ``slot``'s sequence produced so far."""
-        return int(self.cap[slot] - self.left[slot])
+        return int(self.cap[slot]) - int(self.left[slot])
 
     def produced_ids(self, slot: int) -> np.ndarray:
         """A read-only copy of the ids ``slot``'s sequence produced so far."""
-        ids = self.ids[slot, : self.produced(slot)].copy()
+        ids: np.ndarray = self.ids[slot, : self.produced(slot)].copy()
         ids.flags.writeable = False
         return ids
 
@@ -152,13 +152,19 @@ class Rows:
             slots, self.token[i], self.pos[i], temperature, top_p, top_k, seeds, seeded
         )
 
+    def _held(self, slot: int) -> Sequence:
+        """The sequence in ``slot``, which every decoding slot has."""
+        seq = self.seq[slot]
+        assert seq is not None, f"decoding slot {slot} holds no sequence"
+        return seq
+
     def _rebuild(self) -> None:
         self._changed = False
         slots = self.decoding
-        seqs = [self.seq[s] for s in slots]
-        self.decoding_seqs = seqs  # type: ignore[assignment]  # every decoding slot has one
-        self.owners = [s.owner for s in seqs]  # type: ignore[union-attr]
-        self.text_rows = [(i, s) for i, s in enumerate(seqs) if s.detok is not None]  # type: ignore[union-attr]
+        seqs = [self._held(s) for s in slots]
+        self.decoding_seqs = seqs
+        self.owners = [s.owner for s in seqs]
+        self.text_rows = [(i, s) for i, s in enumerate(seqs) if s.detok is not None]
         if slots and slots[-1] - slots[0] == len(slots) - 1:
             self.index = slice(slots[0], slots[-1] + 1)
         else:

@@ -32,7 +32,7 @@ class Finished(NamedTuple):
     owner: object
     finish: int
     t_admit: float
-    count: int
+    n_tokens: int
     ids: np.ndarray | None
 
 

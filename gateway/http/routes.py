@@ -16,9 +16,14 @@ from __future__ import annotations
 import json
 import time
 from importlib import metadata, resources
+from typing import TYPE_CHECKING
 
 from gateway.http.errors import ANTHROPIC, OPENAI, HttpError
 from gateway.http.server import Incoming
+
+if TYPE_CHECKING:
+    from gateway.ops.metrics import Metrics
+    from gateway.ops.readiness import Health
 
 CHAT, COMPLETION, MODELS, MODEL, MESSAGES, COUNT_TOKENS = (
     "chat",
@@ -136,7 +141,9 @@ class OpsPages:
     ``health`` is the daemon's ``gateway.ops.readiness.Health`` (``ready()``: None or why not),
     ``metrics`` its ``gateway.ops.metrics.Metrics`` (``render()``: Prometheus text)."""
 
-    def __init__(self, health, metrics, cors_origins: tuple[str, ...] | list[str] = ()) -> None:  # noqa: ANN001
+    def __init__(
+        self, health: Health, metrics: Metrics, cors_origins: tuple[str, ...] | list[str] = ()
+    ) -> None:
         self.health = health
         self.metrics = metrics
         self._any_origin = "*" in cors_origins

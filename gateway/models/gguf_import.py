@@ -43,6 +43,8 @@ import numpy as np
 
 from gateway.models.cachedir import data_root, ensure_dir
 from gateway.models.gguf_blocks import BLOCK_BYTES, write_blocks
+from gateway.models.gguf_errors import GGUFImportError
+from gateway.models.gguf_tokenizer import build_tokenizer, check_tokenizer
 from kernels.architectures import ARCHITECTURES, BY_GGUF_ARCH, FULL, SLIDING, Architecture
 
 log = logging.getLogger("zerolayer.models")
@@ -87,11 +89,6 @@ TENSOR_NAMES: dict[str, dict[str, str]] = {
         "ffn_up": "mlp.gate_up_proj",  # gate and up, fused
     },
 }
-
-
-class GGUFImportError(Exception):
-    """The file is not a GGUF this importer converts; the message names the file and what it
-    holds."""
 
 
 GGUF_MAGIC = b"GGUF"
@@ -448,7 +445,6 @@ def check_header(header: Header, path: Path) -> dict[str, Any]:
                 f"{path}: unexpected tensor {name!r} for the {arch} architecture; its tensors: "
                 f"{', '.join(sorted({*_GLOBAL_TENSORS, *TENSOR_NAMES[arch]}))}"
             )
-    from gateway.models.gguf_tokenizer import check_tokenizer
 
     check_tokenizer(fields, path)
     return config
@@ -497,8 +493,6 @@ def read_tensors(
 def convert(path: Path, directory: Path) -> None:
     """Write the checkpoint converted from GGUF file ``path`` into the existing ``directory``."""
     from safetensors.numpy import save_file
-
-    from gateway.models.gguf_tokenizer import build_tokenizer
 
     config = check_header(read_header(path), path)
     reader = _open(path)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gateway.models.gguf_import import GGUFImportError
+from gateway.models.gguf_errors import GGUFImportError
 
 log = logging.getLogger("zerolayer.models")
 

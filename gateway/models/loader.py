@@ -282,7 +282,8 @@ def resolve_source(model_cfg: ModelConfig) -> ModelSource:
     (converted once into a cached directory under ``model.data_dir``) or a checkpoint directory.
     Conversion runs here, so call it where the model is loaded (the engine thread)."""
     from gateway.models import bundled
-    from gateway.models.gguf_import import GGUFImportError, ensure_converted, is_gguf
+    from gateway.models.gguf_errors import GGUFImportError
+    from gateway.models.gguf_import import ensure_converted, is_gguf
 
     path = model_cfg.path
     if not path:

@@ -123,7 +123,7 @@ def descriptors_low(sock: object) -> bool:
     if fileno is None:
         return False
     try:
-        fd = fileno()
+        fd = int(fileno())
     except OSError:
         return False
     return fd >= _nofile() - _FD_RESERVE

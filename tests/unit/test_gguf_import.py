@@ -12,7 +12,8 @@ import torch
 
 from gateway.config import ModelConfig
 from gateway.models import gguf_import
-from gateway.models.gguf_import import GGUFImportError, ensure_converted, unpermute_rows
+from gateway.models.gguf_errors import GGUFImportError
+from gateway.models.gguf_import import ensure_converted, unpermute_rows
 from gateway.models.loader import ModelLoadError, load_model, load_tokenizer
 from kernels.decoder import KVCache
 from tests.support.gguf_files import HEADS, llama_cpp_permute, write_gguf

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from gateway.models.gguf_import import GGUFImportError, _Fields, _open
+from gateway.models.gguf_errors import GGUFImportError
+from gateway.models.gguf_import import _Fields, _open
 from gateway.models.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer, check_tokenizer
 from gateway.models.hf_tokenizer import HFTokenizer
 from tests.support import llama_cpp_vocab as ref
