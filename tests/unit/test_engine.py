@@ -411,7 +411,7 @@ def test_a_step_output_keeps_its_owners_list_while_the_rows_stay():
     assert steps[1].owners is steps[2].owners is steps[3].owners  # the same rows
     assert steps[3].counts.tolist() == [4, 4, 4]
     assert [f.owner for f in steps[3].finished] == ["short"]  # its 4th token ends it
-    assert steps[3].finished[0].count == 4 and steps[3].tokens[0] != NO_TOKEN
+    assert steps[3].finished[0].n_tokens == 4 and steps[3].tokens[0] != NO_TOKEN
     assert steps[4].owners == ["a", "b"] and steps[4].owners is not steps[3].owners
     assert steps[4].owners is steps[5].owners and steps[4].joined == 0
 
