@@ -4,11 +4,17 @@
 //   zerolayer::qmatmul(x [M, K] float32 or bfloat16, blocks [N, K / 32 * bytes] uint8, kind)
 //     -> [M, N] in x's dtype;
 //   zerolayer::dequantize(blocks, kind, bfloat16) -> [N, K] float32, the weights qmatmul uses.
-// kind: 0 = Q4_0 (w = d * (q - 8)), 1 = Q4_1 (w = d * q + m), 2 = Q8_0 (w = d * q); d and m are
-// float16, blocks of 32 weights (layouts in gateway/models/gguf_blocks.py).
+// kind: 0 = Q4_0 (w = d * (q - 8)), 1 = Q4_1 (w = d * q + m), 2 = Q8_0 (w = d * q), blocks of 32
+// weights; 3 = Q4_K (w = d * sc * q - dmin * m), 4 = Q5_K (the same with 5-bit q), 5 = Q6_K
+// (w = d * sc * (q - 32)), super-blocks of 256 weights with a scale (and min) per 32 or 16 of
+// them; d, dmin and m of the 32-weight types are float16 (layouts in
+// gateway/models/gguf_blocks.py). The kernels walk every type in chunks of 32 weights: one
+// block of the 32-weight types, an eighth of a K-quant super-block.
 //
 // A weight is the float32 value the gguf package's dequantization gives: d * q is exact in
-// float32 (11 + 8 significant bits at most), so d * q + m is rounded once, fused or not. With
+// float32 (11 + 8 significant bits at most), so d * q + m is rounded once, fused or not. So are
+// the K-quants' (d * sc) * q (11 + 6 + 5 bits; Q6_K 11 + 7 + 6 = 24) and dmin * m (11 + 6):
+// d * sc * q - dmin * m is rounded once, as numpy rounds it. With
 // bfloat16 input the weight is then rounded to bfloat16 (to nearest, ties to even, as
 // Tensor.to(torch.bfloat16) rounds the dense weights). Products are summed in float32 and the
 // output rounded to x's dtype once: the dense path's weights, summed in another order.
@@ -39,22 +45,104 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;
+constexpr int64_t kBlock = 32;  // weights per chunk: the unit every loop below walks in
+constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5;
 constexpr int64_t kTile = 64;  // output rows per cache tile: 64 x 612 bytes at most for SmolLM2
 
 template <int KIND>
-constexpr int64_t kBytes = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);  // one block's
+constexpr bool kSuper = KIND >= kQ4_K;  // K-quants: super-blocks of 256 weights
+template <int KIND>
+constexpr int64_t kChunks = kSuper<KIND> ? 8 : 1;  // chunks of 32 weights a block
+// One block's bytes.
+template <int KIND>
+constexpr int64_t kBytes = KIND == kQ4_0   ? 18
+                           : KIND == kQ4_1 ? 20
+                           : KIND == kQ8_0 ? 34
+                           : KIND == kQ4_K ? 144
+                           : KIND == kQ5_K ? 176
+                                           : 210;
 
-int64_t block_bytes(int64_t kind) {
-  TORCH_CHECK(kind == kQ4_0 || kind == kQ4_1 || kind == kQ8_0, "unknown block kind ", kind);
-  return kind == kQ4_0 ? kBytes<kQ4_0> : (kind == kQ4_1 ? kBytes<kQ4_1> : kBytes<kQ8_0>);
+struct Layout {
+  int64_t bytes, weights;  // a block's
+};
+
+Layout layout(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return {kBytes<kQ4_0>, kBlock};
+    case kQ4_1: return {kBytes<kQ4_1>, kBlock};
+    case kQ8_0: return {kBytes<kQ8_0>, kBlock};
+    case kQ4_K: return {kBytes<kQ4_K>, 8 * kBlock};
+    case kQ5_K: return {kBytes<kQ5_K>, 8 * kBlock};
+    case kQ6_K: return {kBytes<kQ6_K>, 8 * kBlock};
+  }
+  TORCH_CHECK(false, "unknown block kind ", kind);
 }
+
+// Call f with KIND as a compile-time constant.
+template <typename F>
+void with_kind(int64_t kind, F&& f) {
+  switch (kind) {
+    case kQ4_0: f(std::integral_constant<int, kQ4_0>{}); return;
+    case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); return;
+    case kQ8_0: f(std::integral_constant<int, kQ8_0>{}); return;
+    case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); return;
+    case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); return;
+    case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); return;
+  }
+  TORCH_CHECK(false, "unknown block kind ", kind);
+}
+
+// Chunk b of a row: the block holding it, and its index in that block.
+template <int KIND>
+inline const uint8_t* chunk_block(const uint8_t* row, int64_t b) {
+  return row + (b / kChunks<KIND>)*kBytes<KIND>;
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of 32-weight sub-block j (0..7) from the 12 bytes s.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The K-quants' per-chunk scale and offset: w = a * q - o (Q4_K, Q5_K: a = d * sc,
+// o = dmin * m, both exact in float32).
+inline void k4_scale(const uint8_t* p, int c, float& a, float& o);
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+inline void k4_scale(const uint8_t* p, int c, float& a, float& o) {
+  int sc, m;
+  scale_min_k4(p + 4, c, sc, m);
+  a = half_at(p) * static_cast<float>(sc);
+  o = half_at(p + 2) * static_cast<float>(m);
+}
+
+// Q6_K chunk c (0..7): 32 weights from ql (4 low bits) and qh (2 high bits); the 16-weight
+// scales 2c and 2c + 1. Within each 128-weight half n, chunk g = c % 4 takes the low nibbles
+// of ql bytes 0..31 (g = 0) or 32..63 (g = 1), then their high nibbles (g = 2, 3), and bits
+// 2g..2g+1 of qh bytes 0..31.
+struct Q6Chunk {
+  const uint8_t* ql;
+  const uint8_t* qh;
+  int lshift, hshift;
+  float a0, a1;  // d * scale of weights 0..15 and 16..31
+};
+
+inline Q6Chunk q6_chunk(const uint8_t* p, int c) {
+  const int n = c / 4, g = c % 4;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * n + 2 * g;
+  const float d = half_at(p + 208);
+  return {p + 64 * n + 32 * (g & 1), p + 128 + 32 * n, 4 * (g >> 1), 2 * g,
+          d * static_cast<float>(sc[0]), d * static_cast<float>(sc[1])};
 }
 
 // Round a float32 to the nearest bfloat16 (ties to even), kept as float32. Weights are finite.
@@ -66,14 +154,33 @@ inline float round_bf16(float v) {
   return v;
 }
 
-// One block's 32 weights into w, element order.
+// Chunk b's 32 weights of a row into w, element order.
 template <int KIND, bool BF16>
-inline void dequant_block(const uint8_t* p, float* w) {
-  const float d = half_at(p);
-  if constexpr (KIND == kQ8_0) {
+inline void dequant_block(const uint8_t* row, int64_t b, float* w) {
+  const uint8_t* p = chunk_block<KIND>(row, b);
+  const int c = static_cast<int>(b % kChunks<KIND>);
+  if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    float a, o;
+    k4_scale(p, c, a, o);
+    const uint8_t* ql = p + (KIND == kQ4_K ? 16 : 48) + 32 * (c / 2);
+    const int shift = 4 * (c & 1);
+    for (int j = 0; j < 32; ++j) {
+      int q = (ql[j] >> shift) & 15;
+      if constexpr (KIND == kQ5_K) q |= ((p[16 + j] >> c) & 1) << 4;
+      w[j] = a * static_cast<float>(q) - o;
+    }
+  } else if constexpr (KIND == kQ6_K) {
+    const Q6Chunk k = q6_chunk(p, c);
+    for (int j = 0; j < 32; ++j) {
+      const int q = (((k.ql[j] >> k.lshift) & 15) | (((k.qh[j] >> k.hshift) & 3) << 4)) - 32;
+      w[j] = (j < 16 ? k.a0 : k.a1) * static_cast<float>(q);
+    }
+  } else if constexpr (KIND == kQ8_0) {
+    const float d = half_at(p);
     const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
     for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
   } else {
+    const float d = half_at(p);
     const float m = KIND == kQ4_1 ? half_at(p + 2) : 0.0f;
     const int off = KIND == kQ4_0 ? 8 : 0;
     const uint8_t* q = p + (KIND == kQ4_1 ? 4 : 2);
@@ -106,7 +213,63 @@ inline float half_fast(const uint8_t* p) {
 // the block's 16 possible weights, indexed by the nibbles (permutexvar reads an index's low 4
 // bits, so the low nibbles need no mask).
 template <int KIND, bool BF16>
-inline void dequant_block(const uint8_t* p, __m512& w0, __m512& w1) {
+inline void dequant_block(const uint8_t* row, int64_t b, __m512& w0, __m512& w1) {
+  const uint8_t* p = chunk_block<KIND>(row, b);
+  const int c = static_cast<int>(b % kChunks<KIND>);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    // A table of the chunk's 16 (Q5_K: 32) possible weights, a * q - o rounded once (a * q is
+    // exact), indexed by the quants.
+    float a, o;
+    k4_scale(p, c, a, o);
+    const __m512 va = _mm512_set1_ps(a), vo = _mm512_set1_ps(o);
+    __m512 t0 = _mm512_fmsub_ps(va, iota, vo);
+    const uint8_t* ql = p + (KIND == kQ4_K ? 16 : 48) + 32 * (c / 2);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (c & 1));
+    const __m512i nib = _mm512_set1_epi32(15);
+    __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)));
+    __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16)));
+    q0 = _mm512_and_si512(_mm512_srl_epi32(q0, shift), nib);
+    q1 = _mm512_and_si512(_mm512_srl_epi32(q1, shift), nib);
+    if constexpr (BF16) t0 = round_bf16(t0);
+    if constexpr (KIND == kQ4_K) {
+      w0 = _mm512_permutexvar_ps(q0, t0);
+      w1 = _mm512_permutexvar_ps(q1, t0);
+    } else {
+      __m512 t1 = _mm512_fmsub_ps(va, _mm512_add_ps(iota, _mm512_set1_ps(16.0f)), vo);
+      if constexpr (BF16) t1 = round_bf16(t1);
+      const __m128i hshift = _mm_cvtsi32_si128(c);
+      const __m512i one = _mm512_set1_epi32(1);
+      const uint8_t* qh = p + 16;
+      __m512i h0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh)));
+      __m512i h1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16)));
+      h0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h0, hshift), one), 4);
+      h1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h1, hshift), one), 4);
+      w0 = _mm512_permutex2var_ps(t0, _mm512_or_si512(q0, h0), t1);
+      w1 = _mm512_permutex2var_ps(t0, _mm512_or_si512(q1, h1), t1);
+    }
+    return;
+  } else if constexpr (KIND == kQ6_K) {
+    const Q6Chunk k = q6_chunk(p, c);
+    const __m128i ls = _mm_cvtsi32_si128(k.lshift), hs = _mm_cvtsi32_si128(k.hshift);
+    const __m512i nib = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3);
+    const __m512 bias = _mm512_set1_ps(32.0f);
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k.ql + 16 * h)));
+      const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k.qh + 16 * h)));
+      const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(l, ls), nib),
+                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(u, hs), two), 4));
+      v[h] = _mm512_sub_ps(_mm512_cvtepi32_ps(q), bias);  // q - 32, exact
+    }
+    w0 = _mm512_mul_ps(_mm512_set1_ps(k.a0), v[0]);
+    w1 = _mm512_mul_ps(_mm512_set1_ps(k.a1), v[1]);
+    if constexpr (BF16) {
+      w0 = round_bf16(w0);
+      w1 = round_bf16(w1);
+    }
+    return;
+  }
   const __m512 d = _mm512_set1_ps(half_fast(p));
   if constexpr (KIND == kQ8_0) {
     const __m128i* q = reinterpret_cast<const __m128i*>(p + 2);
@@ -117,7 +280,6 @@ inline void dequant_block(const uint8_t* p, __m512& w0, __m512& w1) {
       w1 = round_bf16(w1);
     }
   } else {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 table;
     if constexpr (KIND == kQ4_1) {
       table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_fast(p + 2)));
@@ -144,7 +306,6 @@ inline void prefetch_slice(const uint8_t* row0, int64_t group, int64_t nb, int64
 // R output rows n..n+R-1 for all M input rows; R * M * 2 accumulators stay in registers.
 template <int KIND, bool BF16, int M, int R>
 inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* acc_out) {
-  constexpr int64_t bytes = kBytes<KIND>;
   __m512 acc[R][M][2];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
@@ -158,7 +319,7 @@ inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row
     }
     for (int r = 0; r < R; ++r) {
       __m512 w0, w1;
-      dequant_block<KIND, BF16>(row0 + r * row_bytes + b * bytes, w0, w1);
+      dequant_block<KIND, BF16>(row0 + r * row_bytes, b, w0, w1);
       for (int m = 0; m < M; ++m) {
         acc[r][m][0] = _mm512_fmadd_ps(w0, xs[m][0], acc[r][m][0]);
         acc[r][m][1] = _mm512_fmadd_ps(w1, xs[m][1], acc[r][m][1]);
@@ -177,7 +338,13 @@ inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row
 // lane and step. Products of two bfloat16 values are exact in float32; the instruction treats
 // subnormal inputs (below 1.2e-38; weights never are) as zero.
 template <int KIND>
-inline __m512bh block_bf16(const uint8_t* p) {
+inline __m512bh block_bf16(const uint8_t* row, int64_t b) {
+  if constexpr (kSuper<KIND>) {  // the float32 weights, rounded by the conversion
+    __m512 w0, w1;
+    dequant_block<KIND, false>(row, b, w0, w1);
+    return _mm512_cvtne2ps_pbh(w1, w0);
+  }
+  const uint8_t* p = row + b * kBytes<KIND>;
   if constexpr (KIND == kQ8_0) {
     const __m512 d = _mm512_set1_ps(half_fast(p));
     const __m128i* q = reinterpret_cast<const __m128i*>(p + 2);
@@ -206,7 +373,6 @@ inline __m512bh block_bf16(const uint8_t* p) {
 template <int KIND, int M, int R>
 inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint8_t* row0, int64_t row_bytes,
                           float* acc_out) {
-  constexpr int64_t bytes = kBytes<KIND>;
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -217,7 +383,7 @@ inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint8_t* row0, int
     for (int m = 0; m < M; ++m)
       xs[m] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + b * kBlock));
     for (int r = 0; r < R; ++r) {
-      const __m512bh w = block_bf16<KIND>(row0 + r * row_bytes + b * bytes);
+      const __m512bh w = block_bf16<KIND>(row0 + r * row_bytes, b);
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w, xs[m]);
     }
   }
@@ -231,12 +397,11 @@ inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint8_t* row0, int
 
 template <int KIND, bool BF16, int M, int R>
 inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* acc_out) {
-  constexpr int64_t bytes = kBytes<KIND>;
   for (int r = 0; r < R; ++r) {
     float acc[M][kBlock] = {};
     float w[kBlock];
     for (int64_t b = 0; b < K / kBlock; ++b) {
-      dequant_block<KIND, BF16>(row0 + r * row_bytes + b * bytes, w);
+      dequant_block<KIND, BF16>(row0 + r * row_bytes, b, w);
       for (int m = 0; m < M; ++m)
         for (int j = 0; j < kBlock; ++j) acc[m][j] += w[j] * x[m * K + b * kBlock + j];
     }
@@ -319,8 +484,8 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "qmatmul: x float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  const int64_t bytes = block_bytes(kind);
-  TORCH_CHECK(K % kBlock == 0 && blocks.size(1) == K / kBlock * bytes,
+  const Layout lay = layout(kind);
+  TORCH_CHECK(K % lay.weights == 0 && blocks.size(1) == K / lay.weights * lay.bytes,
               "qmatmul: blocks of ", blocks.size(1), " bytes a row do not hold K = ", K);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
@@ -329,9 +494,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
   if (bf16) {
     const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
     auto* op = out.data_ptr<at::BFloat16>();
-    if (kind == kQ4_0) run<kQ4_0, true>(xb, M, K, bp, blocks.size(1), op, N);
-    else if (kind == kQ4_1) run<kQ4_1, true>(xb, M, K, bp, blocks.size(1), op, N);
-    else run<kQ8_0, true>(xb, M, K, bp, blocks.size(1), op, N);
+    with_kind(kind, [&](auto k) { run<decltype(k)::value, true>(xb, M, K, bp, blocks.size(1), op, N); });
     return out;
   }
 #endif
@@ -348,24 +511,19 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
   }
   if (bf16) {
     auto* op = out.data_ptr<at::BFloat16>();
-    if (kind == kQ4_0) run<kQ4_0, true>(xp, M, K, bp, blocks.size(1), op, N);
-    else if (kind == kQ4_1) run<kQ4_1, true>(xp, M, K, bp, blocks.size(1), op, N);
-    else run<kQ8_0, true>(xp, M, K, bp, blocks.size(1), op, N);
+    with_kind(kind, [&](auto k) { run<decltype(k)::value, true>(xp, M, K, bp, blocks.size(1), op, N); });
   } else {
     auto* op = out.data_ptr<float>();
-    if (kind == kQ4_0) run<kQ4_0, false>(xp, M, K, bp, blocks.size(1), op, N);
-    else if (kind == kQ4_1) run<kQ4_1, false>(xp, M, K, bp, blocks.size(1), op, N);
-    else run<kQ8_0, false>(xp, M, K, bp, blocks.size(1), op, N);
+    with_kind(kind, [&](auto k) { run<decltype(k)::value, false>(xp, M, K, bp, blocks.size(1), op, N); });
   }
   return out;
 }
 
 template <int KIND, bool BF16>
 void dequant_rows(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K, float* out) {
-  constexpr int64_t bytes = kBytes<KIND>;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < K / kBlock; ++b)
-      dequant_block<KIND, BF16>(blocks + n * row_bytes + b * bytes, out + n * K + b * kBlock);
+      dequant_block<KIND, BF16>(blocks + n * row_bytes, b, out + n * K + b * kBlock);
 }
 
 // The weights as the portable dequantization computes them (qmatmul's AVX-512 weights are
@@ -373,21 +531,16 @@ void dequant_rows(const uint8_t* blocks, int64_t row_bytes, int64_t N, int64_t K
 at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, bool bf16) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "dequantize: blocks [N, bytes] uint8");
-  const int64_t bytes = block_bytes(kind);
-  TORCH_CHECK(blocks.size(1) % bytes == 0, "dequantize: rows are not whole blocks");
-  const int64_t N = blocks.size(0), K = blocks.size(1) / bytes * kBlock;
+  const Layout lay = layout(kind);
+  TORCH_CHECK(blocks.size(1) % lay.bytes == 0, "dequantize: rows are not whole blocks");
+  const int64_t N = blocks.size(0), K = blocks.size(1) / lay.bytes * lay.weights;
   at::Tensor out = at::empty({N, K}, blocks.options().dtype(at::kFloat));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  if (bf16) {
-    if (kind == kQ4_0) dequant_rows<kQ4_0, true>(bp, blocks.size(1), N, K, op);
-    else if (kind == kQ4_1) dequant_rows<kQ4_1, true>(bp, blocks.size(1), N, K, op);
-    else dequant_rows<kQ8_0, true>(bp, blocks.size(1), N, K, op);
-  } else {
-    if (kind == kQ4_0) dequant_rows<kQ4_0, false>(bp, blocks.size(1), N, K, op);
-    else if (kind == kQ4_1) dequant_rows<kQ4_1, false>(bp, blocks.size(1), N, K, op);
-    else dequant_rows<kQ8_0, false>(bp, blocks.size(1), N, K, op);
-  }
+  with_kind(kind, [&](auto k) {
+    if (bf16) dequant_rows<decltype(k)::value, true>(bp, blocks.size(1), N, K, op);
+    else dequant_rows<decltype(k)::value, false>(bp, blocks.size(1), N, K, op);
+  });
   return out;
 }
 

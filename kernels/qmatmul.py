@@ -1,10 +1,11 @@
 """Matrix products on a GGUF file's own blocks (``qmatmul.cpp``): build, load, call.
 
-The C++ kernel dequantizes each block of 32 weights in registers and multiplies it into float32
+The C++ kernel dequantizes 32 weights at a time in registers and multiplies them into float32
 sums, with exactly the weights of the dense model (the gguf package's float32 values, rounded to
-bfloat16 for bfloat16 models), reading 4.5-5 bits a 4-bit weight and 8.5 an 8-bit one instead
-of 32 or 16; only the order of the sums differs from a dense matmul. Its time grows with the
-number of input rows, a dense matmul's hardly at all, so models use it for at most ``MAX_ROWS``
+bfloat16 for bfloat16 models), reading 4.5-6.6 bits a weight (``BLOCK_BYTES`` * 8 /
+``BLOCK_WEIGHTS``) instead of 32 or 16; only the order of the sums differs from a dense matmul.
+Its time grows with the number of input rows, a dense matmul's hardly at all, so models use it
+for at most ``MAX_ROWS``
 rows (per dtype).
 
 ``build`` compiles the source once per source, torch version and instruction set into a cache
@@ -27,9 +28,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
-BLOCK = 32  # weights per block
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's kind codes
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# The GGUF types the kernel computes on: its kind code, a block's bytes and weights.
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 KERNEL_ROWS = 16  # input rows the tests feed at once (the kernel takes any number)
 # Input rows up to which models use the kernel, per dtype. Whole SmolLM2 decode steps on the
 # 2-core machine of docs/benchmarks.md (medians of 15 steps, in process, 1-minute load 2.7-3.2),
@@ -122,7 +124,8 @@ def build(cache_root: Path) -> str | None:
 
 @dataclass(frozen=True)
 class QWeight:
-    """A weight [N, K] as GGUF blocks of one kind: ``blocks`` [N, K / 32 * bytes] uint8.
+    """A weight [N, K] as GGUF blocks of one kind: ``blocks`` [N, K / weights * bytes] uint8
+    (``BLOCK_WEIGHTS``, ``BLOCK_BYTES``).
     Calling it on x [..., K] (float32 or bfloat16) gives x @ w.T [..., N] in x's dtype."""
 
     blocks: torch.Tensor
@@ -142,7 +145,7 @@ class QWeight:
 
     @property
     def in_features(self) -> int:
-        return self.blocks.shape[1] // BLOCK_BYTES[self.kind] * BLOCK
+        return self.blocks.shape[1] // BLOCK_BYTES[self.kind] * BLOCK_WEIGHTS[self.kind]
 
     @staticmethod
     def stack(parts: list[QWeight]) -> QWeight | None:

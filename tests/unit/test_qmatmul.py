@@ -24,9 +24,11 @@ from gateway.models.loader import load_model, weight_files
 from kernels import qmatmul
 from kernels.decoder import Decoder, KVCache
 from kernels.qmatmul import QWeight
+from tests.support import kquants
 from tests.support.gguf_files import write_gguf
 
-KINDS = ["Q4_0", "Q4_1", "Q8_0"]
+KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+K_KINDS = ["Q4_K", "Q5_K", "Q6_K"]  # super-blocks of 256 weights
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -47,7 +49,10 @@ def quantized(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[QWeight, 
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, cols)) * 0.05 + rng.uniform(-0.02, 0.02, (rows, 1))
     qtype = gguf.GGMLQuantizationType[kind]
-    raw = gguf.quants.quantize(w.astype(np.float32), qtype)
+    if kind in K_KINDS:  # the gguf package does not quantize K types
+        raw = kquants.quantize(w.astype(np.float32), kind)
+    else:
+        raw = gguf.quants.quantize(w.astype(np.float32), qtype)
     dense = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
     return QWeight(torch.from_numpy(raw.copy()), kind), torch.from_numpy(dense.copy())
 
@@ -64,8 +69,9 @@ def through_kernel(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_weights_are_the_gguf_packages_values_bit_for_bit(kind, dtype) -> None:
-    # 37 rows: not a multiple of the 4 or 2 rows the kernel takes at once; 3 blocks a row.
-    w, dense = quantized(kind, 37, 96)
+    # 37 rows: not a multiple of the 4 or 2 rows the kernel takes at once; 3 blocks a row
+    # (K types: 2 super-blocks).
+    w, dense = quantized(kind, 37, 512 if kind in K_KINDS else 96)
     expected = dense.to(dtype).float()  # the dense model's weights in this dtype
     assert torch.equal(through_kernel(w, dtype), expected)
     assert torch.equal(w.dense(dtype), expected)  # the portable dequantization agrees
@@ -74,22 +80,76 @@ def test_kernel_weights_are_the_gguf_packages_values_bit_for_bit(kind, dtype) ->
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_products_match_a_dense_matmul_up_to_summation_order(kind, dtype) -> None:
-    w, dense = quantized(kind, 45, 160, seed=1)
+    cols = 768 if kind in K_KINDS else 160
+    w, dense = quantized(kind, 45, cols, seed=1)
     weight = dense.to(dtype)
     torch.manual_seed(2)
     for rows in range(1, 17):
-        x = torch.randn(rows, 160).to(dtype)
+        x = torch.randn(rows, cols).to(dtype)
         out = w(x)
         assert out.shape == (rows, 45) and out.dtype == dtype
         exact = x.double() @ weight.double().t()
         # float32 sums in any order are within K * 2^-24 * sum |x w| of the exact sum; the
         # bfloat16 output is then rounded once more (2^-8 relative).
-        slack = 160 * 2.0**-24 * (x.double().abs() @ weight.double().abs().t())
+        slack = cols * 2.0**-24 * (x.double().abs() @ weight.double().abs().t())
         if dtype == torch.bfloat16:
             slack = slack + exact.abs() * 2.0**-8
         assert bool(((out.double() - exact).abs() <= slack + 1e-30).all()), rows
         dense_out = F.linear(x, weight).double()
         assert bool(((out.double() - dense_out).abs() <= 2 * slack + 1e-30).all()), rows
+
+
+@pytest.mark.parametrize("kind", K_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_k_quant_random_blocks_are_the_gguf_packages_values_bit_for_bit(kind, dtype) -> None:
+    # Random bytes: every quant, 6-bit scale/min and high-bit pattern, scales of both signs.
+    raw = kquants.random_blocks(kind, 7, 3, seed=11)
+    qtype = gguf.GGMLQuantizationType[kind]
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(7, 768).copy())
+    w = QWeight(torch.from_numpy(raw.copy()), kind)
+    assert w.in_features == 768 and w.out_features == 7
+    assert torch.equal(through_kernel(w, dtype), expected.to(dtype).float())
+    assert torch.equal(w.dense(dtype), expected.to(dtype).float())
+
+
+# Real shapes (Qwen2.5-1.5B: hidden 1536, MLP 8960) and odd row counts.
+@pytest.mark.parametrize(("kind", "n", "k"), [("Q4_K", 1536, 1536), ("Q6_K", 1536, 8960)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_k_quant_real_shaped_matrices_match_dense_torch(kind, n, k, dtype) -> None:
+    w, dense = quantized(kind, n, k, seed=7)
+    assert torch.equal(w.dense(dtype), dense.to(dtype).float())
+    weight = dense.to(dtype)
+    torch.manual_seed(8)
+    for rows in (1, 7, 32):
+        x = torch.randn(rows, k).to(dtype)
+        out = w(x)
+        exact = x.double() @ weight.double().t()
+        slack = k * 2.0**-24 * (x.double().abs() @ weight.double().abs().t())
+        if dtype == torch.bfloat16:
+            slack = slack + exact.abs() * 2.0**-8
+        assert bool(((out.double() - exact).abs() <= slack + 1e-30).all()), rows
+
+
+def test_k_quant_rows_must_be_whole_super_blocks() -> None:
+    with pytest.raises(ValueError, match="whole Q6_K blocks"):
+        QWeight(torch.zeros(2, 209, dtype=torch.uint8), "Q6_K")
+    w = QWeight(torch.zeros(2, 144, dtype=torch.uint8), "Q4_K")
+    assert w.in_features == 256
+    with pytest.raises(RuntimeError, match="do not hold K"):
+        torch.ops.zerolayer.qmatmul(torch.zeros(1, 288), w.blocks, qmatmul.KINDS["Q4_K"])
+
+
+def test_reference_quantizer_fits_the_weights() -> None:
+    # The test support's K quantizer (gguf cannot quantize K types): read back by gguf, the
+    # weights are near the originals, closer with more bits.
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal((16, 512)) * 0.05).astype(np.float32)
+    errors = []
+    for kind in K_KINDS:
+        raw = kquants.quantize(w, kind)
+        back = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(w.shape)
+        errors.append(float(np.sqrt(((back - w) ** 2).mean() / (w**2).mean())))
+    assert errors[0] < 0.1 and errors[0] > errors[1] > errors[2], errors
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -128,14 +188,15 @@ def test_portable_build_passes_the_same_tests(tmp_path: Path) -> None:
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        + ["-k", "bit_for_bit or summation_order or computed_alone", "--basetemp", str(tmp_path)],
+        + ["-k", "bit_for_bit or summation_order or computed_alone or real_shaped"]
+        + ["--basetemp", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
         timeout=280,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "\n14 passed" in run.stdout, run.stdout[-500:]
+    assert "\n36 passed" in run.stdout, run.stdout[-500:]
 
 
 def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
