@@ -122,11 +122,12 @@ class InputProcessor:
         compiled, system = self._registered(req)
         return len(self._prompt_ids(req, compiled, system))
 
-    def check_text_bound(self, req: Request) -> None:
+    def check_text_bound(self, req: Request) -> int:
         """Refuse (PROMPT_TOO_LONG, naming the field) a prompt whose text has more UTF-8 bytes
-        than the context allows, before anything renders or tokenizes it."""
+        than the context allows, before anything renders or tokenizes it; otherwise return the
+        text's size in bytes (0 for token ids)."""
         if req.prompt_ids is not None:
-            return
+            return 0
         bound = self.info.max_context * PROMPT_BYTES_PER_TOKEN
         if req.messages is not None:
             field, total = "messages", 0
@@ -150,6 +151,7 @@ class InputProcessor:
                 0,
                 field,
             )
+        return total
 
     def _prompt_ids(
         self, req: Request, compiled: CompiledPrompt | None, system: str | None
