@@ -5,6 +5,9 @@ one of ``WORKERS`` threads while its stream waits (gateway.lifecycle: phase PREP
 ones are prepared inline, where a thread hop would cost more than the work. The pool is small
 and bounded: the text bound (gateway.inputs) caps each job, and a flood of large requests
 queues here instead of on the loop. Its threads are daemon-lifetime and idle when unused.
+A thread frees the loop only while it does not hold the GIL: the Hugging Face tokenizer encodes a
+large text through ``encode_batch``, which releases it (gateway/models/hf_tokenizer.py); a chat
+template (jinja, Python) gives the loop its turn at the interpreter's switch interval (5 ms).
 """
 
 from __future__ import annotations
