@@ -23,7 +23,25 @@ from gateway.request import Request
 from gateway.tokenizer import Detokenizer, Tokenizer
 
 _NO_STOP_IDS: frozenset[int] = frozenset()
+
+# The cheap bound checked before any templating or tokenizing (docs/protocol.md): a prompt's text
+# may have at most ``max_context * PROMPT_BYTES_PER_TOKEN`` UTF-8 bytes. A policy, not a proof:
+# a text refused by it fits the context only if its tokens average more than 16 bytes each,
+# which natural text does not (a byte-level or byte-fallback token is at least one byte, and
+# typical tokens cover 3-5).
+PROMPT_BYTES_PER_TOKEN = 16
 _UMAX = np.maximum.reduce  # the ufunc itself: ndarray.max() goes through a Python wrapper
+
+
+def _utf8_len(text: object, room: int) -> int:
+    """``text``'s length in UTF-8 bytes, or its length in characters when that alone exceeds
+    ``room`` (a character is at least one byte: such a text is not encoded)."""
+    if not isinstance(text, str):
+        return 0
+    n = len(text)
+    if n > room or text.isascii():
+        return n
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _outside(ids: np.ndarray, vocab: int) -> bool:
@@ -60,6 +78,7 @@ class InputProcessor:
         self.prompts = prompts
 
     def prepare(self, req: Request) -> Prepared:
+        self.check_text_bound(req)
         vocab = self.info.vocab_size
         compiled, system = self._registered(req) if req.prompt_id else (None, req.system)
         ids = self._prompt_ids(req, compiled, system)
@@ -97,9 +116,42 @@ class InputProcessor:
 
     def count_prompt_tokens(self, req: Request) -> int:
         """The prompt's length in tokens, as ``prepare`` would make it (chat template and
-        registered prompt included), without the context or sampling checks."""
+        registered prompt included), without the context or sampling checks (the cheap text bound
+        does apply)."""
+        self.check_text_bound(req)
         compiled, system = self._registered(req)
         return len(self._prompt_ids(req, compiled, system))
+
+    def check_text_bound(self, req: Request) -> int:
+        """Refuse (PROMPT_TOO_LONG, naming the field) a prompt whose text has more UTF-8 bytes
+        than the context allows, before anything renders or tokenizes it; otherwise return the
+        text's size in bytes (0 for token ids)."""
+        if req.prompt_ids is not None:
+            return 0
+        bound = self.info.max_context * PROMPT_BYTES_PER_TOKEN
+        if req.messages is not None:
+            field, total = "messages", 0
+            for m in req.messages:
+                for value in m.values():
+                    total += _utf8_len(value, bound - total)
+                    if total > bound:
+                        break
+                if total > bound:
+                    break
+        else:
+            field, total = "prompt", _utf8_len(req.prompt_text or "", bound)
+        if req.system and total <= bound:
+            total += _utf8_len(req.system, bound - total)
+            field = "system" if total > bound else field
+        if total > bound:
+            raise Refusal(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"{field}: the prompt text has more than {bound} UTF-8 bytes "
+                f"(max_context {self.info.max_context} x {PROMPT_BYTES_PER_TOKEN})",
+                0,
+                field,
+            )
+        return total
 
     def _prompt_ids(
         self, req: Request, compiled: CompiledPrompt | None, system: str | None

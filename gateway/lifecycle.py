@@ -7,10 +7,10 @@ cache; sync or async) → engine, or a replay of a cached answer. A door only wr
 calls its ``Door`` methods with the DONE record or the ERROR, and the output processor writes
 the engine's tokens through the door's own encoder (``Door.encoder``).
 
-One state per stream, moved only here (``Phase``: NEW → HOOKS → ENGINE → ENDED), and one
-function that ends a stream, ``_end``: whatever ends it (the engine, a refusal, CANCEL, a
-disconnect, a slow consumer, the drain deadline, a failure anywhere on the path) goes through
-it, so each of these holds by construction:
+One state per stream, moved only here (``Phase``: NEW [→ PREPARING, a large input tokenized off
+the loop] → HOOKS → ENGINE → ENDED), and one function that ends a stream, ``_end``: whatever
+ends it (the engine, a refusal, CANCEL, a disconnect, a slow consumer, the drain deadline, a
+failure anywhere on the path) goes through it, so each of these holds by construction:
 - a stream ends exactly once: a second end, or an engine output for an ended stream, is dropped;
 - the door writes exactly one DONE or ERROR (none when the door itself is gone);
 - the stream's token count is final before DONE (the output processor's ``ended``), and no
@@ -36,6 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gateway import offload
 from gateway import protocol as p
 from gateway.codes import (
     COMPLETE_REASONS,
@@ -48,7 +49,7 @@ from gateway.codes import (
 from gateway.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
 from gateway.engine.step import FINISH_ERROR, StepOutput
 from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
-from gateway.inputs import InputProcessor
+from gateway.inputs import InputProcessor, Prepared
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
 from gateway.outputs import OutputProcessor, TokenWriter
@@ -63,11 +64,12 @@ class Phase(enum.IntEnum):
     HOOKS = 1  # async on_request hooks are running
     ENGINE = 2  # submitted to the engine (or being answered from the response cache)
     ENDED = 3
+    PREPARING = 4  # a large input is templated and tokenized off the loop (gateway.offload)
 
 
 # The phases as module names: read on every request, and an IntEnum's class attribute lookup
 # costs several times a global's.
-NEW, HOOKS, ENGINE, ENDED = Phase
+NEW, HOOKS, ENGINE, ENDED, PREPARING = Phase
 _ERROR = FinishReason.ERROR
 
 
@@ -165,7 +167,7 @@ class RequestPath:
         self._decode = tokenizer_decode or inputs.tokenizer.decode
         self.outputs = OutputProcessor(metrics)
         self.draining = False
-        self.hook_tasks: set[asyncio.Task] = set()  # async on_request hooks in flight
+        self.hook_tasks: set[asyncio.Task] = set()  # async hooks and off-loop preparing in flight
         self._per_request_hooks = chain.per_request
         self._records = chain.records
         self._log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
@@ -183,10 +185,18 @@ class RequestPath:
         try:
             if self.draining:
                 raise Refusal(ErrorCode.SHUTTING_DOWN, "server is draining")
+            if self.inputs.check_text_bound(req) > offload.INLINE_BYTES:
+                st.phase = PREPARING  # the stream is open (its id taken) while it is prepared
+                self._track(self._prepare_async(st, principal, req))
+                return
             prep = self.inputs.prepare(req)
         except Refusal as exc:
             self.fail(st, exc.code, exc.message, exc.retry_after_ms)
             return
+        self._prepared(st, principal, req, prep)
+
+    def _prepared(self, st: Stream, principal: Principal, req: p.Request, prep: Prepared) -> None:
+        """After validation and tokenizing: the hooks, then the engine."""
         st.full_ids = prep.prompt
         st.prompt_tokens = len(prep.prompt)
         st.want_text = req.want_text
@@ -210,9 +220,7 @@ class RequestPath:
         if self.chain.is_async:
             # Redis-backed hooks: the stream is open (its id taken) while they run.
             st.phase = HOOKS
-            task = asyncio.get_running_loop().create_task(self._run_hooks_async(st))
-            self.hook_tasks.add(task)  # the loop keeps only weak references to tasks
-            task.add_done_callback(self.hook_tasks.discard)
+            self._track(self._run_hooks_async(st))
             return
         try:
             cached = self.chain.on_request(st.ctx)
@@ -220,6 +228,33 @@ class RequestPath:
             self._refused(st, exc)
             return
         self._proceed(st, cached)
+
+    def _track(self, coro) -> None:  # noqa: ANN001 - a coroutine of this path's
+        task = asyncio.get_running_loop().create_task(coro)
+        self.hook_tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self.hook_tasks.discard)
+
+    async def _prepare_async(self, st: Stream, principal: Principal, req: p.Request) -> None:
+        """A large input, prepared on the offload pool. A stream that ended meanwhile (CANCEL,
+        disconnect, drain) has already been answered once: the result is dropped."""
+        try:
+            try:
+                prep = await offload.run(self.inputs.prepare, req)
+            except Refusal as exc:
+                if st.phase is PREPARING:
+                    st.phase = NEW
+                    self.fail(st, exc.code, exc.message, exc.retry_after_ms)
+                return
+            if st.phase is not PREPARING:
+                return
+            st.phase = NEW
+            self._prepared(st, principal, req, prep)
+        except Exception:  # a bug in preparing or after it: this stream alone ends
+            log.exception("request path failed preparing a large input")
+            self.fail(st, ErrorCode.INTERNAL, "internal server error")
+        finally:
+            if st.door.open:
+                st.door.flush()
 
     def refuse(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
         """A door refuses the request before opening it (stream limits, bad payload)."""
@@ -381,8 +416,11 @@ class RequestPath:
         ttft_s = (st.t_first - st.t_recv) if st.t_first else 0.0
         total_s = now - st.t_recv
         # Metrics count what was written (docs/metrics.md): an ending whose door is gone (the
-        # client disconnected, or an ERROR on stream 0 ended its connection) writes nothing.
+        # client disconnected, or an ERROR on stream 0 ended its connection) writes nothing,
+        # and counts as a cancelled request with the tokens sent before it (not an error).
         written = door.open
+        if not written and error is None:
+            self.metrics.request_disconnected(st.prompt_tokens, st.n_ids, st.api)
         if error is not None:
             code, message, retry_ms = error
             if written:

@@ -173,3 +173,60 @@ def test_upgrade_h2c_gets_exactly_one_response(daemon):
         data += chunk
     s.close()
     assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 200")
+
+
+def _chat(content: str) -> dict:
+    """A chat body both doors take (the frame door's JSON REQUEST has no ``model``)."""
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+def _ping(conn: rc.RawConnection, data: bytes) -> None:
+    """PING, and read to its PONG (other frames on stream 0 would fail the test)."""
+    conn.send(rc.frame(rc.PING, 0, data))
+    while True:
+        f = conn.read_frame()
+        assert f is not None, "canary connection closed"
+        if f[0] == rc.PONG:
+            assert f[3] == data
+            return
+
+
+def test_large_prompts_are_bounded_first_and_tokenized_off_the_loop(daemon):
+    """Item 3: a 4 MB chat message is refused by the byte bound (max_context 2048 x 16) before
+    any tokenizing, naming the field; a 20 KB one (above the inline size, under the bound) is
+    tokenized on the offload pool and then refused by its token count; meanwhile a canary on
+    127.0.0.1 gets its PONGs and its stream served, and every attacker stream ends once."""
+    canary = rc.RawConnection(daemon.host, daemon.port)
+    canary.send(rc.hello())
+    huge = RawHttp("127.0.0.1", daemon.http_port, timeout=60, source=ATTACKER)
+    huge.request("POST", "/v1/chat/completions", _chat("a" * 4_000_000))
+    _ping(canary, b"after-huge")
+    large = RawHttp("127.0.0.1", daemon.http_port, timeout=60, source=ATTACKER)
+    large.request("POST", "/v1/chat/completions", _chat("b" * 20_000))
+    frames = rc.RawConnection(daemon.host, daemon.port, source=ATTACKER)
+    frames.send(rc.hello())
+    frames.send(rc.json_request(1, _chat("c" * 20_000)))
+    frames.send(rc.json_request(3, _chat("d" * 20_000)))
+    frames.send(rc.frame(rc.CANCEL, 3))  # cancelled while (or before) it is tokenized
+    frames.send(rc.json_request(5, _chat("e" * 40_000)))
+    _ping(canary, b"after-large")
+    canary.send(rc.request(1, b"canary", 3))
+    assert rc.collect(canary, {1})[1]["done"]["completion_tokens"] == 3
+
+    r = huge.response()
+    err = r.json()["error"]
+    assert r.status == 400 and err["code"] == "prompt_too_long"
+    assert err["message"].startswith("messages:") and "32768 UTF-8 bytes" in err["message"]
+    r = large.response()
+    err = r.json()["error"]
+    assert r.status == 400 and err["code"] == "prompt_too_long"
+    assert "tokens" in err["message"] and "UTF-8" not in err["message"]
+    got = rc.collect(frames, {1, 3, 5})
+    assert all(s["ends"] == 1 for s in got.values())
+    assert got[1]["error"][0] == ErrorCode.PROMPT_TOO_LONG and "tokens" in got[1]["error"][2]
+    assert got[3]["done"] is not None or got[3]["error"] is not None
+    assert got[5]["error"][0] == ErrorCode.PROMPT_TOO_LONG and "UTF-8" in got[5]["error"][2]
+    frames.send(rc.request(7, b"still here", 2))  # the connection goes on after all of it
+    assert rc.collect(frames, {7})[7]["done"]["completion_tokens"] == 2
+    for c in (huge, large, frames, canary):
+        c.close()

@@ -440,3 +440,17 @@ def test_a_file_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(GGUFImportError, match="no tokenizer.*supported tokenizer models: gpt2"):
         check_tokenizer(fields_of(path), path)
+
+
+def test_a_large_text_is_encoded_as_the_library_encodes_it(smollm2, tmp_path: Path) -> None:
+    """Above 16 Ki characters HFTokenizer.encode goes through ``encode_batch`` (which releases
+    the GIL, so the offload pool leaves the event loop running): the ids are unchanged."""
+    real, vocab = smollm2
+    path = smollm2_as(tmp_path, vocab, "smollm")
+    tok, cfg = build(path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    loaded = HFTokenizer(tmp_path)
+    text = "The capital of France is Paris. <|im_start|> 123 " * 1000  # 50k characters
+    assert loaded.encode(text) == tok.encode(text, add_special_tokens=False).ids
+    assert loaded.encode(text[:100]) == tok.encode(text[:100], add_special_tokens=False).ids

@@ -106,3 +106,47 @@ def test_ids_at_both_ends_of_the_vocabulary_are_accepted() -> None:
     assert prep.prompt.tolist() == edge.tolist()
     assert prep.stop_ids == frozenset(edge.tolist())
     assert prepare(prompt_ids=edge).stop_ids == frozenset()
+
+
+class _RecordingTokenizer(ByteTokenizer):
+    """A tokenizer double that records every render and encode the input processor asks for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def render_chat(self, messages, system):  # noqa: ANN001, ANN201
+        self.calls.append("render_chat")
+        return super().render_chat(messages, system)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        self.calls.append("encode_prompt")
+        return super().encode_prompt(text)
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"prompt_text": "a" * (64 * 16 + 1)}, "prompt"),
+        ({"prompt_text": "é" * (64 * 8 + 1)}, "prompt"),  # 2 bytes a character
+        ({"messages": [{"role": "user", "content": "a" * 600}] * 2}, "messages"),
+        ({"prompt_text": "hi", "system": "s" * 1100}, "system"),
+    ],
+)
+def test_text_bound_refuses_before_the_tokenizer_runs(kw: dict, field: str) -> None:
+    tok = _RecordingTokenizer()
+    with pytest.raises(Refusal) as err:
+        InputProcessor(tok, INFO).prepare(Request(max_tokens=4, **kw))
+    assert err.value.code == ErrorCode.PROMPT_TOO_LONG and err.value.field == field
+    assert "1024 UTF-8 bytes" in err.value.message
+    assert tok.calls == []
+    with pytest.raises(Refusal):
+        InputProcessor(tok, INFO).count_prompt_tokens(Request(max_tokens=4, **kw))
+    assert tok.calls == []
+
+
+def test_text_at_the_bound_reaches_the_tokenizer() -> None:
+    tok = _RecordingTokenizer()
+    with pytest.raises(Refusal) as err:  # 1024 bytes pass the bound; the context then refuses
+        InputProcessor(tok, INFO).prepare(Request(max_tokens=4, prompt_text="a" * 1024))
+    assert "tokens" in err.value.message and tok.calls == ["encode_prompt"]
