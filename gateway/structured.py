@@ -144,7 +144,8 @@ class RowMatcher:
 
 
 class Grammars:
-    """Compiles constraints for one tokenizer on its own worker thread, LRU-cached by text."""
+    """Compiles constraints for one tokenizer on its own worker thread, LRU-cached by text.
+    ``eos_ids[0]`` is the end token a complete match allows (the model's EOS)."""
 
     def __init__(
         self,
