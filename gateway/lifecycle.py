@@ -416,11 +416,8 @@ class RequestPath:
         ttft_s = (st.t_first - st.t_recv) if st.t_first else 0.0
         total_s = now - st.t_recv
         # Metrics count what was written (docs/metrics.md): an ending whose door is gone (the
-        # client disconnected, or an ERROR on stream 0 ended its connection) writes nothing,
-        # and counts as a cancelled request with the tokens sent before it (not an error).
+        # client disconnected, or an ERROR on stream 0 ended its connection) writes nothing.
         written = door.open
-        if not written and error is None:
-            self.metrics.request_disconnected(st.prompt_tokens, st.n_ids, st.api)
         if error is not None:
             code, message, retry_ms = error
             if written:
