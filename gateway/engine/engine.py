@@ -286,10 +286,15 @@ class Engine:
         seq = queue.popleft()
         if queue:
             waiting[key] = queue
+        self._dequeued(seq)
+        return seq
+
+    def _dequeued(self, seq: Sequence) -> None:
+        """``seq`` left the queue (admitted or cancelled): the one place both the queue's count
+        and its client's share go down."""
         with self._lock:
             self._queued -= 1
             self._shares.give_back(seq.fair_key)
-        return seq
 
     def _admit(self, seq: Sequence, finished: list[Finished]) -> None:
         """Give ``seq`` the lowest free slot and its row, and load its known prefix."""
@@ -324,9 +329,7 @@ class Engine:
             keep: collections.deque[Sequence] = collections.deque()
             for seq in queue:
                 if seq.cancelled:
-                    with self._lock:
-                        self._queued -= 1
-                        self._shares.give_back(seq.fair_key)
+                    self._dequeued(seq)
                     finished.append(self._end(seq, FinishReason.CANCELLED))
                 else:
                     keep.append(seq)
