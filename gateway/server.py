@@ -596,6 +596,7 @@ class TokenFrames:
                     out.token(st.key, (token,), data)
                     lp = step.logprobs.get(i) if self.logprobs else None
                     if lp is not None:  # beside the TOKEN frame of its id
+                        st.door.server.metrics.frames_out_logprobs.inc()  # type: ignore[attr-defined]
                         out.raw(
                             p.encode_logprobs(
                                 st.key, np.array([lp.token], np.float32), lp.top_ids[None, :],

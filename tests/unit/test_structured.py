@@ -221,3 +221,35 @@ def test_every_end_of_generation_id_is_allowed_where_the_grammar_allows_eos(
     empty = np.zeros(grammars.words, np.int32)
     rows._every_eos(empty)  # no EOS allowed: none added
     assert not empty.any()
+
+
+def test_the_request_path_refuses_a_constraint_naming_the_field(grammars) -> None:
+    """Compiled in phase PREPARING: an uncompilable schema, or a model without a tokenizer.json
+    (no grammars), ends the stream with INVALID_REQUEST naming the constraint's field."""
+    from gateway import protocol as p
+    from gateway.codes import ErrorCode
+    from gateway.hooks import Principal
+    from gateway.lifecycle import Phase, Stream
+    from tests.unit.test_lifecycle import make_path
+    from tests.unit.test_lifecycle_choices import ChoiceDoor
+
+    async def main(with_grammars: bool, constraint: Constraint) -> tuple[list, list[str]]:
+        path, door = make_path(async_gate=False), ChoiceDoor()
+        path.grammars = grammars if with_grammars else None
+        st = Stream(door, 1, "openai")
+        req = p.Request(max_tokens=4, prompt_text="hi", constraint=constraint)
+        path.open(st, Principal("anonymous"), req)
+        assert st.phase is Phase.PREPARING
+        for _ in range(200):
+            if st.phase is Phase.ENDED:
+                break
+            await asyncio.sleep(0.01)
+        return door.endings, door.messages
+
+    bad = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    endings, messages = asyncio.run(main(True, bad))
+    assert endings == [(1, 0, "error", ErrorCode.INVALID_REQUEST)]
+    assert messages[0].startswith("response_format.json_schema.schema: ")
+    endings, messages = asyncio.run(main(False, Constraint.regex("[a-z]+")))
+    assert endings == [(1, 0, "error", ErrorCode.INVALID_REQUEST)]
+    assert messages[0].startswith("structured_outputs.regex: ") and "tokenizer.json" in messages[0]
