@@ -388,7 +388,7 @@ def test_request_prompt_ids_are_copied_out_of_the_buffer() -> None:
 # --------------------------------------------------------------------------------- header errors
 
 
-@pytest.mark.parametrize("ftype", [0x00, 0x0B, 0x7F, 0xFF])
+@pytest.mark.parametrize("ftype", [0x00, 0x0C, 0x7F, 0xFF])
 @pytest.mark.parametrize("role", ["server", "client"])
 def test_unknown_type(ftype: int, role: str) -> None:
     err = header_error(role, raw(ftype, 0))
