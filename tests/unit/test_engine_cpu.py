@@ -156,3 +156,48 @@ def test_backend_warns_once_when_run_on_another_thread_than_it_was_loaded_on(cpu
         worker.join()
         run(backend, tokenizer, [seq("again", "other thread", tokenizer, n=2)])
     assert caplog.text.count(THREAD_WARNING) == 1
+
+
+def test_logprobs_and_bias_on_the_cpu_backend_match_the_model_stepped_by_hand(cpu):
+    """A greedy row asking for logprobs beside a biased row and a free one: the logprobs are
+    torch's log_softmax of the model's own logits at each step (no processing, T = 1), the
+    top 5 in order; the biased row takes its biased token."""
+    import torch
+
+    backend, tokenizer, _ = cpu
+    prompt = tokenizer.encode_prompt("logprobs on the real kernels")
+    engine = Engine(
+        backend, tokenizer, lambda o: None, max_queue=8, max_step_tokens=256, prefill_chunk=64
+    )
+    engine.submit(Sequence("lp", prompt, 6, SamplingRow(logprobs=5)))
+    engine.submit(Sequence("bias", prompt, 6, SamplingRow(logit_bias={77: 100.0})))
+    engine.submit(Sequence("free", prompt, 6, SamplingRow(temperature=0.8)))
+    ids: dict[str, list[int]] = {"lp": [], "bias": [], "free": []}
+    lps = []
+    for _ in range(100):
+        step = engine.step()
+        for i, owner in enumerate(step.owners):
+            if int(step.tokens[i]) != NO_TOKEN:
+                ids[owner].append(int(step.tokens[i]))
+                if owner == "lp":
+                    lps.append(step.logprobs[i])
+            else:
+                assert i not in step.logprobs
+        assert all(step.owners[i] == "lp" for i in step.logprobs)
+        if engine.idle:
+            break
+    assert ids["bias"] == [77] * 6
+    model, cache, slot = backend.model, backend.cache, 0
+    with torch.inference_mode():
+        logits = model.prefill(torch.from_numpy(prompt.astype(np.int64)), 0, slot, cache)
+        for position, (token, got) in enumerate(zip(ids["lp"], lps, strict=True), len(prompt)):
+            ref = torch.log_softmax(logits.float(), dim=-1)
+            assert token == int(torch.argmax(ref))
+            assert abs(got.token - float(ref[token])) < 1e-4
+            top = torch.topk(ref, 5)
+            assert got.top_ids.tolist() == top.indices.tolist()
+            np.testing.assert_allclose(got.top, top.values.numpy(), atol=1e-4)
+            logits = model.decode(
+                torch.tensor([token]), torch.tensor([position]), torch.tensor([slot]), cache
+            )[0]
+    assert len(lps) == len(ids["lp"]) > 0
