@@ -150,7 +150,9 @@ class FrameTarget:
 
     async def open(self, timeout: float = 10.0) -> dict:
         loop = asyncio.get_running_loop()
-        hello = p.encode_hello(self._api_key)
+        # Version 1: the load uses none of version 2's fields, and so runs against older
+        # daemons (a guard's baseline) too.
+        hello = p.encode_hello(self._api_key, version=1)
         for _ in range(self._n):
             try:
                 _, conn = await asyncio.wait_for(
