@@ -224,7 +224,12 @@ class Rows:
         if not self.decoding:
             return None
         i = self.index
-        assert self._sampling is not None
+        if self._sampling is None:  # made when the row set first decodes (not at a join whose
+            self._sampling = (  # rows leave again before the next step)
+                np.array(self.decoding, np.int32), self.temperature[i].copy(),
+                self.top_p[i].copy(), self.top_k[i].copy(), self.seeds[i].copy(),
+                self.seeded[i].copy(),
+            )  # fmt: skip
         slots, temperature, top_p, top_k, seeds, seeded = self._sampling
         processing = self.processing(self.decoding) if self._proc_rows else None
         return DecodeBatch(
@@ -283,16 +288,12 @@ class Rows:
             for e in eos:
                 bits[e >> 5] |= np.uint32(1 << (e & 31))
 
-    def _held(self, slot: int) -> Sequence:
-        """The sequence in ``slot``, which every decoding slot has."""
-        seq = self.seq[slot]
-        assert seq is not None, f"decoding slot {slot} holds no sequence"
-        return seq
-
     def _rebuild(self) -> None:
         self._changed = False
         slots = self.decoding
-        seqs = [self._held(s) for s in slots]
+        held = [self.seq[s] for s in slots]
+        assert None not in held, "a decoding slot holds no sequence"
+        seqs: list[Sequence] = held  # type: ignore[assignment]  # no None: checked above
         self.decoding_seqs = seqs
         self.owners = [s.owner for s in seqs]
         self.text_rows = [(i, s) for i, s in enumerate(seqs) if s.detok is not None]
@@ -300,15 +301,11 @@ class Rows:
             self.index = slice(slots[0], slots[-1] + 1)
         else:
             self.index = np.array(slots, np.intp)
-        i = self.index
         self._last_id = np.array(slots, np.intp) * self.max_context - 1
         self._proc_rows = (
             [(r, s) for r, s in enumerate(slots) if self.processed[s]] if self._processing else []
         )
-        self._sampling = (
-            np.array(slots, np.int32), self.temperature[i].copy(), self.top_p[i].copy(),
-            self.top_k[i].copy(), self.seeds[i].copy(), self.seeded[i].copy(),
-        )  # fmt: skip
+        self._sampling = None  # the batch's arrays: made by ``batch`` when this row set decodes
 
     def advance(self, sampled: np.ndarray) -> Advance:
         """Every row of the decode set sampled ``sampled`` (slot order): feed it back as the
