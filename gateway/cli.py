@@ -31,7 +31,7 @@ zerolayer generate [OPTIONS] PROMPT               stream a completion (chat temp
     [--endpoint tcp://H:P] [--raw] [--system TEXT] [--prompt-id N] [--max-tokens N]
     [--temperature T] [--seed N] [--api-key KEY] [--json] [-v] [--timeout S]
     [--endpoint tls://H:P --tls-ca CA [--tls-cert CERT --tls-key KEY]]
-zerolayer chat [--endpoint tcp://H:P] [--system TEXT]  interactive chat (/system /reset /exit)
+zerolayer chat [--endpoint tcp://H:P|http://H:P] [--system TEXT]  interactive chat
 zerolayer keys add NAME [--rpm N] [--tpm N] [--cert-name CN] | keys list | keys revoke NAME
 zerolayer compile-check [FILE|-] [--config FILE]  validate system prompts for precompilation
 zerolayer config [--config FILE] [FLAGS]          print the effective configuration
@@ -54,6 +54,7 @@ _USER_ERRORS = (
     ("gateway.models.hf_tokenizer", "TokenizerLoadError"),
     ("gateway.prompts", "PromptConfigError"),
     ("gateway.ops.tls", "TLSConfigError"),
+    ("gateway.chat", "ChatError"),
 )
 
 
@@ -182,12 +183,16 @@ def _finish_name(reason: int) -> str:
 
 
 def _tls(args: argparse.Namespace):  # noqa: ANN202 - ssl.SSLContext | None
-    """The client TLS context for a ``tls://`` endpoint from --tls-ca/--tls-cert/--tls-key."""
-    if not args.endpoint.startswith("tls://"):
+    """The client TLS context for a ``tls://`` (or ``https://``) endpoint from
+    --tls-ca/--tls-cert/--tls-key."""
+    https = args.endpoint.startswith("https://")
+    if not (args.endpoint.startswith("tls://") or https):
         return None
     from gateway.ops.tls import client_context
 
-    return client_context(args.tls_ca, args.tls_cert, args.tls_key)
+    return client_context(
+        args.tls_ca, args.tls_cert, args.tls_key, alpn=["http/1.1"] if https else None
+    )
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -229,12 +234,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from gateway.chat import run_chat
+    from gateway.chat import connect, run_chat
 
     loop = asyncio.new_event_loop()
     try:
         client = loop.run_until_complete(
-            Client.connect(args.endpoint, args.api_key or "", timeout=args.timeout, ssl=_tls(args))
+            connect(args.endpoint, args.api_key or "", timeout=args.timeout, tls=_tls(args))
         )
         try:
             return run_chat(
@@ -371,8 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--endpoint",
         default=DEFAULT_ENDPOINT,
-        metavar="tcp://H:P",
-        help=f"the daemon's frame port (default {DEFAULT_ENDPOINT})",
+        metavar="URL",
+        help=f"the daemon's frame port (default {DEFAULT_ENDPOINT}), or http(s)://H:P: any "
+        "OpenAI-compatible server (its /v1/chat/completions)",
     )
     chat.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
     chat.add_argument(
@@ -382,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.7, metavar="T", help="sampling temperature (0.7)"
     )
     chat.add_argument("--api-key", default=None, metavar="KEY", help="API key (auth on)")
-    chat.add_argument("--tls-ca", default=None, help="CA file for a tls:// endpoint (else system)")
+    chat.add_argument(
+        "--tls-ca", default=None, help="CA file for a tls:// or https:// endpoint (else system)"
+    )
     chat.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
     chat.add_argument("--tls-key", default=None, help="client certificate's key")
     chat.add_argument(

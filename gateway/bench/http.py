@@ -15,6 +15,9 @@ that chunk is taken as ended too (the connection is then closed, not reused). A 
 the server has closed meanwhile (llama.cpp's server closes after each stream) is replaced by a
 new one, once, when it fails before any byte of the response: that is not the request failing.
 
+``read_head``, ``read_body`` and ``error_message`` are also how ``zerolayer chat`` reads an HTTP
+endpoint's answers (gateway/chat.py).
+
 Requests carry ``Cache-Control: no-cache`` unless ``use_cache`` (our server then neither reads
 nor writes its response cache); a reply with ``x-zerolayer-cache: hit`` was a cache hit anyway.
 """
@@ -34,11 +37,11 @@ from gateway.bench.workload import WorkItem
 FINISH_GRACE_S = 1.0  # after a finish_reason without [DONE]: how long to wait for more
 
 
-class _StreamEnded(Exception):
+class StreamEnded(Exception):
     """The body ended before the protocol's final event."""
 
 
-def _error_message(body: bytes) -> str:
+def error_message(body: bytes) -> str:
     """The message of an error body (OpenAI's and Anthropic's shapes), else its start."""
     try:
         obj = json.loads(body)
@@ -118,7 +121,7 @@ class SseState:
         obj = json.loads(data)
         if "error" in obj:
             self.rec.error = "stream_error"
-            self.rec.message = _error_message(data.encode())
+            self.rec.message = error_message(data.encode())
             self.finished = True
             return
         usage = obj.get("usage")
@@ -157,7 +160,7 @@ class SseState:
             self.finished = True
         elif kind == "error":
             self.rec.error = "stream_error"
-            self.rec.message = _error_message(data.encode())
+            self.rec.message = error_message(data.encode())
             self.finished = True
 
     def settle(self) -> None:
@@ -178,11 +181,11 @@ class SseState:
         self.rec.chunk_k = [a + b for a, b in zip(k, add, strict=True)]
 
 
-async def _read_headers(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     status_line = await reader.readuntil(b"\r\n")
     parts = status_line.split(None, 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-        raise _StreamEnded(f"not an HTTP/1.x response: {status_line[:60]!r}")
+        raise StreamEnded(f"not an HTTP/1.x response: {status_line[:60]!r}")
     headers = {}
     while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
         name, _, value = line.decode("latin-1").partition(":")
@@ -190,7 +193,7 @@ async def _read_headers(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
     return int(parts[1]), headers
 
 
-async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
     """The response body as it arrives (chunked, content-length or until close)."""
     if "chunked" in headers.get("transfer-encoding", "").lower():
         while True:
@@ -206,7 +209,7 @@ async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncI
         while left:
             data = await reader.read(min(left, 65536))
             if not data:
-                raise _StreamEnded("body shorter than its content-length")
+                raise StreamEnded("body shorter than its content-length")
             left -= len(data)
             yield data
     else:
@@ -280,14 +283,14 @@ class HttpTarget:
         reader, writer, kept = await self._connect()
         try:
             writer.write(head)
-            status, headers = await _read_headers(reader)
+            status, headers = await read_head(reader)
         except (OSError, asyncio.IncompleteReadError) as exc:
             writer.close()
             if not kept or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
                 raise
             reader, writer, _ = await self._connect_new()
             writer.write(head)
-            status, headers = await _read_headers(reader)
+            status, headers = await read_head(reader)
         return reader, writer, status, headers
 
     async def _connect_new(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
@@ -302,7 +305,7 @@ class HttpTarget:
             path = self.endpoint.path.rsplit("/v1/", 1)[0] + "/v1/models"
             try:
                 status, body = await asyncio.wait_for(self._get(path), timeout)
-            except (OSError, asyncio.TimeoutError, _StreamEnded) as exc:
+            except (OSError, asyncio.TimeoutError, StreamEnded) as exc:
                 raise TargetError(f"cannot reach {self.endpoint}: {exc}") from None
             models = json.loads(body).get("data") if status == 200 else None
             if not models:
@@ -312,7 +315,7 @@ class HttpTarget:
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         reader, writer, status, headers = await self._send(self._headers("GET", path, b""))
-        body = b"".join([piece async for piece in _body(reader, headers)])
+        body = b"".join([piece async for piece in read_body(reader, headers)])
         self._release(reader, writer, headers)
         return status, body
 
@@ -330,16 +333,16 @@ class HttpTarget:
         rec.t_send = self._clock()
         try:
             reader, writer, status, headers = await self._send(head)
-        except (OSError, asyncio.IncompleteReadError, _StreamEnded, ValueError) as exc:
+        except (OSError, asyncio.IncompleteReadError, StreamEnded, ValueError) as exc:
             rec.t_end, rec.error = self._clock(), "connect_error"
             rec.message = str(exc) or type(exc).__name__
             return
         try:
             rec.cached = headers.get("x-zerolayer-cache", "").lower() == "hit"
             if status != 200:
-                answer = b"".join([piece async for piece in _body(reader, headers)])
+                answer = b"".join([piece async for piece in read_body(reader, headers)])
                 rec.error = f"http_{status}"
-                rec.message = _error_message(answer)
+                rec.message = error_message(answer)
                 self._release(reader, writer, headers)
                 return
             complete = await self._read_events(reader, headers, state)
@@ -351,7 +354,7 @@ class HttpTarget:
                 self._release(reader, writer, headers)
             else:
                 writer.close()
-        except (OSError, asyncio.IncompleteReadError, _StreamEnded, ValueError) as exc:
+        except (OSError, asyncio.IncompleteReadError, StreamEnded, ValueError) as exc:
             writer.close()
             if rec.error is None and state.finish_seen:
                 state.settle()  # the answer was whole; only the body's ending was lost
@@ -370,7 +373,7 @@ class HttpTarget:
         still open ``FINISH_GRACE_S`` after a finish_reason): the connection is not reusable."""
         pending = b""
         event, data = "", []
-        pieces = aiter(_body(reader, headers))
+        pieces = aiter(read_body(reader, headers))
         while not state.finished:
             try:
                 if state.finish_seen:

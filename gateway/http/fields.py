@@ -1,5 +1,5 @@
-"""What only the HTTP APIs ask of a request body: fields refused unless given their no-op value,
-and the ``model`` field.
+"""What only the HTTP APIs ask of a request body: fields refused unless given their no-op value
+(among them the ones routers add to every request they forward), and the ``model`` field.
 
 Reading and validating fields is gateway.validation's, shared with the frame door; this module
 holds the two rules that have no frame equivalent.
@@ -16,6 +16,28 @@ def refuse_unless(obj: JsonObject, key: str, ok: bool, why: str) -> None:
     """A field that would change the result in a way we do not support."""
     if key in obj and not ok:
         raise invalid(f"{key}: {why}", key, "unsupported_parameter")
+
+
+# vllm-router and sglang-router forward an OpenAI request with these SGLang extensions added at
+# these values, which are what this server does anyway (stop strings trimmed, special tokens not
+# shown, no reasoning to separate, no hidden states): accepted at exactly these values.
+ROUTER_DEFAULTS: dict[str, bool] = {
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+
+
+def refuse_router_fields(obj: JsonObject) -> None:
+    """The fields of ``ROUTER_DEFAULTS`` at another value (or not a bool) are refused."""
+    for key, default in ROUTER_DEFAULTS.items():
+        refuse_unless(
+            obj, key, obj.get(key) is default, f"only {str(default).lower()} is supported"
+        )
 
 
 def check_model(obj: JsonObject, served: str) -> str:

@@ -15,7 +15,7 @@ from abc import abstractmethod
 from datetime import datetime, timezone
 
 from gateway.codes import FINISH_NAMES, OPENAI, invalid
-from gateway.http.fields import check_model, refuse_unless
+from gateway.http.fields import ROUTER_DEFAULTS, check_model, refuse_router_fields, refuse_unless
 from gateway.http.reply import Ending, Reply, dumps, encode_basestring, new_id, now
 from gateway.request import Request
 from gateway.validation import (
@@ -49,7 +49,15 @@ _NOOP_CHECKED = (
     "n",
 )
 _SAMPLING = ("temperature", "top_p", "seed", "stop", "top_k", "ignore_eos", "prompt_id")
-_COMMON = ("model", "max_tokens", "stream", "stream_options", *_SAMPLING, *_NEUTRAL)
+_COMMON = (
+    "model",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    *_SAMPLING,
+    *_NEUTRAL,
+    *ROUTER_DEFAULTS,
+)
 CHAT_KEYS = frozenset(("messages", "max_completion_tokens", *_COMMON, *_NOOP_CHECKED))
 COMPLETION_KEYS = frozenset(
     ("prompt", "echo", "best_of", "suffix", "n", "logprobs", "frequency_penalty",
@@ -61,6 +69,7 @@ _FINISH = FINISH_NAMES[OPENAI]
 
 
 def _refuse_unsupported(obj: JsonObject) -> None:
+    refuse_router_fields(obj)
     refuse_unless(obj, "n", obj.get("n") == 1, "only n = 1 is supported")
     for key in ("frequency_penalty", "presence_penalty"):
         refuse_unless(obj, key, obj.get(key) == 0, "penalties are not supported (0 only)")

@@ -1,7 +1,9 @@
 """The status page at the HTTP port's ``/`` in a real headless browser: Debian's chromium driven
 by selenium through Debian's chromedriver (tests/support/install-chromium.sh; nothing is
 downloaded). The page loads and names the model, its numbers move under load, and a chat
-answer streams in."""
+answer streams in. Each number is checked against the daemon's own metrics read by the test:
+the counts equal them once the load stops, and each percentile lies in the histogram bucket
+where that quantile falls; the chat answer is the one the daemon generated for the page."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 from gateway.client import SyncClient
 from tests.support.daemon import Daemon
+from tests.support.metrics import scrape, value
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = (
@@ -48,6 +51,37 @@ def _wait(check, what: str, timeout: float = 60.0):
     raise AssertionError(f"the page never showed {what}")
 
 
+TOKENS = "zerolayer_generation_tokens_total"
+TTFT, ITL = "zerolayer_time_to_first_token_seconds", "zerolayer_inter_token_latency_seconds"
+
+
+def _total(samples: dict, name: str) -> float:
+    """A counter summed over its label sets, as the page shows it."""
+    return sum(v for (sample, _), v in samples.items() if sample == name)
+
+
+def _bucket_of(samples: dict, name: str, q: float) -> tuple[float, float]:
+    """(lower, upper) bounds in ms of the bucket of histogram ``name`` holding its ``q``
+    quantile: the first bucket whose cumulative count reaches q x the total."""
+    buckets = sorted(
+        (float(dict(labels)["le"]), count)
+        for (sample, labels), count in samples.items()
+        if sample == name + "_bucket"
+    )
+    total = buckets[-1][1]
+    lower = 0.0
+    for le, count in buckets:
+        if count >= q * total:
+            return 1000 * lower, 1000 * le
+        lower = le
+    raise AssertionError(f"{name} has no bucket for q={q}")
+
+
+def _ms(text: str) -> float:
+    assert text.endswith(" ms"), text
+    return float(text[:-3])
+
+
 @pytest.mark.timeout(300)
 def test_status_page_loads_moves_under_load_and_chats(tmp_path):
     with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "5"}) as d:
@@ -79,11 +113,29 @@ def test_status_page_loads_moves_under_load_and_chats(tmp_path):
             stop.set()
             for t in threads:
                 t.join(60)
+            # the load has stopped: once the page has polled again, its numbers are the daemon's
+            _wait(lambda: value(scrape(d.metrics_url), "zerolayer_num_requests_running") == 0,
+                  "the load's streams ending")  # fmt: skip
+            m = scrape(d.metrics_url)
+            done, tokens = _total(m, "zerolayer_request_success_total"), _total(m, TOKENS)
+            _wait(lambda: text("tokens") == f"{tokens:.0f}", f"the daemon's {tokens:.0f} tokens")
+            assert text("requests") == f"{done:.0f}" and text("running") == "0"
+            ttft_count = m[(TTFT + "_count", ())]
+            assert text("ttftn") == f"{ttft_count:.0f}"
+            for key, name, q in (("ttft50", TTFT, 0.5), ("itl99", ITL, 0.99)):
+                lower, upper = _bucket_of(m, name, q)
+                shown = _ms(text(key))
+                assert lower - 0.05 <= shown <= upper + 0.05, (key, shown, lower, upper)  # rounding
             browser.find_element("id", "prompt").send_keys("Hello from the browser")
             browser.find_element("id", "send").click()
             answer = browser.find_element("id", "answer")
             _wait(lambda: answer.get_attribute("data-done") == "1", "the chat answer's end")
-            assert len(answer.text) > 10 and "[" not in answer.text  # streamed, no error
+            shown = answer.get_attribute("textContent")
+            assert "[" not in shown  # no error appended
+            # the page asks for 128 tokens; the synthetic model writes one character a token
+            m = scrape(d.metrics_url)
+            assert value(m, TOKENS, api="openai") == 128
+            assert len(shown) == 128
             shot = os.environ.get("STATUS_PAGE_SCREENSHOT") or str(tmp_path / "status.png")
             assert browser.save_screenshot(shot)
         finally:
