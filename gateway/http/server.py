@@ -28,9 +28,9 @@ from gateway.codes import ErrorCode
 from gateway.config import HttpConfig
 from gateway.http.errors import OPENAI, REASONS, HttpError, error_body, status_for
 from gateway.ops.escape import client_text
-from gateway.ops.logging import LogThrottle
 from gateway.ops.metrics import Metrics
-from gateway.ops.sockets import apply_socket_options, descriptors_low
+from gateway.ops.sockets import apply_socket_options, out_of_descriptors
+from gateway.ops.tls import TlsListener
 
 log = logging.getLogger("zerolayer.http")
 
@@ -60,7 +60,6 @@ _LAST_RESORT = (
     b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_LAST_BODY), _LAST_BODY)
 )
-_throttle = LogThrottle()
 
 
 class Incoming:
@@ -108,7 +107,7 @@ class HttpServer:
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.date = formatdate(usegmt=True).encode()
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | TlsListener | None = None
         self._sweeper: asyncio.Task | None = None
         self._idle = asyncio.Event()
         self.socket_options: object = None  # ServerConfig for apply_socket_options, if any
@@ -119,18 +118,16 @@ class HttpServer:
     async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
         """Listen (on ``sock`` when given); with ``ssl`` every connection speaks TLS only."""
         loop = asyncio.get_running_loop()
-        if sock is None:
+        if ssl is not None:  # the daemon always passes its bound socket
+            assert sock is not None, "a TLS listener needs its bound socket"
+            self._server = TlsListener(sock, lambda: self.make_connection(self), ssl, "HTTP")
+        elif sock is None:
             self._server = await loop.create_server(
-                lambda: self.make_connection(self),
-                self.cfg.host,
-                self.cfg.port,
+                lambda: self.make_connection(self), self.cfg.host, self.cfg.port,
                 reuse_address=True,
-                ssl=ssl,
-            )
+            )  # fmt: skip
         else:
-            self._server = await loop.create_server(
-                lambda: self.make_connection(self), sock=sock, ssl=ssl
-            )
+            self._server = await loop.create_server(lambda: self.make_connection(self), sock=sock)
         self._sweeper = loop.create_task(self._sweep())
 
     @property
@@ -181,8 +178,7 @@ class HttpServer:
         self.connections.add(conn)
         self.per_ip[conn.peer_ip] += 1
         cfg = self.cfg
-        if descriptors_low(sock):
-            _throttle.warning(log, "fds", "file descriptors nearly exhausted: refusing HTTP")
+        if out_of_descriptors(sock, "HTTP"):
             return "the server is out of connection capacity"
         if cfg.max_connections_per_ip and self.per_ip[conn.peer_ip] > cfg.max_connections_per_ip:
             return f"too many connections from {conn.peer_ip}"

@@ -230,3 +230,49 @@ def test_large_prompts_are_bounded_first_and_tokenized_off_the_loop(daemon):
     assert rc.collect(frames, {7})[7]["done"]["completion_tokens"] == 2
     for c in (huge, large, frames, canary):
         c.close()
+
+
+def test_near_the_descriptor_limit_both_doors_refuse_and_say_so_once():
+    """#25 item 4 (the frame door's part): with descriptors nearly exhausted, a new frame
+    connection gets OVERLOADED and a new HTTP one a 503, each door logs it once (not per
+    connection), the connection already open is still served, and once the attacker leaves new
+    clients are served again. The daemon runs with a hard limit of 160 descriptors (64 kept in
+    reserve)."""
+    env = {"SERVER__MAX_CONNECTIONS_PER_IP": "0", "HTTP__MAX_CONNECTIONS_PER_IP": "0"}
+    with Daemon(env, wrapper=["prlimit", "--nofile=160:160"]) as d:
+        canary = rc.RawConnection(d.host, d.port)  # open before the attack
+        canary.send(rc.hello())
+        assert canary.read_frame()[0] == rc.WELCOME
+        held, refused = [], None
+        for _ in range(150):
+            conn = rc.RawConnection(d.host, d.port, source=ATTACKER)
+            conn.send(rc.hello())
+            frame = conn.read_frame()
+            held.append(conn)
+            if frame is not None and frame[0] == rc.ERROR:
+                refused = frame
+                break
+        assert refused is not None, "never refused near the descriptor limit"
+        code, _, message = rc.parse_error(refused[3])
+        assert code == ErrorCode.OVERLOADED and "connection capacity" in message, message
+        for _ in range(3):  # more refusals: the log line is not repeated
+            conn = rc.RawConnection(d.host, d.port, source=ATTACKER)
+            conn.send(rc.hello())
+            assert conn.read_frame()[0] == rc.ERROR
+            conn.close()
+        web = RawHttp("127.0.0.1", d.http_port, source="127.0.0.3")
+        web.expect_raw("GET")
+        assert web.response().status == 503
+        web.sock.close()
+        canary.send(rc.request(1, b"canary", 3))  # the open connection is still served
+        assert rc.collect(canary, {1})[1]["done"]["completion_tokens"] == 3
+        assert len(d.lines_with("the frame door refuses connections")) == 1
+        assert len(d.lines_with("the HTTP door refuses connections")) == 1
+        for conn in held:
+            conn.close()
+        deadline = time.monotonic() + 10
+        while fds(d) > 60 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        canary_frames(d)  # descriptors are back: new clients are served again
+        canary_http(d)
+        canary.close()
