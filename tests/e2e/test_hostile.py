@@ -5,6 +5,7 @@ connection cap, anonymous HELLOs in one bucket, two responses to an Upgrade requ
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -276,3 +277,67 @@ def test_near_the_descriptor_limit_both_doors_refuse_and_say_so_once():
         canary_frames(d)  # descriptors are back: new clients are served again
         canary_http(d)
         canary.close()
+
+
+def test_count_tokens_of_a_large_conversation_keeps_its_count_and_its_order(daemon):
+    """Item 3's rest: /v1/messages/count_tokens answers a conversation above the inline size
+    later (it is tokenized on the offload pool, by the same INLINE_BYTES rule as a request's
+    prompt; the synthetic tokenizer is too fast for a stall to show): the count equals the
+    inline path's, a pipelined request behind it is answered after it, a client that leaves
+    while it is counted costs nothing, and one over the byte bound is refused first."""
+
+    def body(text: str) -> dict:
+        return {"model": "synthetic", "messages": [{"role": "user", "content": text}]}
+
+    c = RawHttp("127.0.0.1", daemon.http_port, timeout=60, source=ATTACKER)
+    c.request("POST", "/v1/messages/count_tokens", body("x" * 10))
+    small = c.response().json()["input_tokens"]
+    c.sock.close()
+    payload = json.dumps(body("x" * 20_010)).encode()  # above the 16 KiB inline size
+    raw = socket.create_connection(("127.0.0.1", daemon.http_port), source_address=(ATTACKER, 0))
+    raw.sendall(
+        b"POST /v1/messages/count_tokens HTTP/1.1\r\nhost: t\r\ncontent-type: application/json"
+        b"\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(payload), payload)
+        + b"GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n"  # pipelined behind it
+    )
+    first, second = _two_responses(raw)
+    raw.close()
+    assert first[0] == 200, first
+    assert json.loads(first[1])["input_tokens"] == small + 20_000  # synthetic: a byte a token
+    assert second[0] == 200 and json.loads(second[1])["object"] == "list"  # then, in order
+    gone = RawHttp("127.0.0.1", daemon.http_port, source=ATTACKER)
+    gone.request("POST", "/v1/messages/count_tokens", body("y" * 30_000))
+    gone.sock.close()  # leaves while it is counted
+    huge = RawHttp("127.0.0.1", daemon.http_port, source=ATTACKER)
+    huge.request("POST", "/v1/messages/count_tokens", body("z" * 40_000))  # over the bound
+    r = huge.response()
+    assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error", r.body
+    huge.sock.close()
+    canary_http(daemon)
+
+
+def _two_responses(sock: socket.socket) -> list[tuple[int, bytes]]:
+    """Two whole responses (status, body) read from ``sock``, in order (content-length
+    bodies)."""
+    buf, out = b"", []
+    sock.settimeout(30)
+    while len(out) < 2:
+        head_end = buf.find(b"\r\n\r\n")
+        if head_end != -1:
+            head = buf[:head_end].decode()
+            length = int(
+                next(
+                    h.split(":", 1)[1]
+                    for h in head.split("\r\n")
+                    if h.lower().startswith("content-length:")
+                )
+            )
+            if len(buf) >= head_end + 4 + length:
+                out.append((int(head.split()[1]), buf[head_end + 4 : head_end + 4 + length]))
+                buf = buf[head_end + 4 + length :]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {len(out)} responses"
+        buf += chunk
+    return out
