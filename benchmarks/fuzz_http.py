@@ -21,13 +21,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._canary import Canary  # noqa: E402
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
-from gateway.client import Client, ConnectionClosed, ServerError  # noqa: E402
 from tests.support import fuzzhttp as fh  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
-
-CANARY = fh.request(b"/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],'
-                    b'"max_tokens":4,"stream":true}', b"connection: close\r\n")  # fmt: skip
 
 
 def fds(d: Daemon) -> int:
@@ -56,71 +53,6 @@ async def one(port: int, data: bytes, source: str, hang_s: float) -> str:
         writer.close()
 
 
-async def http_ttft(port: int, hang_s: float) -> float | None:
-    """The canary's time to its first streamed event on the HTTP door (None: it failed)."""
-    t0 = time.perf_counter()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return None
-    try:
-        writer.write(CANARY)
-        seen = b""
-        while b"data: {" not in seen:
-            chunk = await asyncio.wait_for(reader.read(4096), hang_s)
-            if not chunk:
-                return None
-            seen += chunk
-        ttft = time.perf_counter() - t0
-        while await asyncio.wait_for(reader.read(65536), hang_s):  # the rest of the stream
-            pass
-        return ttft if seen.startswith(b"HTTP/1.1 200") else None
-    except (asyncio.TimeoutError, TimeoutError, OSError):
-        return None
-    finally:
-        writer.close()
-
-
-async def frame_ttft(endpoint: str) -> float | None:
-    """The canary's time to its first TOKEN on the frame door, a fresh connection each time
-    (None: it failed)."""
-    t0 = time.perf_counter()
-    try:
-        async with await Client.connect(endpoint) as client:
-            stream = await client.generate("canary", 4, cache=False)
-            async for _ in stream:
-                ttft = time.perf_counter() - t0
-                await stream.collect()
-                return ttft
-    except (OSError, ServerError, ConnectionClosed):
-        return None
-    return None
-
-
-def percentiles(xs: list[float]) -> dict[str, float | None]:
-    """p50 and p99 in ms (None without samples)."""
-    if not xs:
-        return {"n": 0, "p50_ms": None, "p99_ms": None}
-    ys = sorted(xs)
-    pick = lambda q: round(1000 * ys[min(len(ys) - 1, int(q * len(ys)))], 2)  # noqa: E731
-    return {"n": len(ys), "p50_ms": pick(0.50), "p99_ms": pick(0.99)}
-
-
-async def canaries(d: Daemon, until: object, samples: dict[str, list[float]],
-                   failed: dict[str, int], hang_s: float) -> None:  # fmt: skip
-    """Both doors' canaries from 127.0.0.1, one request each every 50 ms, while ``until()``."""
-    while until():  # type: ignore[operator]
-        for door, ttft in (
-            ("http", await http_ttft(d.http_port, hang_s)),
-            ("frames", await frame_ttft(d.endpoint)),
-        ):
-            if ttft is None:
-                failed[door] = failed.get(door, 0) + 1
-            else:
-                samples.setdefault(door, []).append(ttft)
-        await asyncio.sleep(0.05)
-
-
 async def campaign(d: Daemon, args) -> dict:  # noqa: ANN001
     rng = random.Random(args.seed)
     counts: dict[str, int] = {}
@@ -137,33 +69,20 @@ async def campaign(d: Daemon, args) -> dict:  # noqa: ANN001
             counts[r] = counts.get(r, 0) + 1
 
     # The canaries alone first (their unattacked TTFT), then beside the attackers.
-    quiet: dict[str, list[float]] = {}
-    attacked: dict[str, list[float]] = {}
-    failed: dict[str, int] = {}
-    quiet_end = time.monotonic() + args.baseline_s
-    await canaries(d, lambda: time.monotonic() < quiet_end, quiet, failed, args.hang_s)
-    failed_quiet = dict(failed)
-    failed.clear()
+    quiet = Canary(d.http_port, d.endpoint, args.hang_s)
+    await quiet.for_seconds(args.baseline_s)
+    attacked = Canary(d.http_port, d.endpoint, args.hang_s)
 
     def attacking() -> bool:
         return sent < args.requests and time.monotonic() < deadline
 
     t0 = time.monotonic()
-    await asyncio.gather(
-        canaries(d, attacking, attacked, failed, args.hang_s),
-        *(worker(k) for k in range(args.concurrency)),
-    )
-    canary = {
-        door: {"unattacked": percentiles(quiet.get(door, [])),
-               "attacked": percentiles(attacked.get(door, [])),
-               "failed_unattacked": failed_quiet.get(door, 0),
-               "failed_attacked": failed.get(door, 0)}
-        for door in ("http", "frames")
-    }  # fmt: skip
+    await asyncio.gather(attacked.run(attacking), *(worker(k) for k in range(args.concurrency)))
+    canary = {"unattacked": quiet.summary(), "attacked": attacked.summary()}
     return {"counts": counts, "sent": sent, "elapsed_s": time.monotonic() - t0,
             "canary": canary,
-            "canary_ok": sum(len(v) for v in attacked.values()),
-            "canary_bad": sum(failed.values())}  # fmt: skip
+            "canary_ok": sum(len(v) for v in attacked.samples.values()),
+            "canary_bad": sum(attacked.failed.values())}  # fmt: skip
 
 
 def main() -> None:
@@ -223,7 +142,7 @@ def main() -> None:
         ["elapsed (s)", f"{res['elapsed_s']:.1f}"],
     ]
     for door, name in (("http", "HTTP"), ("frames", "frame")):
-        q, a = res["canary"][door]["unattacked"], res["canary"][door]["attacked"]
+        q, a = res["canary"]["unattacked"][door], res["canary"]["attacked"][door]
         rows.append([
             f"{name} canary TTFT p50 / p99 (ms): alone → under attack",
             f"{q['p50_ms']} / {q['p99_ms']} → {a['p50_ms']} / {a['p99_ms']} "
