@@ -14,7 +14,7 @@ one client flooding the engine queue (5), idle connections that sent HELLO (6).
 
 Bounded: each attack stops at the end of its window; loopback only.
 
-    python benchmarks/hostile.py [--quiet-s 4] [--attack-s 8] [--write]
+    python benchmarks/hostile.py [--quiet-s 4] [--attack-s 8] [--rounds 2] [--write]
 """
 
 from __future__ import annotations
@@ -270,6 +270,7 @@ def main() -> None:
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--quiet-s", type=float, default=4.0)
     ap.add_argument("--attack-s", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     env = {
         "ENGINE__BACKEND": "synthetic",
@@ -281,13 +282,17 @@ def main() -> None:
     with Daemon(env) as d:
         import uvloop
 
-        for name, attack in ATTACKS:
-            results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
-            print(name, json.dumps(results[name]), file=sys.stderr)
+        rss_by_round = [round(d.rss_mb(), 1)]
+        for _ in range(args.rounds):  # a later round shows whether memory keeps growing
+            for name, attack in ATTACKS:
+                results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
+                print(name, json.dumps(results[name]), file=sys.stderr)
+            rss_by_round.append(round(d.rss_mb(), 1))
         alive = d.proc.poll() is None
         tracebacks = d.log.count("Traceback")
     out = {"machine": machine(), "args": {"quiet_s": args.quiet_s, "attack_s": args.attack_s},
-           "attacks": results, "alive": alive, "tracebacks": tracebacks}  # fmt: skip
+           "attacks": results, "rss_mb_by_round": rss_by_round, "alive": alive,
+           "tracebacks": tracebacks}  # fmt: skip
     rows = []
     for name, r in results.items():
         for door in DOORS:
@@ -310,7 +315,9 @@ def main() -> None:
         f"{args.quiet_s:g} s of the canary alone; the canary on 127.0.0.1 streams 4 tokens on "
         "each door in turn, a fresh connection each time. TTFT in ms (p50 / p99); descriptors "
         f"and RSS (MiB) before the attack and after its clients left. Daemon alive at the end: "
-        f"{alive}; tracebacks in its log: {tracebacks}.\n\n"
+        f"{alive}; tracebacks in its log: {tracebacks}. The attacks ran {args.rounds} times "
+        f"over (the table shows the last round); RSS at the start and after each round: "
+        f"{' → '.join(map(str, rss_by_round))} MiB.\n\n"
         + table(
             [
                 "attack (#25 item)",
