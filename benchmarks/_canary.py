@@ -1,13 +1,15 @@
 """The canary of the hostile-client benchmarks: one client on 127.0.0.1 asking on both doors
 (a streamed OpenAI chat request, a frame request through gateway.client), its time to first
-token sampled while attackers on other loopback addresses do their worst. Public interfaces
-only: sockets and the project's client."""
+token sampled while attackers on other loopback addresses do their worst; ``in_own_process``
+runs it apart from the attackers' client. Public interfaces only: sockets and the project's
+client."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 
 from gateway.client import Client, ConnectionClosed, ServerError
 
@@ -102,3 +104,22 @@ def percentiles(xs: list[float]) -> dict[str, float | int | None]:
         return round(1000 * ys[min(len(ys) - 1, int(q * len(ys)))], 2)
 
     return {"n": len(ys), "p50_ms": pick(0.50), "p99_ms": pick(0.99)}
+
+
+def _canary_for(http_port: int, endpoint: str, seconds: float, hang_s: float) -> dict:
+    canary = Canary(http_port, endpoint, hang_s)
+    asyncio.run(canary.for_seconds(seconds))
+    return canary.summary()
+
+
+def in_own_process(
+    http_port: int, endpoint: str, seconds: float, hang_s: float = 10.0
+) -> asyncio.Future[dict]:
+    """A canary running for ``seconds`` in a process of its own (the attackers' client work
+    in this process must not delay it); its ``summary`` when done."""
+    pool = ProcessPoolExecutor(1)
+    fut = asyncio.get_running_loop().run_in_executor(
+        pool, _canary_for, http_port, endpoint, seconds, hang_s
+    )
+    fut.add_done_callback(lambda _: pool.shutdown(wait=False))
+    return fut

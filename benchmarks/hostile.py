@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._canary import DOORS, Canary  # noqa: E402
+from benchmarks._canary import DOORS, in_own_process  # noqa: E402
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from gateway import protocol as p  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
@@ -65,73 +65,68 @@ async def answered(reader: asyncio.StreamReader, hang_s: float = 10.0) -> bool:
     return False
 
 
+async def http_clients(
+    d: Daemon, clients: int, go_on: Callable[[], bool], one: Callable[[int, Conn], Awaitable[None]]
+) -> int:
+    """``clients`` attackers on the HTTP door, each on its own address, each doing ``one(n,
+    connection)`` on a fresh connection after another while ``go_on()``; returns how many."""
+    sent = 0
+
+    async def client(k: int) -> None:
+        nonlocal sent
+        while go_on():
+            conn = await connect(d, d.http_port, ATTACKERS[k])
+            if conn is None:
+                continue
+            sent += 1
+            with contextlib.suppress(OSError):
+                await one(sent, conn)
+            conn[1].close()
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return sent
+
+
 async def surrogate_keys(d: Daemon, go_on: Callable[[], bool]) -> int:
     """Item 1: bodies with a lone surrogate as a JSON key, on all three APIs, 8 at a time."""
     body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"\\ud800":1}'
     paths = (b"/v1/chat/completions", b"/v1/messages", b"/v1/completions")
-    sent = 0
 
-    async def one(k: int) -> None:
-        nonlocal sent
-        while go_on():
-            conn = await connect(d, d.http_port, ATTACKERS[k])
-            if conn is None:
-                continue
-            reader, writer = conn
-            writer.write(post(paths[sent % 3], body, b"connection: close\r\n"))
-            sent += 1
-            await answered(reader)
-            writer.close()
+    async def one(n: int, conn: Conn) -> None:
+        conn[1].write(post(paths[n % 3], body, b"connection: close\r\n"))
+        await answered(conn[0])
 
-    await asyncio.gather(*(one(k) for k in range(8)))
-    return sent
+    return await http_clients(d, 8, go_on, one)
 
 
 async def endless_header(d: Daemon, go_on: Callable[[], bool]) -> int:
     """Item 2: 4 connections each sending one header line, 64 KiB at a time, until refused."""
-    sent = 0
 
-    async def one(k: int) -> None:
-        nonlocal sent
-        while go_on():
-            conn = await connect(d, d.http_port, ATTACKERS[k])
-            if conn is None:
-                continue
-            reader, writer = conn
-            writer.write(b"GET / HTTP/1.1\r\nx-long: ")
-            sent += 1
-            with contextlib.suppress(OSError):
-                while go_on() and not writer.is_closing():
-                    writer.write(b"a" * 65536)
-                    await writer.drain()
-            writer.close()
+    async def one(n: int, conn: Conn) -> None:
+        writer = conn[1]
+        writer.write(b"GET / HTTP/1.1\r\nx-long: ")
+        while go_on() and not writer.is_closing():
+            writer.write(b"a" * 65536)
+            await writer.drain()
 
-    await asyncio.gather(*(one(k) for k in range(4)))
-    return sent
+    return await http_clients(d, 4, go_on, one)
 
 
 async def huge_prompts(d: Daemon, go_on: Callable[[], bool]) -> int:
-    """Item 3: 4 MB messages (over the byte bound) and 20 KB ones (tokenized off the loop,
-    then over the context), on both APIs and the frame door, 4 clients looping."""
+    """Item 3: 4 MB bodies (over the body limit), 1 MB messages (over the text bound) and 20 KB
+    ones (tokenized off the loop, then over the context), on both APIs and the frame door, 4
+    clients looping."""
     chat = {"model": "m", "max_tokens": 4}
     bodies = [
         json.dumps({**chat, "messages": [{"role": "user", "content": c * n}]}).encode()
-        for c, n in (("a", 4_000_000), ("b", 20_000))
+        for c, n in (("a", 4_000_000), ("a", 1_000_000), ("b", 20_000))
     ]
     sent = 0
 
-    async def http(k: int) -> None:
-        nonlocal sent
-        while go_on():
-            conn = await connect(d, d.http_port, ATTACKERS[k])
-            if conn is None:
-                continue
-            reader, writer = conn
-            path = b"/v1/messages" if sent % 2 else b"/v1/chat/completions"
-            writer.write(post(path, bodies[sent % 2], b"connection: close\r\n"))
-            sent += 1
-            await answered(reader, 30)
-            writer.close()
+    async def one(n: int, conn: Conn) -> None:
+        path = b"/v1/messages" if n % 2 else b"/v1/chat/completions"
+        conn[1].write(post(path, bodies[n % 3], b"connection: close\r\n"))
+        await answered(conn[0], 30)
 
     async def frames() -> None:
         nonlocal sent
@@ -151,8 +146,8 @@ async def huge_prompts(d: Daemon, go_on: Callable[[], bool]) -> int:
                 await asyncio.wait_for(reader.read(65536), 0.01)
         writer.close()
 
-    await asyncio.gather(frames(), *(http(k) for k in range(3)))
-    return sent
+    _, http_sent = await asyncio.gather(frames(), http_clients(d, 3, go_on, one))
+    return sent + http_sent
 
 
 async def slowloris(d: Daemon, go_on: Callable[[], bool]) -> int:
@@ -238,17 +233,17 @@ ATTACKS: list[tuple[str, Attack]] = [
 
 
 async def run_attack(d: Daemon, attack: Attack, quiet_s: float, attack_s: float) -> dict:
-    quiet = Canary(d.http_port, d.endpoint)
-    await quiet.for_seconds(quiet_s)
+    quiet = await in_own_process(d.http_port, d.endpoint, quiet_s)
     fd0, rss0 = fds(d), d.rss_mb()
     end = time.monotonic() + attack_s
-    under = Canary(d.http_port, d.endpoint)
 
     def go_on() -> bool:
         return time.monotonic() < end
 
     t0 = time.monotonic()
-    sent, _ = await asyncio.gather(attack(d, go_on), under.run(go_on))
+    sent, under = await asyncio.gather(
+        attack(d, go_on), in_own_process(d.http_port, d.endpoint, attack_s)
+    )
     attack_elapsed = time.monotonic() - t0
     deadline = time.monotonic() + 20  # the attackers left: descriptors come back
     while fds(d) > fd0 + 2 and time.monotonic() < deadline:
@@ -257,8 +252,8 @@ async def run_attack(d: Daemon, attack: Attack, quiet_s: float, attack_s: float)
     return {
         "attack_requests_or_connections": sent,
         "attack_s": round(attack_elapsed, 1),
-        "canary_alone": quiet.summary(),
-        "canary_attacked": under.summary(),
+        "canary_alone": quiet,
+        "canary_attacked": under,
         "fds_before": fd0,
         "fds_after": fds(d),
         "rss_before_mb": round(rss0, 1),
@@ -293,7 +288,7 @@ def main() -> None:
     out = {"machine": machine(), "args": {"quiet_s": args.quiet_s, "attack_s": args.attack_s},
            "attacks": results, "rss_mb_by_round": rss_by_round, "alive": alive,
            "tracebacks": tracebacks}  # fmt: skip
-    rows = []
+    rows: list[list[object]] = []
     for name, r in results.items():
         for door in DOORS:
             q, a = r["canary_alone"][door], r["canary_attacked"][door]
@@ -312,8 +307,9 @@ def main() -> None:
     md = (
         f"### Hostile clients beside a canary\n\n{machine_line(out['machine'])}; synthetic "
         f"backend (2 ms steps); each attack {args.attack_s:g} s from 127.0.0.2-9 after "
-        f"{args.quiet_s:g} s of the canary alone; the canary on 127.0.0.1 streams 4 tokens on "
-        "each door in turn, a fresh connection each time. TTFT in ms (p50 / p99); descriptors "
+        f"{args.quiet_s:g} s of the canary alone; the canary on 127.0.0.1, in a process of "
+        "its own, streams 4 tokens on each door in turn, a fresh connection each time. TTFT in "
+        "ms (p50 / p99); descriptors "
         f"and RSS (MiB) before the attack and after its clients left. Daemon alive at the end: "
         f"{alive}; tracebacks in its log: {tracebacks}. The attacks ran {args.rounds} times "
         f"over (the table shows the last round); RSS at the start and after each round: "

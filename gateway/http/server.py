@@ -99,8 +99,13 @@ class HttpServer:
         make_connection: Callable[[HttpServer], HttpConnection],
         write_buffer_limit: int,
         metrics: Metrics | None = None,
+        max_body_bytes: int = 0,
     ) -> None:
+        """``max_body_bytes``: the body limit when ``cfg.max_body_bytes`` is 0 (the daemon
+        derives it from the context)."""
         self.cfg = cfg
+        self.max_body_bytes = cfg.max_body_bytes or max_body_bytes
+        assert self.max_body_bytes > 0, "http.max_body_bytes = 0 needs the derived limit"
         self.make_connection = make_connection
         self.metrics = metrics
         self.write_buffer_limit = write_buffer_limit
@@ -405,7 +410,7 @@ class HttpConnection(asyncio.Protocol):
             self._refuse_unread(HttpError(431, "request headers too large", close=True))
             return
         length = cur.headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.cfg.max_body_bytes:
+        if length.isdigit() and int(length) > self.server.max_body_bytes:
             self._refuse_unread(self._too_large())
             return
         if length.isdigit():
@@ -422,7 +427,7 @@ class HttpConnection(asyncio.Protocol):
         cur = self.cur
         if cur is None:
             return
-        if len(cur.body) + len(body) > self.cfg.max_body_bytes:
+        if len(cur.body) + len(body) > self.server.max_body_bytes:
             self._refuse_unread(self._too_large())
             return
         if b"content-length" not in cur.headers:  # a chunked body: counted as it arrives
@@ -442,7 +447,7 @@ class HttpConnection(asyncio.Protocol):
         )
 
     def _too_large(self) -> HttpError:
-        limit = self.cfg.max_body_bytes
+        limit = self.server.max_body_bytes
         return HttpError(413, f"request body exceeds http.max_body_bytes ({limit})", close=True)
 
     def on_message_complete(self) -> None:

@@ -55,6 +55,7 @@ def settle(d: Daemon, baseline: int, slack: int = 2) -> int:
 def daemon():
     env = {
         "HTTP__MAX_CONNECTIONS_PER_IP": "8",
+        "HTTP__MAX_BODY_BYTES": str(4 * 1_048_576),  # the bodies-in-flight test holds 4 MiB ones
         "HTTP__MAX_BODY_BYTES_IN_FLIGHT": str(8 * 1_048_576),
         "HTTP__HEADER_TIMEOUT_S": "5",
         "SERVER__MAX_CONNECTIONS_PER_PRINCIPAL": "4",
@@ -194,9 +195,11 @@ def _ping(conn: rc.RawConnection, data: bytes) -> None:
 
 def test_large_prompts_are_bounded_first_and_tokenized_off_the_loop(daemon):
     """Item 3: a 4 MB chat message is refused by the byte bound (max_context 2048 x 16) before
-    any tokenizing, naming the field; a 20 KB one (above the inline size, under the bound) is
-    tokenized on the offload pool and then refused by its token count; meanwhile a canary on
-    127.0.0.1 gets its PONGs and its stream served, and every attacker stream ends once."""
+    any tokenizing, naming the field (this daemon allows 4 MiB bodies; by default a larger body
+    than twice that bound, at least 1 MiB, is a 413 before it is read: see the test after the
+    next); a 20 KB one (above the inline size, under the bound) is tokenized on the offload pool
+    and then refused by its token count; meanwhile a canary on 127.0.0.1 gets its PONGs and its
+    stream served, and every attacker stream ends once."""
     canary = rc.RawConnection(daemon.host, daemon.port)
     canary.send(rc.hello())
     huge = RawHttp("127.0.0.1", daemon.http_port, timeout=60, source=ATTACKER)
@@ -341,3 +344,28 @@ def _two_responses(sock: socket.socket) -> list[tuple[int, bytes]]:
         assert chunk, f"closed after {len(out)} responses"
         buf += chunk
     return out
+
+
+def test_a_body_no_request_can_use_is_refused_from_its_content_length():
+    """Item 3, the event loop's share: http.max_body_bytes defaults to twice the prompt-text
+    bound, at least 1 MiB (max_context 2048 here: 1 MiB), and a larger body is answered 413
+    from its Content-Length, before it is received or decoded; one under it is read and
+    refused by the text bound, naming the field."""
+    with Daemon() as d:
+        c = RawHttp("127.0.0.1", d.http_port, source=ATTACKER)
+        c.send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n{" % (1_048_576 + 1)
+        )
+        c.expect_raw()
+        r = c.response()
+        assert r.status == 413 and "http.max_body_bytes (1048576)" in r.json()["error"]["message"]
+        c.sock.close()
+        c = RawHttp("127.0.0.1", d.http_port, timeout=60, source=ATTACKER)
+        c.request("POST", "/v1/chat/completions", _chat("a" * 1_000_000))
+        r = c.response()
+        err = r.json()["error"]
+        assert r.status == 400 and err["code"] == "prompt_too_long"
+        assert err["message"].startswith("messages:") and "32768 UTF-8 bytes" in err["message"]
+        c.sock.close()
+        canary_http(d)
