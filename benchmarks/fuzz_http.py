@@ -21,12 +21,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._canary import Canary  # noqa: E402
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from tests.support import fuzzhttp as fh  # noqa: E402
 from tests.support.daemon import Daemon  # noqa: E402
-
-CANARY = fh.request(b"/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],'
-                    b'"max_tokens":2}', b"connection: close\r\n")  # fmt: skip
 
 
 def fds(d: Daemon) -> int:
@@ -60,7 +58,6 @@ async def campaign(d: Daemon, args) -> dict:  # noqa: ANN001
     counts: dict[str, int] = {}
     sent = 0
     deadline = time.monotonic() + args.max_seconds
-    canary_ok = canary_bad = 0
 
     async def worker(k: int) -> None:
         nonlocal sent
@@ -71,18 +68,21 @@ async def campaign(d: Daemon, args) -> dict:  # noqa: ANN001
             r = await one(d.http_port, data, source, args.hang_s)
             counts[r] = counts.get(r, 0) + 1
 
-    async def canary() -> None:
-        nonlocal canary_ok, canary_bad
-        while sent < args.requests and time.monotonic() < deadline:
-            r = await one(d.http_port, CANARY, "127.0.0.1", args.hang_s)
-            canary_ok += r == "answered"
-            canary_bad += r != "answered"
-            await asyncio.sleep(0.05)
+    # The canaries alone first (their unattacked TTFT), then beside the attackers.
+    quiet = Canary(d.http_port, d.endpoint, args.hang_s)
+    await quiet.for_seconds(args.baseline_s)
+    attacked = Canary(d.http_port, d.endpoint, args.hang_s)
+
+    def attacking() -> bool:
+        return sent < args.requests and time.monotonic() < deadline
 
     t0 = time.monotonic()
-    await asyncio.gather(canary(), *(worker(k) for k in range(args.concurrency)))
+    await asyncio.gather(attacked.run(attacking), *(worker(k) for k in range(args.concurrency)))
+    canary = {"unattacked": quiet.summary(), "attacked": attacked.summary()}
     return {"counts": counts, "sent": sent, "elapsed_s": time.monotonic() - t0,
-            "canary_ok": canary_ok, "canary_bad": canary_bad}  # fmt: skip
+            "canary": canary,
+            "canary_ok": sum(len(v) for v in attacked.samples.values()),
+            "canary_bad": sum(attacked.failed.values())}  # fmt: skip
 
 
 def main() -> None:
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--hang-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--baseline-s", type=float, default=10.0, help="canaries alone first")
     args = ap.parse_args()
     # Short timeouts: a lying Content-Length is answered 408 when its body timeout passes.
     env = {
@@ -124,6 +125,7 @@ def main() -> None:
         "tracebacks": tracebacks,
         "canary_ok": res["canary_ok"],
         "canary_failed": res["canary_bad"],
+        "canary_ttft": res["canary"],
     }
     rows = [
         ["requests (each on its own connection)", res["sent"]],
@@ -139,6 +141,13 @@ def main() -> None:
         ["canary requests ok / failed", f"{res['canary_ok']} / {res['canary_bad']}"],
         ["elapsed (s)", f"{res['elapsed_s']:.1f}"],
     ]
+    for door, name in (("http", "HTTP"), ("frames", "frame")):
+        q, a = res["canary"]["unattacked"][door], res["canary"]["attacked"][door]
+        rows.append([
+            f"{name} canary TTFT p50 / p99 (ms): alone → under attack",
+            f"{q['p50_ms']} / {q['p99_ms']} → {a['p50_ms']} / {a['p99_ms']} "
+            f"({q['n']} and {a['n']} requests)",
+        ])  # fmt: skip
     md = (
         f"### HTTP door fuzz\n\n{machine_line(out['machine'])}; synthetic backend; "
         f"{args.concurrency} attacker connections at a time from 32 loopback addresses, seed "

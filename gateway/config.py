@@ -81,7 +81,8 @@ class HttpConfig(_Section):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    max_body_bytes: int = Field(4 * 1_048_576, ge=1024)
+    # 0 = from the context: gateway.inputs.request_body_bound (at least 1 MiB).
+    max_body_bytes: int = Field(0, ge=0)
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     # Connection caps (docs/operations.md, "Limits"): refused with 503 and Retry-After.

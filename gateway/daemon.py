@@ -43,7 +43,7 @@ from gateway.hooks import Chain
 from gateway.http.door import HttpApi
 from gateway.http.routes import OpsPages
 from gateway.http.server import HttpServer
-from gateway.inputs import InputProcessor
+from gateway.inputs import InputProcessor, request_body_bound
 from gateway.lifecycle import RequestPath
 from gateway.ops.health import HttpServerHandle, start_http_server
 from gateway.ops.logging import announce, setup_logging
@@ -304,6 +304,7 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
             ).connection,
             settings.server.write_buffer_limit_bytes,
             metrics,
+            request_body_bound(backend.info.max_context),
         )
         api_server.socket_options = settings.server
     server.wrong_door = functools.partial(

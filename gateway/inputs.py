@@ -30,6 +30,17 @@ _NO_STOP_IDS: frozenset[int] = frozenset()
 # which natural text does not (a byte-level or byte-fallback token is at least one byte, and
 # typical tokens cover 3-5).
 PROMPT_BYTES_PER_TOKEN = 16
+_MIN_BODY_BYTES = 1 << 20
+
+
+def request_body_bound(max_context: int) -> int:
+    """The largest HTTP request body by default (``http.max_body_bytes = 0``): twice the
+    prompt-text bound (JSON escapes, tool and schema definitions), never under 1 MiB. A body
+    costs the event loop time in proportion to its size (received, copied, decoded in one C call
+    that holds the GIL), so what no request can use is refused from its Content-Length."""
+    return max(_MIN_BODY_BYTES, 2 * max_context * PROMPT_BYTES_PER_TOKEN)
+
+
 _UMAX = np.maximum.reduce  # the ufunc itself: ndarray.max() goes through a Python wrapper
 
 

@@ -497,8 +497,11 @@ class RequestPath:
         ttft_s = (st.t_first - st.t_recv) if st.t_first else 0.0
         total_s = now - st.t_recv
         # Metrics count what was written (docs/metrics.md): an ending whose door is gone (the
-        # client disconnected, or an ERROR on stream 0 ended its connection) writes nothing.
+        # client disconnected, or an ERROR on stream 0 ended its connection) writes nothing,
+        # and counts as a cancelled request with the tokens sent before it (not an error).
         written = door.open
+        if not written and error is None:
+            self._abandoned(st)
         if error is not None:
             code, message, retry_ms = error
             if written:
@@ -541,6 +544,23 @@ class RequestPath:
         if first.ctx is not None and not (hooks_running or first.phase is HOOKS) and last:
             self._hooks_done(first)  # one request: on_done once, after its last choice
         door.stream_ended(st)
+
+    def _abandoned(self, st: Stream) -> None:
+        """``st`` ended with its door gone (its client disconnected, or its connection ended
+        in an error): no DONE can be written; it counts as cancelled, with the tokens its door
+        was given, and the request log says so (the chaos soak reads it: a client cannot know
+        what the server generated for a stream it abandoned)."""
+        self.metrics.request_disconnected(st.prompt_tokens, st.n_ids, st.api)
+        if self._log_requests:
+            REQUEST_LOG.info(
+                "request abandoned",
+                extra={
+                    "request_id": f"{st.door.label}:{st.key}",
+                    "finish": "cancelled",
+                    "prompt_tokens": st.prompt_tokens,
+                    "completion_tokens": st.n_ids,
+                },
+            )
 
     def _hooks_done(self, st: Stream) -> None:
         """Tell the hooks how the request ended: once, after its hooks finished."""

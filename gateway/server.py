@@ -31,8 +31,8 @@ from gateway.framebuf import FrameBuffer
 from gateway.hooks import HookError, Principal
 from gateway.lifecycle import RequestPath, Stream
 from gateway.ops.metrics import Metrics
-from gateway.ops.sockets import apply_socket_options
-from gateway.ops.tls import peer_names
+from gateway.ops.sockets import apply_socket_options, out_of_descriptors
+from gateway.ops.tls import TlsListener, peer_names
 from gateway.protocol import FrameType, ProtocolError
 from gateway.wrong_door import SNIFF_BYTES
 
@@ -56,7 +56,7 @@ class Server:
         self.per_principal: collections.Counter[str] = collections.Counter()
         self.rx_excess = 0  # receive memory grown beyond read_buffer_bytes, all connections
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | TlsListener | None = None
         self._sweeper: asyncio.Task | None = None
         self._all_closed = asyncio.Event()
         self._conn_ids = itertools.count(1)
@@ -83,7 +83,10 @@ class Server:
     async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
         """Listen on ``sock`` (or bind host:port); with ``ssl`` speak TLS only."""
         self.loop = asyncio.get_running_loop()
-        if sock is None:
+        if ssl is not None:  # the daemon always passes its bound socket
+            assert sock is not None, "a TLS listener needs its bound socket"
+            self._server = TlsListener(sock, lambda: Connection(self), ssl, "frame")
+        elif sock is None:
             self._server = await self.loop.create_server(
                 lambda: Connection(self),
                 self.cfg.host,
@@ -91,11 +94,10 @@ class Server:
                 backlog=self.cfg.backlog,
                 reuse_address=True,
                 reuse_port=self.cfg.reuse_port or None,
-                ssl=ssl,
             )
         else:
             self._server = await self.loop.create_server(
-                lambda: Connection(self), sock=sock, backlog=self.cfg.backlog, ssl=ssl
+                lambda: Connection(self), sock=sock, backlog=self.cfg.backlog
             )
         self._sweeper = self.loop.create_task(self._sweep_idle())
 
@@ -131,13 +133,17 @@ class Server:
         if self._sweeper is not None:
             self._sweeper.cancel()
 
-    def admit(self, conn: Connection) -> tuple[ErrorCode, str] | None:
-        """A new connection is counted in; returns why it must be refused, if it must. At
-        ``max_connections`` the longest-idle connection (no stream, quiet for 1 s) makes room."""
+    def admit(self, conn: Connection, sock: object = None) -> tuple[ErrorCode, str] | None:
+        """A new connection (its socket ``sock``) is counted in; returns why it must be refused,
+        if it must. Near the descriptor limit every new one is refused, so the connections
+        already open, the other doors and /readyz keep working. At ``max_connections`` the
+        longest-idle connection (no stream, quiet for 1 s) makes room."""
         cfg = self.cfg
         self.connections.add(conn)
         self.metrics.connection_opened()
         self.per_ip[conn.peer_ip] += 1
+        if out_of_descriptors(sock, "frame"):
+            return ErrorCode.OVERLOADED, "the server is out of connection capacity"
         if cfg.max_connections_per_ip and self.per_ip[conn.peer_ip] > cfg.max_connections_per_ip:
             return ErrorCode.OVERLOADED, f"too many connections from {conn.peer_ip}"
         if len(self.connections) > cfg.max_connections:
@@ -242,7 +248,7 @@ class Connection(asyncio.BufferedProtocol):
         if sock is not None:
             apply_socket_options(sock, self.cfg)
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
-        refusal = server.admit(self) or self._certificate(transport)
+        refusal = server.admit(self, sock) or self._certificate(transport)
         if refusal is not None:
             self.connection_error(*refusal, retry_after_ms=1000)
         elif server.draining:

@@ -13,10 +13,12 @@ stream (``RequestPath.cancel``): its slot is freed at the next engine step.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 
+from gateway import offload
 from gateway.codes import ErrorCode, FinishReason, Refusal
 from gateway.engine.backend import ModelInfo
 from gateway.engine.step import StepOutput
@@ -164,8 +166,29 @@ class ApiConnection(HttpConnection):
 
     def _count_tokens(self, body: bytes) -> None:
         req = anthropic.parse_count_tokens(body, self.api.model)
-        n = self.path.inputs.count_prompt_tokens(req)  # a Refusal: handle maps it
-        self.respond(200, anthropic.count_tokens_body(n))
+        inputs = self.path.inputs
+        if inputs.check_text_bound(req) <= offload.INLINE_BYTES:  # a Refusal: handle maps it
+            self.respond(200, anthropic.count_tokens_body(inputs.count_prompt_tokens(req)))
+            return
+        # A large conversation is templated and tokenized off the loop, as a request's is
+        # (gateway.offload); the request stays the active one until the count is answered.
+        request = self.active
+        counted = offload.run(inputs.count_prompt_tokens, req)
+        counted.add_done_callback(lambda fut: self._counted(request, fut))
+
+    def _counted(self, request: Incoming | None, fut: asyncio.Future[int]) -> None:
+        """The count of ``request`` is ready: answer it, unless its client left meanwhile."""
+        if not self.open or self.active is not request or fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            self.respond(200, anthropic.count_tokens_body(fut.result()))
+        elif isinstance(exc, Refusal):
+            self.respond_error(http_error(refusal=exc))
+        else:
+            log.error("counting tokens failed", exc_info=exc)
+            self.respond_error(HttpError.from_code(ErrorCode.INTERNAL, "counting tokens failed"))
+        self.flush()
 
     def disconnected(self, request: Incoming) -> None:
         st = self.st

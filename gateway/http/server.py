@@ -28,9 +28,9 @@ from gateway.codes import ErrorCode
 from gateway.config import HttpConfig
 from gateway.http.errors import OPENAI, REASONS, HttpError, error_body, status_for
 from gateway.ops.escape import client_text
-from gateway.ops.logging import LogThrottle
 from gateway.ops.metrics import Metrics
-from gateway.ops.sockets import apply_socket_options, descriptors_low
+from gateway.ops.sockets import apply_socket_options, out_of_descriptors
+from gateway.ops.tls import TlsListener
 
 log = logging.getLogger("zerolayer.http")
 
@@ -60,7 +60,6 @@ _LAST_RESORT = (
     b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_LAST_BODY), _LAST_BODY)
 )
-_throttle = LogThrottle()
 
 
 class Incoming:
@@ -100,15 +99,20 @@ class HttpServer:
         make_connection: Callable[[HttpServer], HttpConnection],
         write_buffer_limit: int,
         metrics: Metrics | None = None,
+        max_body_bytes: int = 0,
     ) -> None:
+        """``max_body_bytes``: the body limit when ``cfg.max_body_bytes`` is 0 (the daemon
+        derives it from the context)."""
         self.cfg = cfg
+        self.max_body_bytes = cfg.max_body_bytes or max_body_bytes
+        assert self.max_body_bytes > 0, "http.max_body_bytes = 0 needs the derived limit"
         self.make_connection = make_connection
         self.metrics = metrics
         self.write_buffer_limit = write_buffer_limit
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.date = formatdate(usegmt=True).encode()
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | TlsListener | None = None
         self._sweeper: asyncio.Task | None = None
         self._idle = asyncio.Event()
         self.socket_options: object = None  # ServerConfig for apply_socket_options, if any
@@ -119,18 +123,16 @@ class HttpServer:
     async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
         """Listen (on ``sock`` when given); with ``ssl`` every connection speaks TLS only."""
         loop = asyncio.get_running_loop()
-        if sock is None:
+        if ssl is not None:  # the daemon always passes its bound socket
+            assert sock is not None, "a TLS listener needs its bound socket"
+            self._server = TlsListener(sock, lambda: self.make_connection(self), ssl, "HTTP")
+        elif sock is None:
             self._server = await loop.create_server(
-                lambda: self.make_connection(self),
-                self.cfg.host,
-                self.cfg.port,
+                lambda: self.make_connection(self), self.cfg.host, self.cfg.port,
                 reuse_address=True,
-                ssl=ssl,
-            )
+            )  # fmt: skip
         else:
-            self._server = await loop.create_server(
-                lambda: self.make_connection(self), sock=sock, ssl=ssl
-            )
+            self._server = await loop.create_server(lambda: self.make_connection(self), sock=sock)
         self._sweeper = loop.create_task(self._sweep())
 
     @property
@@ -181,8 +183,7 @@ class HttpServer:
         self.connections.add(conn)
         self.per_ip[conn.peer_ip] += 1
         cfg = self.cfg
-        if descriptors_low(sock):
-            _throttle.warning(log, "fds", "file descriptors nearly exhausted: refusing HTTP")
+        if out_of_descriptors(sock, "HTTP"):
             return "the server is out of connection capacity"
         if cfg.max_connections_per_ip and self.per_ip[conn.peer_ip] > cfg.max_connections_per_ip:
             return f"too many connections from {conn.peer_ip}"
@@ -409,7 +410,7 @@ class HttpConnection(asyncio.Protocol):
             self._refuse_unread(HttpError(431, "request headers too large", close=True))
             return
         length = cur.headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.cfg.max_body_bytes:
+        if length.isdigit() and int(length) > self.server.max_body_bytes:
             self._refuse_unread(self._too_large())
             return
         if length.isdigit():
@@ -426,7 +427,7 @@ class HttpConnection(asyncio.Protocol):
         cur = self.cur
         if cur is None:
             return
-        if len(cur.body) + len(body) > self.cfg.max_body_bytes:
+        if len(cur.body) + len(body) > self.server.max_body_bytes:
             self._refuse_unread(self._too_large())
             return
         if b"content-length" not in cur.headers:  # a chunked body: counted as it arrives
@@ -446,7 +447,7 @@ class HttpConnection(asyncio.Protocol):
         )
 
     def _too_large(self) -> HttpError:
-        limit = self.cfg.max_body_bytes
+        limit = self.server.max_body_bytes
         return HttpError(413, f"request body exceeds http.max_body_bytes ({limit})", close=True)
 
     def on_message_complete(self) -> None:

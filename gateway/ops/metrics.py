@@ -323,6 +323,20 @@ class Metrics:
             self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
 
+    def request_disconnected(
+        self, prompt_tokens: int, completion_tokens: int, api: str = FRAMES
+    ) -> None:
+        """A stream ended because its client went away (no DONE could be written): counted as
+        finished_reason "cancelled", with the tokens sent before; no latency is observed."""
+        key = ("cancelled", api)
+        child = self._success.get(key)
+        if child is None:
+            child = self._new_child(self._success_family, key)
+            self._success[key] = child
+        child.inc()
+        self._prompt_tokens[api].inc(prompt_tokens)
+        self._generation_tokens[api].inc(completion_tokens)
+
     def request_error(self, code_name: str | int, api: str = FRAMES) -> None:
         """An ERROR was sent (a frame, or an HTTP error response or event); ``code_name`` is the
         protocol name ("OVERLOADED") or the ErrorCode value, ``api`` the door (APIS)."""

@@ -15,11 +15,14 @@ import sys
 import threading
 from typing import Protocol
 
+from gateway.ops.logging import LogThrottle
+
 __all__ = [
     "SocketTuning",
     "apply_socket_options",
     "descriptors_low",
     "make_listen_socket",
+    "out_of_descriptors",
     "refused_options",
 ]
 
@@ -127,6 +130,21 @@ def descriptors_low(sock: object) -> bool:
     except OSError:
         return False
     return fd >= _nofile() - _FD_RESERVE
+
+
+_fd_lines = LogThrottle()  # a client can open connections at will: one line a minute per door
+
+
+def out_of_descriptors(sock: object, door: str) -> bool:
+    """``descriptors_low(sock)``, and when it is, a line saying the ``door`` refuses
+    connections for it (rate-limited): the one check and message of every door."""
+    if not descriptors_low(sock):
+        return False
+    _fd_lines.warning(
+        log, f"fds:{door}", "file descriptors nearly exhausted: the %s door refuses connections",
+        door,
+    )  # fmt: skip
+    return True
 
 
 def _nofile() -> int:

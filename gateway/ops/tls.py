@@ -6,15 +6,27 @@ new handshake the most recently loaded context. ``reload()`` builds a fresh cont
 same files, so new connections get the new certificate (and client CA) while connections already
 open keep the one they were made with: nothing is dropped. A failed reload keeps the old context.
 
+``TlsListener`` is how a TLS port accepts: each connection is accepted here and its handshake
+completed (``loop.connect_accepted_socket``) before the door's protocol exists, so a refused
+handshake (no or an untrusted client certificate, a TLS version below the floor, plain bytes on
+a TLS port) is logged with the peer and OpenSSL's reason, rate-limited per reason. A listener
+made by ``create_server(ssl=...)`` drops those connections without a line.
+
 What cannot change live: the protocol floor and whether client certificates are required (both are
 fixed per listener when it is created); changing them needs a restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import ssl
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from gateway.ops.escape import client_text
+from gateway.ops.logging import LogThrottle
 
 if TYPE_CHECKING:  # the client library uses this module without the daemon's config models
     from gateway.config import TLSConfig
@@ -77,6 +89,75 @@ class ServerTLS:
         self.reloads += 1
         log.info("reloaded TLS certificate from %s", self.cfg.cert_file)
         return True
+
+
+_refusals = LogThrottle()  # one line a minute per reason: a client can fail handshakes at will
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS handshake not done by then ends the connection
+_ACCEPT_PAUSE_S = 0.1  # after a failed accept (out of descriptors), before the next
+
+
+class TlsListener:
+    """A listening socket whose connections each complete their TLS handshake before
+    ``factory``'s protocol gets them (see the module docstring). Has what the doors use of
+    an ``asyncio.Server``: ``sockets`` and ``close``."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        factory: Callable[[], asyncio.BaseProtocol],
+        ctx: ssl.SSLContext,
+        door: str,
+    ) -> None:
+        sock.setblocking(False)
+        self.sockets = [sock]
+        self._factory = factory
+        self._ctx = ctx
+        self._door = door  # "frame" or "HTTP": named in the log lines
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(sock))
+
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(sock)
+            except OSError as exc:  # EMFILE, ENFILE: out of descriptors; the next may work
+                _refusals.warning(
+                    log, f"accept:{exc.errno}", "accepting on the %s port failed: %s",
+                    self._door, exc,
+                )  # fmt: skip
+                await asyncio.sleep(_ACCEPT_PAUSE_S)
+                continue
+            who = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            task = loop.create_task(self._handshake(loop, conn, who))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, who: str
+    ) -> None:
+        try:
+            await loop.connect_accepted_socket(
+                self._factory, conn, ssl=self._ctx, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S
+            )
+        except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
+            self._refused(who, exc)
+            conn.close()
+
+    def _refused(self, who: str, exc: BaseException) -> None:
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        _refusals.warning(
+            log, f"handshake:{reason}", "TLS handshake refused on the %s port from %s: %s",
+            self._door, who, client_text(str(exc) or reason),
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop accepting (handshakes under way are abandoned)."""
+        self._accepting.cancel()
+        for task in list(self._handshakes):
+            task.cancel()
+        for sock in self.sockets:
+            sock.close()
 
 
 def server_tls(cfg: TLSConfig, alpn: list[str]) -> ServerTLS | None:

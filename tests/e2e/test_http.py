@@ -234,6 +234,10 @@ def test_disconnect_mid_stream_frees_the_slot_and_metrics_count_by_api():
         assert delta(success, finished_reason="max_tokens", api="anthropic") == 1
         assert delta(success, finished_reason="max_tokens", api="frames") == 0
         assert delta("zerolayer_generation_tokens_total", api="anthropic") == 4
+        # #25 item 8: the stream its client abandoned counts as cancelled, and the tokens it
+        # was sent before (at least the one chunk read above) count as generated.
+        assert delta(success, finished_reason="cancelled", api="openai") == 1
+        assert delta("zerolayer_generation_tokens_total", api="openai") > 3
 
 
 def test_keys_and_one_rate_limit_budget_across_ports(tmp_path):

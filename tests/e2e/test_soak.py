@@ -26,5 +26,7 @@ def test_short_chaos_soak_accounts_for_everything(tmp_path, redis_url):
     assert sum(e["errors"].get("RATE_LIMITED", 0) for e in epochs) > 0
     assert sum(e["done"].get("cancelled", 0) for e in epochs) > 0
     assert sum(e["own_disconnects"] for e in epochs) > 0
+    # ... and the daemon counted streams whose client went away (as cancelled, from its log).
+    assert sum(e["abandoned"] for e in epochs) > 0
     failed = {k: v for k, v in res["checks"].items() if not v}
     assert not failed, (failed, epochs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -136,6 +137,20 @@ def test_bad_certificates_are_refused(pki):
         ctx12 = pki.client(pki.alice)
         ctx12.maximum_version = ssl.TLSVersion.TLSv1_2
         assert run(_refused(d, ctx12)).startswith("handshake")
+        # Each refusal is in the log with the peer and OpenSSL's reason (#25 item 8: it was a
+        # bare EOF), one line per reason a minute however many clients fail.
+        refusals = d.lines_with("TLS handshake refused", at_least=3)
+        assert any("PEER_DID_NOT_RETURN_A_CERTIFICATE" in line for line in refusals), refusals
+        assert any("UNSUPPORTED_PROTOCOL" in line for line in refusals), refusals
+        assert all("on the frame port from 127.0.0.1" in line for line in refusals), refusals
+        for _ in range(3):  # the same refusal again: held back, not another line each ...
+            run(_refused(d, pki.client(None)))
+        with socket.create_connection((d.host, d.port)) as plain:  # ... a new reason is logged
+            plain.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")  # plain bytes on a TLS port
+            assert plain.recv(100) == b""
+        assert d.lines_with("HTTP_REQUEST"), d.lines_with("TLS handshake refused")
+        no_cert = d.lines_with("PEER_DID_NOT_RETURN_A_CERTIFICATE")
+        assert len(no_cert) == 1, no_cert  # written before the later line: all are in
         # The client refuses a server it cannot verify: wrong CA, wrong hostname.
         with pytest.raises(EndpointError, match="TLS handshake") as err:
             run(_generate(d, pki.client(pki.alice, ca=pki.other_ca)))
@@ -299,6 +314,8 @@ def test_the_http_api_port_speaks_tls_too(pki: PKI) -> None:
         anonymous = httpx.Client(verify=pki.client())
         with pytest.raises(httpx.HTTPError):
             anonymous.get(f"https://127.0.0.1:{d.http_port}/v1/models", timeout=10)
+        refused = d.lines_with("TLS handshake refused on the HTTP port from 127.0.0.1")
+        assert any("PEER_DID_NOT_RETURN_A_CERTIFICATE" in line for line in refused), refused
         with_cert = httpx.Client(verify=pki.client(pki.alice))
         assert (
             with_cert.get(f"https://127.0.0.1:{d.http_port}/v1/models", timeout=10).status_code

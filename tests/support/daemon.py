@@ -140,6 +140,17 @@ class Daemon:
                     return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS line in /proc/PID/status")
 
+    def lines_with(self, text: str, at_least: int = 1, timeout: float = 10.0) -> list[str]:
+        """The log lines containing ``text``, once there are ``at_least`` of them (or the
+        timeout passed: the caller's assertion then says what is missing). The daemon writes
+        its log a moment after a client sees the effect."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [line for line in self.lines if text in line]
+            if len(found) >= at_least or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
     @property
     def log(self) -> str:
         return "".join(self.lines)

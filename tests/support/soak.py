@@ -23,6 +23,7 @@ Used by benchmarks/soak.py (``--duration S``) and tests/e2e/test_soak.py (a few 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 import struct
@@ -412,7 +413,24 @@ def daemon_env(keys_file: Path, redis_url: str) -> dict[str, str]:
         "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
         "SERVER__WRITE_BUFFER_LIMIT_BYTES": "4096",
         "SERVER__IDLE_TIMEOUT_S": "60",
+        # The request log, as JSON lines: the streams the clients abandoned are counted from
+        # its "request abandoned" lines (a client cannot know what the server generated).
+        "LOGGING__JSON_LINES": "true",
+        "LOGGING__REQUESTS": "true",
     }
+
+
+def abandoned(lines: list[str]) -> tuple[int, int, int]:
+    """(streams, prompt tokens, completion tokens) of the daemon's "request abandoned" lines."""
+    n = prompt = completion = 0
+    for line in lines:
+        if '"request abandoned"' not in line:
+            continue
+        rec = json.loads(line)
+        n += 1
+        prompt += rec["prompt_tokens"]
+        completion += rec["completion_tokens"]
+    return n, prompt, completion
 
 
 async def run_epochs(
@@ -430,6 +448,7 @@ async def run_epochs(
             break
         soak.ledger = Ledger()
         soak.stopping = False
+        mark = len(d.lines)
         tat0 = await soak.prime()
         tasks = [asyncio.create_task(soak.client(i)) for i in range(clients)]
         await asyncio.sleep(min(epoch_s, max(left, 0.5)))
@@ -449,10 +468,12 @@ async def run_epochs(
         delta = {k: now.get(k, 0) - base.get(k, 0) for k in set(now) | set(base)}
         base = now
         led = soak.ledger
+        gone, gone_prompt, gone_completion = abandoned(d.lines[mark:])
         expected = {f"done/{r}": n for r, n in led.done.items()}
+        expected["done/cancelled"] = led.done["cancelled"] + gone
         expected.update({f"error/{c}": n for c, n in led.errors.items()})
-        expected["zerolayer_prompt_tokens_total"] = led.prompt_tokens
-        expected["zerolayer_generation_tokens_total"] = led.completion_tokens
+        expected["zerolayer_prompt_tokens_total"] = led.prompt_tokens + gone_prompt
+        expected["zerolayer_generation_tokens_total"] = led.completion_tokens + gone_completion
         expected["zerolayer_rate_limited_total"] = led.errors.get("RATE_LIMITED", 0)
         expected["zerolayer_response_cache_hits_total"] = led.cache_hits
         mismatches = {
@@ -468,6 +489,10 @@ async def run_epochs(
             "done": dict(led.done),
             "errors": dict(led.errors),
             "own_disconnects": led.own_disconnects,
+            # Streams the daemon saw end with their connection gone: at most those the
+            # clients gave up (their own disconnects, or a connection ERROR) can be.
+            "abandoned": gone,
+            "abandoned_fits": gone <= led.own_disconnects + led.conn_ended,
             "ended_by_connection_error": led.conn_ended,
             "accounted": ended + led.own_disconnects + led.conn_ended,
             "unaccounted": led.unaccounted[:20],
@@ -491,7 +516,10 @@ async def run_epochs(
 def summarize(epochs: list[dict]) -> dict[str, Any]:
     checks = {
         "every request accounted for": all(
-            e["accounted"] == e["requests"] and not e["unaccounted"] and not e["double_ends"]
+            e["accounted"] == e["requests"]
+            and not e["unaccounted"]
+            and not e["double_ends"]
+            and e["abandoned_fits"]
             for e in epochs
         ),
         "no engine slot held": all(not any(e["gauges"].values()) for e in epochs),

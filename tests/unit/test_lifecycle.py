@@ -225,3 +225,54 @@ def test_values_the_engine_cannot_hold_are_refused_naming_the_field(field, value
     assert door.endings[0] == (1, "error", ErrorCode.INVALID_REQUEST)
     assert bad.phase is Phase.ENDED and good.phase is Phase.ENDED
     assert door.endings[1] == (2, "done", FinishReason.MAX_TOKENS)
+
+
+def _sample(path: RequestPath, name: str, **labels: str) -> float:
+    value = path.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_a_client_disconnect_counts_as_cancelled_with_the_tokens_sent() -> None:
+    """#25 item 8: the door is gone, so nothing is written, yet the ending is counted as
+    finished_reason="cancelled" and the tokens sent before move generation_tokens_total."""
+    path, door = make_path(async_gate=False), Door()
+    st = open_stream(path, door, 1, request(max_tokens=50))
+    for _ in range(4):
+        path.deliver([path.engine.step()])
+    sent = len(door.tokens[1])
+    assert sent > 0 and st.phase is Phase.ENGINE
+    door.open = False  # the connection closed: the door cancels its streams
+    path.cancel(st)
+    run_engine(path)
+    assert door.endings == []  # nothing written on a closed door ...
+    labels = {"finished_reason": "cancelled", "api": "frames"}
+    assert _sample(path, "zerolayer_request_success_total", **labels) == 1  # ... but counted
+    assert _sample(path, "zerolayer_generation_tokens_total", api="frames") == sent
+    assert _sample(path, "zerolayer_prompt_tokens_total", api="frames") == st.prompt_tokens
+
+
+def test_a_large_input_cancelled_while_it_is_tokenized_ends_once(monkeypatch) -> None:
+    """#25 item 3: an input above the inline size is prepared on the offload pool (phase
+    PREPARING); a CANCEL meanwhile ends the stream once, and the prepared result is dropped."""
+    from gateway import offload
+
+    monkeypatch.setattr(offload, "INLINE_BYTES", 8)
+
+    async def main() -> None:
+        path, door = make_path(async_gate=False), Door()
+        st = Stream(door, 1, "frames")
+        path.open(st, Principal("anonymous"), p.Request(max_tokens=5, prompt_text="x" * 100))
+        assert st.phase is Phase.PREPARING and door.endings == []
+        path.cancel(st)
+        assert door.endings == [(1, "done", FinishReason.CANCELLED)]
+        await asyncio.gather(*path.hook_tasks)  # the pool's result arrives: dropped
+        assert door.endings == [(1, "done", FinishReason.CANCELLED)] and door.ended == [1]
+        assert path.engine.idle and st.seq is None
+        served = Stream(door, 2, "frames")  # one not cancelled goes on to the engine
+        path.open(served, Principal("anonymous"), p.Request(max_tokens=5, prompt_text="y" * 100))
+        await asyncio.gather(*path.hook_tasks)
+        assert served.phase is Phase.ENGINE
+        run_engine(path)
+        assert door.endings[-1] == (2, "done", FinishReason.MAX_TOKENS)
+
+    asyncio.run(main())
