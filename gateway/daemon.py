@@ -277,7 +277,8 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
         prefix_store=store,
     )
     sink.engine = engine
-    path = RequestPath(engine, InputProcessor(tokenizer, backend.info, prompts), chain, metrics)
+    inputs = InputProcessor(tokenizer, backend.info, prompts, ecfg.max_n)
+    path = RequestPath(engine, inputs, chain, metrics)
     server = Server(settings.server, path, backend.info, metrics)
     api_server = None  # the HTTP front end: another door onto the same request path
     if listeners.api is not None:

@@ -72,10 +72,12 @@ class InputProcessor:
         tokenizer: Tokenizer,
         info: ModelInfo,
         prompts: PromptRegistry | None = None,
+        max_n: int = 8,  # engine.max_n
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.prompts = prompts
+        self.max_n = max_n
 
     def prepare(self, req: Request) -> Prepared:
         self.check_text_bound(req)
@@ -86,6 +88,13 @@ class InputProcessor:
             raise invalid("the prompt is empty after tokenization", "prompt")
         if _outside(req.stop_ids, vocab):
             raise invalid(f"stop token id outside the vocabulary [0, {vocab})", "stop_ids")
+        if req.logit_bias and not all(0 <= t < vocab for t in req.logit_bias):
+            bad = next(t for t in req.logit_bias if not 0 <= t < vocab)
+            raise invalid(
+                f"logit_bias key {bad} is outside the vocabulary [0, {vocab})", "logit_bias"
+            )
+        if req.n > self.max_n:
+            raise invalid(f"n must be at most {self.max_n} (engine.max_n), got {req.n}", "n")
         max_context = self.info.max_context
         max_tokens = req.max_tokens
         if max_tokens is None:  # as many as fit beside the prompt

@@ -108,7 +108,8 @@ class Stream:
 
     __slots__ = ("door", "key", "api", "phase", "seq", "ctx", "t_recv", "t_first", "n_ids",
                  "prompt_tokens", "cache_bits", "want_text", "record", "rec_ids", "rec_text",
-                 "full_ids", "finish", "from_cache", "state", "ended")  # fmt: skip
+                 "full_ids", "finish", "from_cache", "state", "ended", "choice",
+                 "group")  # fmt: skip
 
     def __init__(self, door: Door, key: int, api: str, want_text: bool = False) -> None:
         self.door = door
@@ -133,6 +134,10 @@ class Stream:
         self.finish = _ERROR  # how it ended, once ENDED
         self.from_cache = False
         self.state: object = None  # the door's own per-stream data
+        # n > 1 (docs/architecture.md, "n choices"): ``RequestPath.open`` makes n streams for
+        # one request; each is one choice, ``group`` the tuple of all n (None when n == 1).
+        self.choice = 0
+        self.group: tuple[Stream, ...] | None = None
 
 
 def charged_prompt_tokens(st: Stream) -> int:

@@ -97,9 +97,6 @@ def sample_with_uniforms(
     return out
 
 
-MAX_TOP_LOGPROBS = 20  # the most alternatives a row may ask for (OpenAI's limit)
-
-
 def child_seed(seed: int, index: int) -> int:
     """The seed of sequence ``index`` of an n > 1 request seeded with ``seed``: index 0 keeps
     ``seed`` (so n = 1 is unchanged), the others get independent streams."""
