@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class Tokenizer(ABC):
         int
     ]  # every id that ends generation (generation_config may list several)
     add_bos: bool  # prepend BOS to prompts that do not start with it
+    renders_tools = False  # the chat template renders tool definitions and calls itself
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -34,8 +36,15 @@ class Tokenizer(ABC):
         """Text of ``ids``; incomplete UTF-8 comes back as U+FFFD."""
 
     @abstractmethod
-    def render_chat(self, messages: list[dict[str, str]], system: str | None) -> str:
-        """The prompt text for a chat, ending where the assistant's turn begins."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        system: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for a chat, ending where the assistant's turn begins. ``tools`` and
+        the messages' tool fields are given only when ``renders_tools`` (gateway.inputs renders
+        them as text otherwise)."""
 
     def render_system(self, system: str) -> str:
         """The text a chat with only this system prompt starts with (for precompiled prompts)."""
@@ -77,7 +86,12 @@ class ByteTokenizer(Tokenizer):
             data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict[str, str]], system: str | None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        system: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         parts = []
         if system:
             parts.append(f"<|system|>\n{system}\n")

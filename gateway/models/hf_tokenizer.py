@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer as _RustTokenizer
 
 from gateway.tokenizer import Tokenizer
+from gateway.tools import template_supports_tools
 
 _GIL_HELD_CHARS = 16 * 1024  # up to this many characters, ``encode`` (no thread hop) is cheaper
 
@@ -131,6 +132,7 @@ class HFTokenizer(Tokenizer):
         self._template = (
             _compile_template(self.chat_template_source) if self.chat_template_source else None
         )
+        self.renders_tools = template_supports_tools(self.chat_template_source)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -172,7 +174,12 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]], system: str | None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        system: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if self._template is None:
             parts = [f"<|system|>\n{system}\n"] if system else []
             parts += [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
@@ -180,11 +187,13 @@ class HFTokenizer(Tokenizer):
                 parts.append("<|assistant|>\n")
             return "".join(parts)
         full = [{"role": "system", "content": system}] if system else []
-        full += [{"role": m["role"], "content": m["content"]} for m in messages]
+        full += messages
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
             messages=full,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             # A chat with no messages yet is a system-prompt prefix: no assistant turn opens.
             add_generation_prompt=bool(messages),
+            **extra,
         )
