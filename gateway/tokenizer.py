@@ -50,6 +50,11 @@ class Tokenizer(ABC):
         """The text a chat with only this system prompt starts with (for precompiled prompts)."""
         return self.render_chat([], system)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character for some): what the APIs'
+        logprobs report per token. By default its decoded text."""
+        return self.decode([token_id]).encode("utf-8")
+
     def encode_prompt(self, text: str) -> np.ndarray:
         """Prompt ids as int32, with BOS when the model expects one and the text (e.g. a rendered
         chat template) does not already start with it."""
@@ -76,6 +81,9 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes((token_id,)) if 0 <= token_id < 256 else b""
 
     def decode(self, ids: Sequence[int]) -> str:
         if isinstance(ids, np.ndarray):

@@ -554,6 +554,27 @@ class JsonCallStream:
         return events
 
 
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """A request's tool settings as its reply needs them: the definitions, the choice, and
+    whether several calls may come at once."""
+
+    tools: list[Tool]
+    choice: Choice
+    parallel: bool = True
+
+    def output(self, id_prefix: str = "call_") -> OutputCalls | None:
+        """A parser for one answer; None when no call is parsed (``none``)."""
+        if self.choice.mode == "none":
+            return None
+        forced = self.choice.mode == "required"
+        return OutputCalls(self.tools, forced, self.parallel, id_prefix)
+
+    def schema(self) -> dict[str, Any] | None:
+        """What the grammar must force, when the choice forces a call."""
+        return forced_schema(self.tools, self.choice, self.parallel)
+
+
 class OutputCalls:
     """One answer's text as content and tool calls, streamed as events (``feed``, ``close``)
     or at once (``result``).
