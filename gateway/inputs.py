@@ -63,8 +63,21 @@ class Prepared:
     stop_ids: frozenset[int]
     stop_sequences: tuple[str, ...]
     detokenizer: Detokenizer | None
-    deterministic: bool  # greedy or seeded: the same request gives the same answer
+    # The same request gives the same answer (greedy or seeded) and the response cache can hold
+    # it: one choice, no logprobs, no logits processing or constraint (the cache's key has none
+    # of these fields, and a replay carries no logprobs).
+    deterministic: bool
     ignore_eos: bool = False  # generate past the end-of-sequence token (HTTP extension)
+
+
+def plain(req: Request) -> bool:
+    """Whether ``req`` asks for none of issue #27's features (one choice, no logprobs, no logits
+    processing, no constraint): only such requests may use the response cache."""
+    return (
+        req.n == 1 and not req.logprobs and req.constraint is None and not req.logit_bias
+        and not req.min_tokens and not req.presence_penalty and not req.frequency_penalty
+        and req.repetition_penalty == 1.0
+    )  # fmt: skip
 
 
 class InputProcessor:
@@ -117,12 +130,18 @@ class InputProcessor:
                 top_k=req.top_k,
                 seed=req.seed or 0,
                 seeded=req.seed is not None,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=req.logit_bias or None,
+                min_tokens=req.min_tokens,
+                logprobs=req.top_logprobs if req.logprobs else -1,
             ),
             max_tokens=max_tokens,
             stop_ids=frozenset(req.stop_ids.tolist()) if len(req.stop_ids) else _NO_STOP_IDS,
             stop_sequences=req.stop_sequences,
             detokenizer=Detokenizer(self.tokenizer) if wants_detok else None,
-            deterministic=req.temperature == 0 or req.seed is not None,
+            deterministic=(req.temperature == 0 or req.seed is not None) and plain(req),
             ignore_eos=req.ignore_eos,
         )
 

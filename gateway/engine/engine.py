@@ -31,7 +31,7 @@ import numpy as np
 
 from gateway.codes import FinishReason
 from gateway.engine.admission import QueueShares
-from gateway.engine.backend import Backend
+from gateway.engine.backend import Backend, PrefixKV
 from gateway.engine.compute import ComputeThread
 from gateway.engine.prefix_store import PrefixStore
 from gateway.engine.rows import (
@@ -127,6 +127,7 @@ class Engine:
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
         self._cancel_pending = False
+        self._extra: list[Finished] = []  # endings of choices without a row, for the step
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
         info = backend.info
@@ -244,10 +245,14 @@ class Engine:
         finished: list[Finished] = []
         plan = self.schedule(finished)
         if plan is None:
-            return StepOutput(finished=finished)
-        prefilled, decoded, failed = self.execute(plan)
-        out = self._update(plan, prefilled, decoded, failed, finished)
-        self.steps += 1
+            out = StepOutput(finished=finished)
+        else:
+            prefilled, decoded, failed = self.execute(plan)
+            out = self._update(plan, prefilled, decoded, failed, finished)
+            self.steps += 1
+        if self._extra:  # choices that ended without a row of their own
+            out.finished += self._extra
+            self._extra = []
         return out
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -262,6 +267,9 @@ class Engine:
                 self._waiting[seq.fair_key] = queue = collections.deque()
             queue.append(seq)
         while self._waiting and self._free_slots:
+            head = next(iter(self._waiting.values()))[0]
+            if 1 + len(head.choices) > len(self._free_slots):
+                break  # n choices are admitted together, when n slots are free (in turn)
             self._admit(self._next_waiting(), finished)
         self._drop_cancelled(finished)
         if not self._running:
@@ -329,8 +337,45 @@ class Engine:
             finished.append(self._end(seq, FINISH_ERROR))
             self._free(seq)
             return
+        for choice in seq.choices:  # reserved now; their rows start when the prompt is in
+            choice.slot = heapq.heappop(self._free_slots)
+            choice.t_admit = seq.t_admit
         self._running.append(seq)
         self._prefilling.append(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """``seq``'s prompt is in its slot: its other choices start from its KV (all but the
+        prompt's last position, copied into their reserved slots), so each prefills one token
+        and samples its first from its own seed stream. A backend without KV ranges prefills
+        each choice's whole prompt."""
+        choices, seq.choices = seq.choices, []
+        n = len(seq.prompt)
+        backend = self.backend
+        handle = None
+        if isinstance(backend, PrefixKV) and n > 1:
+            try:
+                handle = backend.save_kv(seq.slot, 0, n - 1)
+            except Exception:
+                log.exception("copying a prompt's KV for its choices failed; they prefill it")
+        for choice in choices:
+            if choice.cancelled:
+                self._extra.append(self._end(choice, FinishReason.CANCELLED))
+                self._free(choice)
+                continue
+            try:
+                self._rows.add(choice.slot, choice)
+                if handle is not None:
+                    assert isinstance(backend, PrefixKV)
+                    backend.load_kv(handle, choice.slot, 0)
+                    choice.prefilled = n - 1
+                    choice.reused = seq.reused
+            except Exception:  # this choice alone cannot run
+                log.exception("starting a choice from its prompt's KV failed; ending it")
+                self._extra.append(self._end(choice, FINISH_ERROR))
+                self._free(choice)
+                continue
+            self._running.append(choice)
+            self._prefilling.append(choice)
 
     def _drop_cancelled(self, finished: list[Finished]) -> None:
         if not self._cancel_pending:  # no scan per step unless cancel() was called
@@ -437,6 +482,9 @@ class Engine:
                 if self._store is not None:
                     self._offer(completed)
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
+                for seq in completed:
+                    if seq.choices:
+                        self._fork(seq)
         if failed:  # rows that failed even when run alone end; the others go on
             for seq in plan.decode + plan.chunk_seqs:
                 if id(seq) in failed and seq not in ended:
@@ -534,7 +582,16 @@ class Engine:
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def _end(self, seq: Sequence, finish: int) -> Finished:
-        """``seq`` ended with ``finish``: its record (the slot is freed by ``_release``)."""
+        """``seq`` ended with ``finish``: its record (the slot is freed by ``_release``). Its
+        choices still waiting for its prompt end with it (cancelled with it, else failed)."""
+        if seq.choices:
+            choices, seq.choices = seq.choices, []
+            for choice in choices:
+                cancelled = finish == FinishReason.CANCELLED or choice.cancelled
+                self._extra.append(
+                    self._end(choice, FinishReason.CANCELLED if cancelled else FINISH_ERROR)
+                )
+                self._free(choice)
         if seq.t_admit:
             elapsed = time.perf_counter() - seq.t_admit
             self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
@@ -576,6 +633,8 @@ class Engine:
         running = list(self._running)
         finished = [self._end(seq, FINISH_ERROR) for seq in running]
         self._release(running)
+        finished += self._extra
+        self._extra = []
         return finished
 
 

@@ -91,6 +91,12 @@ def _choices(st: Stream) -> tuple[Stream, ...]:
     return st.group or (st,)
 
 
+def _exchange(st: Stream) -> Exchange:
+    """The request's Exchange, whichever of its choice streams ``st`` is (the door sets it on
+    choice 0, the stream it opens; the path makes the others)."""
+    return (st.group[0] if st.group else st).state  # type: ignore[return-value]
+
+
 class ApiConnection(HttpConnection):
     """One HTTP connection: the OpenAI / Anthropic endpoints, and a Door of the request path."""
 
@@ -200,7 +206,7 @@ class ApiConnection(HttpConnection):
     def write_text(self, st: Stream, text: str, lp: TokenLogprobs | None = None) -> None:
         """A text delta of choice ``st`` (and its token's logprobs when asked): an event, or a
         part of the whole body."""
-        ex: Exchange = st.state  # type: ignore[assignment]
+        ex = _exchange(st)
         if ex.answered:
             return
         if not ex.stream:
@@ -211,7 +217,7 @@ class ApiConnection(HttpConnection):
         ex.reply.write(self.out, st.choice, text, lp)
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
-        st.state.cached = True  # type: ignore[attr-defined]
+        _exchange(st).cached = True
         if text:
             self.write_text(st, text)
         return 0  # TOKEN frames written (for the frame metrics): none
@@ -224,7 +230,7 @@ class ApiConnection(HttpConnection):
     def write_done(
         self, st: Stream, finish: FinishReason, timings: tuple[float, float, float]
     ) -> None:
-        ex: Exchange = st.state  # type: ignore[assignment]
+        ex = _exchange(st)
         if ex.answered:  # a sibling choice failed: the response already ended
             return
         matched = st.seq.matched_stop if st.seq is not None and not st.from_cache else None
@@ -251,7 +257,7 @@ class ApiConnection(HttpConnection):
             self._log(ex.request, st.api, 200, st, reply.total(), timings)
 
     def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
-        ex: Exchange = st.state  # type: ignore[assignment]
+        ex = _exchange(st)
         if ex.answered:
             return
         ex.answered = True
@@ -268,7 +274,7 @@ class ApiConnection(HttpConnection):
                 self.path.cancel(other)
 
     def stream_ended(self, st: Stream) -> None:
-        ex: Exchange = st.state  # type: ignore[assignment]
+        ex = _exchange(st)
         ex.live -= 1
         if ex.live == 0 and self.st is not None and self.st.state is ex:
             self.st = None
@@ -297,7 +303,7 @@ class ApiConnection(HttpConnection):
             "status": status,
         }
         if st is not None:
-            fields["stream"] = st.state.stream  # type: ignore[attr-defined]
+            fields["stream"] = _exchange(st).stream
         if ending is not None and timings is not None:
             fields.update(
                 finish=FinishReason(ending.finish).label,
