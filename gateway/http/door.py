@@ -256,12 +256,19 @@ class ApiConnection(HttpConnection):
         if self.api.log_requests:
             self._log(ex.request, st.api, 200, st, reply.total(), timings)
 
-    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
+    def write_error(
+        self,
+        st: Stream,
+        code: ErrorCode,
+        message: str,
+        retry_after_ms: int,
+        field: str | None = None,
+    ) -> None:
         ex = _exchange(st)
         if ex.answered:
             return
         ex.answered = True
-        err = HttpError.from_code(code, message, retry_after_ms)
+        err = HttpError.from_code(code, message, retry_after_ms, field)
         if ex.started:
             self.out += stream_error_event(ex.reply.api, err)
             self.end_stream(advance=False)

@@ -114,8 +114,14 @@ def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on
     c = oai(daemon, http_client=client())
     for fields, param in BAD_CHAT:
         with pytest.raises(openai.BadRequestError) as info:
-            c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2, **fields)
-        assert info.value.body["param"] == param, (fields, info.value.body)
+            c.chat.completions.create(
+                model=MODEL, messages=ASK_WEATHER, max_tokens=2, extra_body=fields
+            )
+        body = info.value.body
+        assert param in body["message"], (fields, body)
+        # refused by the door's parser: OpenAI's param; by the request path (the model's
+        # vocabulary, engine.max_n, the grammar compile): the message (docs/http.md)
+        assert body["param"] in (param, None), (fields, body)
     ok = c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2)
     assert ok.choices[0].message.content is not None
     assert len(streams) == len(BAD_CHAT) + 1 and len(set(map(id, streams))) == 1
