@@ -16,6 +16,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import httpx2
 import openai
 import pytest
 import torch
@@ -107,11 +108,11 @@ BAD_MESSAGES = [  # (fields, the field the message names)
 def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on(daemon):
     streams: list[object] = []  # the network stream each response came on
 
-    def client() -> httpx.Client:
+    def client(lib):  # noqa: ANN001, ANN202 - httpx (openai) or httpx2 (anthropic)
         hooks = {"response": [lambda r: streams.append(r.extensions["network_stream"])]}
-        return httpx.Client(event_hooks=hooks, limits=httpx.Limits(max_connections=1))
+        return lib.Client(event_hooks=hooks, limits=lib.Limits(max_connections=1))
 
-    c = oai(daemon, http_client=client())
+    c = oai(daemon, http_client=client(httpx))
     for fields, param in BAD_CHAT:
         with pytest.raises(openai.BadRequestError) as info:
             c.chat.completions.create(
@@ -126,7 +127,7 @@ def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on
     assert ok.choices[0].message.content is not None
     assert len(streams) == len(BAD_CHAT) + 1 and len(set(map(id, streams))) == 1
     streams.clear()
-    a = ant(daemon, http_client=client())
+    a = ant(daemon, http_client=client(httpx2))
     for fields, where in BAD_MESSAGES:
         extra = {k: v for k, v in fields.items() if k not in ("tools", "tool_choice")}
         known = {k: v for k, v in fields.items() if k in ("tools", "tool_choice")}
