@@ -191,6 +191,32 @@ def get_bool(obj: JsonObject, key: str, default: bool = False) -> bool:
     return value
 
 
+def get_logit_bias(obj: JsonObject, key: str = "logit_bias") -> dict[int, float] | None:
+    """``logit_bias``: an object mapping token ids (as JSON keys: decimal strings) to numbers
+    (their range is ``validate``'s; the vocabulary the input processor's)."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(f"{key} must be an object of token id: bias", key)
+    out: dict[int, float] = {}
+    for token, bias in value.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise invalid(f"{key} keys must be token ids, got {token!r}", key) from None
+        if not 0 <= token_id <= INT32_MAX:
+            raise invalid(f"{key} key {token_id} is outside the vocabulary", key)
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, (int, float))
+            or not (-100.0 <= float(bias) <= 100.0)
+        ):
+            raise invalid(f"{key}[{token}] must be {RANGES['logit_bias'].text}, got {bias!r}", key)
+        out[token_id] = float(bias)
+    return out or None
+
+
 def get_text(value: object, name: str, allow_empty: bool = True) -> str:
     """A JSON string that is also valid UTF-8 (JSON admits lone surrogates, UTF-8 does not)."""
     if not isinstance(value, str) or not (allow_empty or value):

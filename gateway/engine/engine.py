@@ -553,7 +553,8 @@ class Engine:
 
     def _logprobs(self, plan: StepPlan, quiet: list[int]) -> dict[int, Logprobs]:
         """The logprobs of the step's rows that asked (the samplers wrote them into the
-        batch's and the chunks' Processing), by row; none for a row that produced no token."""
+        batch's and the chunks' Processing), by row; none for a row that produced no token, nor
+        for one retried alone after its batch failed (the retry samples a copy)."""
         rows = self._rows
         by_slot: dict[int, Logprobs] = {}
         sources = [(c.processing, [c.slot]) for c in plan.chunks if c.processing is not None]

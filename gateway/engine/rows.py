@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 # its grammar is complete (the token is produced); BY_GRAMMAR_REFUSED: the grammar refused the
 # sampled token (a bug: the mask allows only what the grammar accepts).
 GOES_ON, BY_EOS, BY_STOP_ID, BY_LIMIT, BY_GRAMMAR, BY_GRAMMAR_REFUSED = range(6)
+_NO_ENDS: dict[int, int] = {}  # the grammar endings of a step without processed rows (read-only)
 
 
 @dataclass(slots=True)
@@ -164,13 +165,6 @@ class Rows:
             self.penalised[slot] = True
         self.processed[slot] = True
         self._processing += 1
-
-    def copy_row(self, src: int, dst: int) -> None:
-        """``dst`` (another choice of ``src``'s prompt, just added) starts from ``src``'s token
-        counts and grammar state: nothing produced yet, the same prompt."""
-        if self.penalised[src] and self.counts is not None and self.seen is not None:
-            self.counts[dst] = self.counts[src]
-            self.seen[dst] = self.seen[src]
 
     def remove(self, slot: int) -> None:
         """``slot``'s sequence ended: its row is cleared (and leaves the decode set)."""
@@ -334,7 +328,7 @@ class Rows:
         ended = hit | (left <= 0)
         counts = self.cap[index] - left
         self._ids.put(self._last_id + counts, sampled)
-        grammar: dict[int, int] = {}
+        grammar = _NO_ENDS
         if self._proc_rows:
             grammar = self._take_in(sampled, hit)
             for i in grammar:

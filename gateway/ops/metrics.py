@@ -290,6 +290,7 @@ class Metrics:
         self.frames_in_request = self._frames[("in", "REQUEST")]
         self.frames_out_token = self._frames[("out", "TOKEN")]
         self.frames_out_done = self._frames[("out", "DONE")]
+        self.frames_out_logprobs = self._frames[("out", "LOGPROBS")]
         self.bytes_in = self._bytes["in"]
         self.bytes_out = self._bytes["out"]
 

@@ -214,7 +214,7 @@ def test_malformed_frames_close_the_connection(daemon, data):
 
 def test_unsupported_version(daemon):
     conn = connect(daemon)
-    conn.send(rc.hello(version=2))
+    conn.send(rc.hello(version=3))  # the server speaks 1 and 2
     expect_connection_error(conn, UNSUPPORTED)
 
 

@@ -179,7 +179,7 @@ def test_label_values_are_the_documented_wire_names() -> None:
     assert FINISH_REASONS == ("eos", "max_tokens", "stop", "cancelled")
     assert [int(r) for r in DONE_REASONS] == [0, 1, 2, 3]
     assert ERROR_CODES[0] == "MALFORMED_FRAME" and ERROR_CODES[-1] == "INTERNAL"
-    assert len(ERROR_CODES) == 15 and FRAME_TYPES[0] == "REQUEST" and len(FRAME_TYPES) == 10
+    assert len(ERROR_CODES) == 15 and FRAME_TYPES[0] == "REQUEST" and len(FRAME_TYPES) == 11
 
 
 def test_enum_and_name_aliases(m: Metrics) -> None:
