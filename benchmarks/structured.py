@@ -150,7 +150,10 @@ def validity(url: str, prompts: int, max_tokens: int, concurrency: int) -> dict:
 
     def one(job: tuple[str, dict, str]) -> dict:
         name, schema, prompt = job
-        out = post(url, chat(prompt, max_tokens, response_format=schema_format("s", schema)))
+        try:
+            out = post(url, chat(prompt, max_tokens, response_format=schema_format("s", schema)))
+        except (OSError, urllib.error.URLError) as exc:  # counted as a failure, with why
+            return {"schema": name, "parsed": False, "valid": False, "finish": repr(exc)}
         text = out["choices"][0]["message"]["content"]
         finish = out["choices"][0]["finish_reason"]
         try:
