@@ -3,7 +3,9 @@
 The request's fields were range-checked by its door's parser (gateway.validation, the same rules
 for every door); what depends on the model is checked here: token ids inside the vocabulary,
 prompt + max_tokens inside the context, a registered prompt's id. Renders the chat template
-(a registered prompt named by ``prompt_id`` supplies the system text) and tokenizes. Reusing KV
+(a registered prompt named by ``prompt_id`` supplies the system text; the request's tools and the
+calls and results in its history through the template where it renders them, else as text,
+gateway.tools) and tokenizes. Reusing KV
 of a prompt's beginning is the engine's prefix store's business, not this module's: a request's
 ids are the same whether or not anything is reused. Pure: no server, connection or hook is
 involved, so request validation is tested on its own (tests/unit/test_inputs.py).
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway import tools
 from gateway.codes import ErrorCode, Refusal, invalid
 from gateway.engine.backend import ModelInfo
 from gateway.engine.types import SamplingRow
@@ -207,12 +210,25 @@ class InputProcessor:
             return ids
         tok = self.tokenizer
         if req.messages is not None:
-            text = tok.render_chat(req.messages, system)
+            text = self._render_chat(req, system)
         elif system:
             text = tok.render_system(system) + (req.prompt_text or "")
         else:
             text = req.prompt_text or ""
         return tok.encode_prompt(text)
+
+    def _render_chat(self, req: Request, system: str | None) -> str:
+        """The chat through the model's template: its own rendering of the tools and of calls
+        and results in the history where it has one, else the tools as system text
+        (``tools.system_prompt``) and the history as text (``tools.plain_history``)."""
+        assert req.messages is not None
+        tok = self.tokenizer
+        if tok.renders_tools:
+            return tok.render_chat(req.messages, system, req.tools)
+        if req.tools:
+            listed = tools.system_prompt(tools.tools_of_template(req.tools))
+            system = f"{system}\n\n{listed}" if system else listed
+        return tok.render_chat(tools.plain_history(req.messages), system)
 
     def _registered(self, req: Request) -> tuple[CompiledPrompt | None, str | None]:
         """The registered prompt the request names, and the system text to render."""

@@ -8,6 +8,7 @@ every door, before the request path sees it. Nothing here knows a wire format.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,9 @@ class Request:
     stop_ids: np.ndarray = field(default_factory=lambda: NO_STOP_IDS)  # int32
     prompt_ids: np.ndarray | None = None  # int32, when the prompt came as ids
     prompt_text: str | None = None  # raw text prompt
-    messages: list[dict[str, str]] | None = None  # chat
+    # chat, in the chat-template convention gateway/tools.py describes (assistant tool_calls,
+    # role "tool" results, a message's name beside role and content)
+    messages: list[dict[str, Any]] | None = None
     system: str | None = None
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False  # a stop rule: generate past EOS (vLLM's extension)
@@ -48,3 +51,5 @@ class Request:
     top_logprobs: int = 0  # [0, 20] most likely alternatives with it (needs logprobs)
     n: int = 1  # choices generated from one prompt, [1, engine.max_n]: one prefill, n streams
     constraint: Constraint | None = None  # structured output (gateway.structured)
+    # Tool definitions for the chat template (gateway.tools.template_tools' form); None = none.
+    tools: list[dict[str, Any]] | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ class Tokenizer(ABC):
         int
     ]  # every id that ends generation (generation_config may list several)
     add_bos: bool  # prepend BOS to prompts that do not start with it
+    renders_tools = False  # the chat template renders tool definitions and calls itself
     # The checkpoint's tokenizer.json, which structured output's grammar engine reads (None: the
     # tokenizer has none, and constrained requests are refused).
     json_path: Path | None = None
@@ -38,12 +40,24 @@ class Tokenizer(ABC):
         """Text of ``ids``; incomplete UTF-8 comes back as U+FFFD."""
 
     @abstractmethod
-    def render_chat(self, messages: list[dict[str, str]], system: str | None) -> str:
-        """The prompt text for a chat, ending where the assistant's turn begins."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        system: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for a chat, ending where the assistant's turn begins. ``tools`` and
+        the messages' tool fields are given only when ``renders_tools`` (gateway.inputs renders
+        them as text otherwise)."""
 
     def render_system(self, system: str) -> str:
         """The text a chat with only this system prompt starts with (for precompiled prompts)."""
         return self.render_chat([], system)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character for some): what the APIs'
+        logprobs report per token. By default its decoded text."""
+        return self.decode([token_id]).encode("utf-8")
 
     def encode_prompt(self, text: str) -> np.ndarray:
         """Prompt ids as int32, with BOS when the model expects one and the text (e.g. a rendered
@@ -72,6 +86,9 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes((token_id,)) if 0 <= token_id < 256 else b""
+
     def decode(self, ids: Sequence[int]) -> str:
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()  # bytes(array) would be its raw buffer
@@ -81,7 +98,12 @@ class ByteTokenizer(Tokenizer):
             data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict[str, str]], system: str | None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        system: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         parts = []
         if system:
             parts.append(f"<|system|>\n{system}\n")

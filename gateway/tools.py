@@ -12,9 +12,13 @@
   name), its arguments text in pieces (the raw JSON of the arguments, so the pieces join to a
   valid document, as OpenAI's ``function.arguments`` deltas and Anthropic's
   ``input_json_delta`` carry them), its end.
+- ``JsonCallStream``: the generic JSON form streamed the same way; ``OutputCalls``, one answer's
+  parser as the HTTP replies use it (forced: the JSON form; auto: the model's own forms).
 - ``forced_schema``: ``tool_choice`` ``required`` or a named function as a JSON Schema for the
   grammar engine (gateway/structured.py), so even a model without tool training returns a valid
   call in the generic form.
+- History: ``template_tools`` (definitions for a template's ``tools`` variable) and
+  ``plain_history`` (calls and results as text, for a template without tools).
 """
 
 from __future__ import annotations
@@ -43,26 +47,58 @@ class Tool:
     parameters: dict[str, Any]
 
 
+def new_call_id(prefix: str = "call_") -> str:
+    """A tool call's id: OpenAI's ``call_…``, Anthropic's ``toolu_…``."""
+    return prefix + secrets.token_hex(12)
+
+
 @dataclass(slots=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+    id: str = field(default_factory=new_call_id)
 
 
-def _check_schema(schema: Any, where: str) -> dict[str, Any]:
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # lists of subschemas
+_SCHEMA_ONE = ("items", "not", "additionalProperties", "contains", "if", "then", "else")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
+
+
+def _check_schema(schema: Any, where: str, depth: int = 0) -> dict[str, Any]:
+    """``schema`` is a JSON Schema in the shapes tools use (types, properties, items, required,
+    enum, the combinators), checked all the way down; the error names the first bad place."""
+    if depth > 32:
+        raise ToolError(where, "nested too deeply (at most 32 levels)")
     if not isinstance(schema, dict):
         raise ToolError(where, "must be a JSON Schema object")
-    kind = schema.get("type", "object")
-    kinds = kind if isinstance(kind, list) else [kind]
-    if not kinds or not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
-        raise ToolError(f"{where}.type", f"not a JSON Schema type: {kind!r}")
-    if "properties" in schema and not isinstance(schema["properties"], dict):
-        raise ToolError(f"{where}.properties", "must be an object")
+    if "type" in schema:
+        kind = schema["type"]
+        kinds = kind if isinstance(kind, list) else [kind]
+        if not kinds or not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
+            raise ToolError(f"{where}.type", f"not a JSON Schema type: {kind!r}")
+    for key in _SCHEMA_MAPS:
+        if key in schema:
+            sub = schema[key]
+            if not isinstance(sub, dict):
+                raise ToolError(f"{where}.{key}", "must be an object")
+            for name, value in sub.items():
+                _check_schema(value, f"{where}.{key}.{name}", depth + 1)
+    for key in _SCHEMA_LISTS:
+        if key in schema:
+            sub = schema[key]
+            if not isinstance(sub, list) or not sub:
+                raise ToolError(f"{where}.{key}", "must be a non-empty list of schemas")
+            for i, value in enumerate(sub):
+                _check_schema(value, f"{where}.{key}[{i}]", depth + 1)
+    for key in _SCHEMA_ONE:
+        if key in schema and not isinstance(schema[key], bool):  # true/false are schemas too
+            _check_schema(schema[key], f"{where}.{key}", depth + 1)
     if "required" in schema and not (
         isinstance(schema["required"], list) and all(isinstance(r, str) for r in schema["required"])
     ):
         raise ToolError(f"{where}.required", "must be a list of property names")
+    if "enum" in schema and not (isinstance(schema["enum"], list) and schema["enum"]):
+        raise ToolError(f"{where}.enum", "must be a non-empty list")
     return schema
 
 
@@ -72,7 +108,10 @@ def _tool(name: Any, description: Any, params: Any, where: str, pfield: str) -> 
     if description is not None and not isinstance(description, str):
         raise ToolError(f"{where}.description", "must be a string")
     params = {"type": "object", "properties": {}} if params is None else params
-    return Tool(name, description or "", _check_schema(params, f"{where}.{pfield}"))
+    schema = _check_schema(params, f"{where}.{pfield}")
+    if schema.get("type", "object") != "object":
+        raise ToolError(f"{where}.{pfield}.type", "a tool's parameters must be an object schema")
+    return Tool(name, description or "", schema)
 
 
 def _unique(tools: list[Tool], where: str) -> list[Tool]:
@@ -298,6 +337,40 @@ class CallEnd:
 Event = Content | CallStart | ArgumentsDelta | CallEnd
 
 
+class _Call:
+    """One call's body as it grows: its start once its name is read, then its arguments' text
+    in pieces (a JSON scanner finds where the value ends), its end with the body's."""
+
+    __slots__ = ("index", "id", "started", "sent")
+
+    def __init__(self, index: int, id_prefix: str) -> None:
+        self.index = index
+        self.id = new_call_id(id_prefix)
+        self.started = False
+        self.sent = 0  # how much of the arguments value went out
+
+    def scan(self, body: str, final: bool) -> list[Event]:
+        events: list[Event] = []
+        if not self.started:
+            name = _string_value(body, "name")
+            if name is None:
+                return events
+            events.append(CallStart(self.index, self.id, name))
+            self.started = True
+        span = _value_span(body, "arguments") or _value_span(body, "parameters")
+        if span is not None:
+            start, stop, complete = span
+            if stop - start > self.sent:
+                events.append(ArgumentsDelta(self.index, body[start + self.sent : stop]))
+                self.sent = stop - start
+            if complete and final:
+                events.append(CallEnd(self.index))
+        elif final:
+            events.append(ArgumentsDelta(self.index, "{}"))
+            events.append(CallEnd(self.index))
+        return events
+
+
 class CallStream:
     """Hermes-style calls out of a growing text, as events (``feed`` each delta, then ``close``).
 
@@ -307,18 +380,17 @@ class CallStream:
     characters arrive (a JSON scanner finds where the value ends).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, id_prefix: str = "call_") -> None:
+        self._id_prefix = id_prefix
         self._pending = ""  # outside: text held back; inside: the call body so far
-        self._inside = False
+        self._call: _Call | None = None  # inside a call
         self._index = -1
-        self._sent_args = 0  # how much of the arguments value went out
-        self._started = False
 
     def feed(self, delta: str) -> list[Event]:
         events: list[Event] = []
         self._pending += delta
         while True:
-            if not self._inside:
+            if self._call is None:
                 at = self._pending.find(HERMES_OPEN)
                 if at < 0:
                     keep = _partial_suffix(self._pending, HERMES_OPEN)
@@ -330,47 +402,26 @@ class CallStream:
                 if at:
                     events.append(Content(self._pending[:at]))
                 self._pending = self._pending[at + len(HERMES_OPEN) :]
-                self._inside, self._started, self._sent_args = True, False, 0
                 self._index += 1
+                self._call = _Call(self._index, self._id_prefix)
                 continue
             end = self._pending.find(HERMES_CLOSE)
             body = self._pending if end < 0 else self._pending[:end]
-            events += self._scan(body, final=end >= 0)
+            events += self._call.scan(body, final=end >= 0)
             if end < 0:
                 return events
             self._pending = self._pending[end + len(HERMES_CLOSE) :]
-            self._inside = False
+            self._call = None
 
     def close(self) -> list[Event]:
         """The end of the output: held text goes out; an unclosed call ends as it is."""
         events: list[Event] = []
-        if self._inside:
-            events += self._scan(self._pending, final=True)
+        if self._call is not None:
+            events += self._call.scan(self._pending, final=True)
         elif self._pending:
             events.append(Content(self._pending))
         self._pending = ""
-        self._inside = False
-        return events
-
-    def _scan(self, body: str, final: bool) -> list[Event]:
-        events: list[Event] = []
-        if not self._started:
-            name = _string_value(body, "name")
-            if name is None:
-                return events
-            events.append(CallStart(self._index, "call_" + secrets.token_hex(12), name))
-            self._started = True
-        span = _value_span(body, "arguments") or _value_span(body, "parameters")
-        if span is not None:
-            start, stop, complete = span
-            if stop - start > self._sent_args:
-                events.append(ArgumentsDelta(self._index, body[start + self._sent_args : stop]))
-                self._sent_args = stop - start
-            if complete and final:
-                events.append(CallEnd(self._index))
-        elif final:
-            events.append(ArgumentsDelta(self._index, "{}"))
-            events.append(CallEnd(self._index))
+        self._call = None
         return events
 
 
@@ -441,3 +492,202 @@ def _value_span(body: str, key: str) -> tuple[int, int, bool] | None:
         elif depth == 0 and c in ",":
             return start, i, True
     return start, len(body), False
+
+
+class JsonCallStream:
+    """The generic JSON form as events, as it grows: one call object ``{"name": ..., "arguments":
+    {...}}`` or a list of them (what ``forced_schema`` makes the grammar produce). Each object's
+    name starts a call, its arguments stream as they come; text outside the objects (list
+    punctuation, spaces) is not content."""
+
+    def __init__(self, id_prefix: str = "call_") -> None:
+        self._id_prefix = id_prefix
+        self._text = ""
+        self._pos = 0  # scanned up to here
+        self._depth = 0
+        self._in_str = self._esc = False
+        self._call_depth = 0  # the depth inside a call object: 1 for a root object, 2 in a list
+        self._start = -1  # where the current call object began, -1 outside one
+        self._call: _Call | None = None
+        self._index = -1
+
+    def feed(self, delta: str) -> list[Event]:
+        events: list[Event] = []
+        self._text += delta
+        text = self._text
+        for i in range(self._pos, len(text)):
+            c = text[i]
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif c == "\\":
+                    self._esc = True
+                elif c == '"':
+                    self._in_str = False
+                continue
+            if c == '"':
+                self._in_str = True
+            elif c in "[{":
+                if not self._call_depth:  # the first bracket says which form this is
+                    self._call_depth = 1 if c == "{" else 2
+                self._depth += 1
+                if c == "{" and self._depth == self._call_depth:
+                    self._start = i
+                    self._index += 1
+                    self._call = _Call(self._index, self._id_prefix)
+            elif c in "]}":
+                if c == "}" and self._depth == self._call_depth and self._call is not None:
+                    events += self._call.scan(text[self._start + 1 : i], final=True)
+                    self._call = None
+                self._depth -= 1
+        self._pos = len(text)
+        if self._call is not None:
+            events += self._call.scan(text[self._start + 1 :], final=False)
+        return events
+
+    def close(self) -> list[Event]:
+        """The end of the output: a call cut short ends as it is."""
+        events: list[Event] = []
+        if self._call is not None:
+            events += self._call.scan(self._text[self._start + 1 :], final=True)
+            self._call = None
+        return events
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """A request's tool settings as its reply needs them: the definitions, the choice, and
+    whether several calls may come at once."""
+
+    tools: list[Tool]
+    choice: Choice
+    parallel: bool = True
+
+    def output(self, id_prefix: str = "call_") -> OutputCalls | None:
+        """A parser for one answer; None when no call is parsed (``none``)."""
+        if self.choice.mode == "none":
+            return None
+        forced = self.choice.mode == "required"
+        return OutputCalls(self.tools, forced, self.parallel, id_prefix)
+
+    def schema(self) -> dict[str, Any] | None:
+        """What the grammar must force, when the choice forces a call."""
+        return forced_schema(self.tools, self.choice, self.parallel)
+
+
+class OutputCalls:
+    """One answer's text as content and tool calls, streamed as events (``feed``, ``close``)
+    or at once (``result``).
+
+    ``forced`` (``tool_choice`` required or a named function): the grammar's generic JSON form,
+    streamed by ``JsonCallStream``. Otherwise (``auto``) the model's own forms: Hermes tags
+    stream as they come (``CallStream``); an answer that opens with JSON or ``<|python_tag|>``
+    (Llama 3, the generic form) is held to its end and parsed then, as content when it is no
+    call. Without ``parallel``, calls after the first are dropped."""
+
+    def __init__(
+        self, tools: list[Tool], forced: bool, parallel: bool = True, id_prefix: str = "call_"
+    ) -> None:
+        self.tools = tools
+        self.forced = forced
+        self.parallel = parallel
+        self.id_prefix = id_prefix
+        self.calls = 0  # calls started so far (the answer's finish is tool_calls when any)
+        self._stream: CallStream | JsonCallStream | None = (
+            JsonCallStream(id_prefix) if forced else None
+        )
+        self._held = ""  # auto: the opening text, until it says which form it is
+
+    def feed(self, delta: str) -> list[Event]:
+        if self._stream is None:
+            self._held += delta
+            head = self._held.lstrip()
+            if not head or PYTHON_TAG.startswith(head):
+                return []  # not yet known
+            if head[0] in "{[" or head.startswith(PYTHON_TAG):
+                return []  # held to the end: parsed whole by close
+            self._stream = CallStream(self.id_prefix)
+            delta, self._held = self._held, ""
+        return self._count(self._stream.feed(delta))
+
+    def close(self) -> list[Event]:
+        if self._stream is not None:
+            return self._count(self._stream.close())
+        content, calls = self.result(self._held)
+        events: list[Event] = [Content(content)] if content else []
+        for i, call in enumerate(calls):
+            events += [CallStart(i, call.id, call.name), ArgumentsDelta(i, call.arguments)]
+            events.append(CallEnd(i))
+        self.calls = len(calls)
+        return events
+
+    def result(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a whole answer."""
+        content, calls = parse(text, self.tools)
+        if not self.parallel:
+            calls = calls[:1]
+        for call in calls:
+            call.id = new_call_id(self.id_prefix)
+        return content, calls
+
+    def _count(self, events: list[Event]) -> list[Event]:
+        if not self.parallel:
+            events = [e for e in events if isinstance(e, Content) or e.index == 0]
+        self.calls += sum(isinstance(e, CallStart) for e in events)
+        return events
+
+
+# -- history -----------------------------------------------------------------------------------
+#
+# A chat's messages, door-neutral (what both HTTP doors parse their history into, and what the
+# chat template renders), in Hugging Face's chat-template convention: ``{"role", "content"}``,
+# plus for an assistant's calls ``"tool_calls": [{"id", "type": "function", "function":
+# {"name", "arguments": {...}}}]`` (arguments as an object: templates apply ``tojson``), for a
+# tool's result ``{"role": "tool", "content", "tool_call_id", "name"}``, and a message's
+# optional ``"name"``.
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """The definitions as a chat template's ``tools`` variable takes them."""
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in tools
+    ]
+
+
+def tools_of_template(value: list[dict[str, Any]]) -> list[Tool]:
+    """``template_tools`` read back (the input processor renders from the request's copy)."""
+    return [
+        Tool(f["function"]["name"], f["function"]["description"], f["function"]["parameters"])
+        for f in value
+    ]
+
+
+def plain_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The history for a chat template that knows no tools: an assistant's calls as Hermes
+    ``<tool_call>`` text after its content, tool results as a user turn of ``<tool_response>``
+    blocks (consecutive results in one turn), as Qwen's and Hermes' templates write them."""
+    out: list[dict[str, str]] = []
+    results = False  # the last turn out holds tool results
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        was_results, results = results, role == "tool"
+        if role == "assistant" and m.get("tool_calls"):
+            parts = [content] if content else []
+            for call in m["tool_calls"]:
+                fn = call["function"]
+                body = json.dumps({"name": fn["name"], "arguments": fn["arguments"]})
+                parts.append(f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}")
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+        elif role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if was_results:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        else:
+            out.append({"role": role, "content": content})
+    return out

@@ -25,6 +25,7 @@ from gateway.engine.step import StepOutput
 from gateway.hooks import Principal
 from gateway.http import anthropic, openai
 from gateway.http.errors import HttpError, http_error, stream_error_event
+from gateway.http.logprobs import TokenLogprobs, TokenStrings
 from gateway.http.reply import Ending, Reply
 from gateway.http.routes import (
     CACHE_HIT_HEADER,
@@ -61,6 +62,7 @@ class HttpApi:
             None, None
         )  # /health, /metrics, /version, the status page, CORS (routes.py)
         self.model = info.name
+        self.strings = TokenStrings(path.inputs.tokenizer)  # logprobs' token texts
         created = int(time.time())
         self.models_body = openai.models_body(self.model, created)
         self.model_body = openai.model_body(self.model, created)
@@ -71,17 +73,30 @@ class HttpApi:
 
 
 class Exchange:
-    """The door's per-stream data (``Stream.state``)."""
+    """The door's per-request data (``Stream.state``, the same object for the n choice streams
+    of a request)."""
 
-    __slots__ = ("request", "reply", "stream", "started", "parts", "cached")
+    __slots__ = ("request", "reply", "stream", "started", "cached", "answered", "live")
 
     def __init__(self, request: Incoming, reply: Reply) -> None:
         self.request = request
         self.reply = reply
         self.stream = reply.stream
         self.started = False  # the streamed response's head and first events are written
-        self.parts: list[str] = []  # the text so far (non-streaming)
         self.cached = False  # replayed from the response cache (write_cached)
+        self.answered = False  # the response ended (every choice done, or an error)
+        self.live = reply.req.n  # choice streams not ended yet
+
+
+def _choices(st: Stream) -> tuple[Stream, ...]:
+    """The request's choice streams (``st`` alone when n == 1)."""
+    return st.group or (st,)
+
+
+def _exchange(st: Stream) -> Exchange:
+    """The request's Exchange, whichever of its choice streams ``st`` is (the door sets it on
+    choice 0, the stream it opens; the path makes the others)."""
+    return (st.group[0] if st.group else st).state  # type: ignore[return-value]
 
 
 class ApiConnection(HttpConnection):
@@ -148,9 +163,9 @@ class ApiConnection(HttpConnection):
             self._count_tokens(body)
             return
         if endpoint == CHAT:
-            reply: Reply = openai.parse_chat(body, api.model)
+            reply: Reply = openai.parse_chat(body, api.model, api.strings)
         elif endpoint == COMPLETION:
-            reply = openai.parse_completion(body, api.model)
+            reply = openai.parse_completion(body, api.model, api.strings)
         else:
             assert endpoint == MESSAGES
             reply = anthropic.parse_messages(body, api.model)
@@ -193,33 +208,39 @@ class ApiConnection(HttpConnection):
     def disconnected(self, request: Incoming) -> None:
         st = self.st
         if st is not None and st.state is not None and st.state.request is request:  # type: ignore[attr-defined]
-            self.path.cancel(st)  # nothing is written: the door is closed
+            for choice in _choices(st):
+                self.path.cancel(choice)  # nothing is written: the door is closed
 
     def slow_stream(self, request: Incoming) -> None:
         st = self.st
         if st is not None:
-            self.path.fail(st, ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+            for choice in _choices(st):
+                self.path.fail(choice, ErrorCode.SLOW_CONSUMER, "client is not reading its output")
 
     def abort_active(self) -> None:
         st = self.st
         if st is not None:
-            self.path.fail(st, ErrorCode.SHUTTING_DOWN, "drain deadline passed")
+            for choice in _choices(st):
+                self.path.fail(choice, ErrorCode.SHUTTING_DOWN, "drain deadline passed")
             self.flush()
 
     # ------------------------------------------------------------------ Door: outputs
 
-    def write_text(self, st: Stream, text: str) -> None:
-        """A text delta of ``st``'s answer (an event, or a part of the whole body)."""
-        ex: Exchange = st.state  # type: ignore[assignment]
+    def write_text(self, st: Stream, text: str, lp: TokenLogprobs | None = None) -> None:
+        """A text delta of choice ``st`` (and its token's logprobs when asked): an event, or a
+        part of the whole body."""
+        ex = _exchange(st)
+        if ex.answered:
+            return
         if not ex.stream:
-            ex.parts.append(text)
+            ex.reply.collect(st.choice, text, lp)
             return
         if not ex.started:
             self._start(st, ex)
-        ex.reply.token(self.out, text)
+        ex.reply.write(self.out, st.choice, text, lp)
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
-        st.state.cached = True  # type: ignore[attr-defined]
+        _exchange(st).cached = True
         if text:
             self.write_text(st, text)
         return 0  # TOKEN frames written (for the frame metrics): none
@@ -232,25 +253,45 @@ class ApiConnection(HttpConnection):
     def write_done(
         self, st: Stream, finish: FinishReason, timings: tuple[float, float, float]
     ) -> None:
-        ex: Exchange = st.state  # type: ignore[assignment]
+        ex = _exchange(st)
+        if ex.answered:  # a sibling choice failed: the response already ended
+            return
         matched = st.seq.matched_stop if st.seq is not None and not st.from_cache else None
         ending = Ending(
             int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & CACHE_PROMPT), matched
         )
+        reply = ex.reply
+        last = reply.finish(st.choice, ending)
         if ex.stream:
             if not ex.started:
                 self._start(st, ex)
-            ex.reply.end(self.out, ending)
+            reply.end(self.out, st.choice)
+            if not last:
+                return
+            reply.tail(self.out)
             self.end_stream(advance=False)
         else:
+            if not last:
+                return
             extra = CACHE_HIT_HEADER if ex.cached else b""
-            self.respond(200, ex.reply.body("".join(ex.parts), ending), extra=extra, advance=False)
+            self.respond(200, reply.body(), extra=extra, advance=False)
+        ex.answered = True
         if self.api.log_requests:
-            self._log(ex.request, st.api, 200, st, ending, timings)
+            self._log(ex.request, st.api, 200, st, reply.total(), timings)
 
-    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
-        ex: Exchange = st.state  # type: ignore[assignment]
-        err = HttpError.from_code(code, message, retry_after_ms)
+    def write_error(
+        self,
+        st: Stream,
+        code: ErrorCode,
+        message: str,
+        retry_after_ms: int,
+        field: str | None = None,
+    ) -> None:
+        ex = _exchange(st)
+        if ex.answered:
+            return
+        ex.answered = True
+        err = HttpError.from_code(code, message, retry_after_ms, field)
         if ex.started:
             self.out += stream_error_event(ex.reply.api, err)
             self.end_stream(advance=False)
@@ -258,9 +299,14 @@ class ApiConnection(HttpConnection):
             self.respond_error(err, advance=False, counted=True)
         if self.api.log_requests:
             self._log(ex.request, st.api, err.status, st, detail=message)
+        for other in _choices(st):  # the answer is this error: the other choices stop
+            if other is not st:
+                self.path.cancel(other)
 
     def stream_ended(self, st: Stream) -> None:
-        if self.st is st:
+        ex = _exchange(st)
+        ex.live -= 1
+        if ex.live == 0 and self.st is not None and self.st.state is ex:
             self.st = None
             self.advance()  # the next pipelined request, if any
             if not self.closing:
@@ -287,7 +333,7 @@ class ApiConnection(HttpConnection):
             "status": status,
         }
         if st is not None:
-            fields["stream"] = st.state.stream  # type: ignore[attr-defined]
+            fields["stream"] = _exchange(st).stream
         if ending is not None and timings is not None:
             fields.update(
                 finish=FinishReason(ending.finish).label,
@@ -304,8 +350,8 @@ class ApiConnection(HttpConnection):
 
 class TextDeltas:
     """The HTTP door's encoder (``ApiConnection.encoder``) for its streams in one engine row
-    set: their text deltas. (A token whose bytes end mid-character has no text yet: it comes
-    with a later one.)"""
+    set: their text deltas, with each token's logprobs for the streams that asked. (A token
+    whose bytes end mid-character has no text yet: it comes with a later one.)"""
 
     __slots__ = ("rows", "doors")
 
@@ -315,9 +361,14 @@ class TextDeltas:
 
     def write(self, step: StepOutput) -> int:
         text = step.text
+        logprobs = step.logprobs
         for i, st in self.rows:
             delta = text.get(i)
-            if delta:
+            lp = logprobs.get(i) if logprobs else None
+            if lp is not None:
+                item = TokenLogprobs(int(step.tokens[i]), lp)
+                st.door.write_text(st, delta or "", item)  # type: ignore[attr-defined]
+            elif delta:
                 st.door.write_text(st, delta)  # type: ignore[attr-defined]
         return 0  # TOKEN frames written: none
 

@@ -1,15 +1,31 @@
 """What only the HTTP APIs ask of a request body: fields refused unless given their no-op value
-(among them the ones routers add to every request they forward), and the ``model`` field.
+(among them the ones routers add to every request they forward), the ``model`` field, and the
+tool and grammar modules' errors as refusals.
 
 Reading and validating fields is gateway.validation's, shared with the frame door; this module
-holds the two rules that have no frame equivalent.
+holds the rules that have no frame equivalent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from gateway.codes import invalid
 from gateway.http.errors import HttpError
+from gateway.structured import GrammarError
+from gateway.tools import ToolError
 from gateway.validation import JsonObject
+
+
+@contextmanager
+def field_errors() -> Iterator[None]:
+    """gateway.tools' and gateway.structured's errors (each naming its field) as the request's
+    refusal, a 400 with that field."""
+    try:
+        yield
+    except (ToolError, GrammarError) as exc:
+        raise invalid(str(exc), exc.field) from None
 
 
 def refuse_unless(obj: JsonObject, key: str, ok: bool, why: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer as _RustTokenizer
 
 from gateway.tokenizer import Tokenizer
+from gateway.tools import template_supports_tools
 
 _GIL_HELD_CHARS = 16 * 1024  # up to this many characters, ``encode`` (no thread hop) is cheaper
 
@@ -57,6 +58,22 @@ def _as_id_list(value: Any) -> list[int]:
 def _raise_exception(message: str) -> None:
     # Chat templates call raise_exception() to reject conversations they cannot render.
     raise ValueError(f"chat template: {message}")
+
+
+def _byte_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a piece."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+_BYTE_OF = _byte_map()
 
 
 def _strftime_now(fmt: str) -> str:
@@ -132,6 +149,8 @@ class HFTokenizer(Tokenizer):
         self._template = (
             _compile_template(self.chat_template_source) if self.chat_template_source else None
         )
+        self.renders_tools = template_supports_tools(self.chat_template_source)
+        self._byte_level: bool | None = None  # the decoder is byte-level BPE (read at first use)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -173,7 +192,32 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]], system: str | None) -> str:
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's bytes from its piece: byte-level BPE pieces through GPT-2's byte map,
+        SentencePiece pieces with their ``▁`` spaces and ``<0xNN>`` byte-fallback tokens;
+        special tokens as their text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
+            self._byte_level = "ByteLevel" in kinds
+        if self._byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes((int(piece[3:5], 16),))
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        system: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if self._template is None:
             parts = [f"<|system|>\n{system}\n"] if system else []
             parts += [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
@@ -181,11 +225,13 @@ class HFTokenizer(Tokenizer):
                 parts.append("<|assistant|>\n")
             return "".join(parts)
         full = [{"role": "system", "content": system}] if system else []
-        full += [{"role": m["role"], "content": m["content"]} for m in messages]
+        full += messages
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
             messages=full,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             # A chat with no messages yet is a system-prompt prefix: no assistant turn opens.
             add_generation_prompt=bool(messages),
+            **extra,
         )

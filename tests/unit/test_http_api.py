@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import anthropic.types as at
+import numpy as np
 import openai.types as ot
 import openai.types.chat as oc
 import pytest
 
 from gateway.codes import Refusal
+from gateway.engine.step import Logprobs
 from gateway.http import anthropic as an
 from gateway.http import openai as oa
 from gateway.http.errors import (
@@ -22,16 +24,63 @@ from gateway.http.errors import (
     http_error,
     status_for,
 )
+from gateway.http.logprobs import TokenLogprobs, TokenStrings
 from gateway.http.reply import Ending
 from gateway.protocol import ErrorCode, FinishReason
+from gateway.tokenizer import ByteTokenizer
 from tests.support.rawhttp import sse_events
 
 MODEL = "tiny"
 USER = [{"role": "user", "content": "hi"}]
 
 
+STRINGS = TokenStrings(ByteTokenizer())  # logprobs' token texts: one byte per token
+
+
 def chat(**fields) -> oa.ChatReply:
-    return oa.parse_chat(json.dumps({"model": MODEL, "messages": USER, **fields}).encode(), MODEL)
+    body = json.dumps({"model": MODEL, "messages": USER, **fields}).encode()
+    return oa.parse_chat(body, MODEL, STRINGS)
+
+
+def comp(**fields) -> oa.CompletionReply:
+    body = json.dumps({"model": MODEL, **fields}).encode()
+    return oa.parse_completion(body, MODEL, STRINGS)
+
+
+def lp(token: int, top: list[int]) -> TokenLogprobs:
+    """A token's logprobs as the engine gives them (its alternatives at -1, -2, ...)."""
+    values = np.array([-1.0 - i for i in range(len(top))], np.float32)
+    return TokenLogprobs(token, Logprobs(-0.5, np.array(top, np.int32), values))
+
+
+def streamed(r, deltas, endings, prompt_tokens: int = 5) -> list[tuple[str | None, str]]:  # noqa: ANN001
+    """The SSE events of a streamed reply: ``deltas`` (choice, text, logprobs) in order, then
+    each choice's ending."""
+    out = bytearray()
+    r.start(out, prompt_tokens)
+    for choice, text, item in deltas:
+        r.write(out, choice, text, item)
+    for choice, ending in enumerate(endings):
+        r.finish(choice, ending)
+        r.end(out, choice)
+    r.tail(out)
+    return sse_events(bytes(out))
+
+
+def whole(r, deltas, endings) -> bytes:  # noqa: ANN001
+    """The body of a non-streamed reply."""
+    for choice, text, item in deltas:
+        r.collect(choice, text, item)
+    for choice, ending in enumerate(endings):
+        r.finish(choice, ending)
+    return r.body()
+
+
+AN_TOOL = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 
 
 def messages(**fields) -> an.MessagesReply:
@@ -78,14 +127,22 @@ def test_chat_fields():
         stop=["\n", "END"],
         stream=True,
         stream_options={"include_usage": True},
-        n=1,
+        n=3,
         user="someone",
         top_k=-1,
         ignore_eos=True,
         prompt_id=3,
-        logprobs=False,
+        logprobs=True,
+        top_logprobs=5,
         tools=None,
-    )
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias={"7": -100, "9": 2.5},
+        min_tokens=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                         "schema": {"type": "object"}}},
+    )  # fmt: skip
     req = r.req
     assert req.system == "be brief\nreally"
     assert req.messages == [
@@ -99,21 +156,76 @@ def test_chat_fields():
     assert req.stop_sequences == ("\n", "END")
     assert req.ignore_eos and req.prompt_id == 3
     assert r.stream and r.include_usage
+    assert (req.n, req.logprobs, req.top_logprobs, req.min_tokens) == (3, True, 5, 2)
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert req.logit_bias == {7: -100.0, 9: 2.5}
+    assert req.constraint is not None and req.constraint.kind == "json_schema"
     assert chat(stop="x").req.stop_sequences == ("x",)
+    assert chat(response_format={"type": "text"}).req.constraint is None
+    assert chat(response_format={"type": "json_object"}).req.constraint.kind == "json_object"
+    so = chat(structured_outputs={"choice": ["yes", "no"]}).req.constraint
+    assert (so.kind, so.field) == ("choice", "structured_outputs.choice")
+    assert chat(structured_outputs={"json": '{"type": "object"}'}).req.constraint.kind == (
+        "json_schema"
+    )
     assert chat(max_tokens=4).req.max_tokens == 4
+
+
+NOW = {"type": "function", "function": {"name": "now"}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"n": 0}, "n"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tool_choice": "auto"}, "tool_choice"),  # no tools
+        (
+            {"tools": [NOW], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": [NOW], "parallel_tool_calls": 1}, "parallel_tool_calls"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"grammar": "x"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{"}}, "structured_outputs.json"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs.regex",
+        ),
+        (
+            {"tools": [NOW], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"guided_json": {}}, "guided_json"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": "x"}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"a": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 500}}, "logit_bias"),
+        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
         ({"functions": []}, "functions"),
         ({"audio": {}}, "audio"),
         ({"temperature": "hot"}, "temperature"),
@@ -130,10 +242,27 @@ def test_chat_fields():
         ({"stream": True, "stream_options": {"continuous": True}}, "stream_options.continuous"),
         ({"messages": []}, "messages"),
         ({"messages": "hi"}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+        ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {
+                "messages": [
+                    USER[0],
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{"}}],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content[0]",
@@ -157,15 +286,16 @@ def test_unknown_model_is_404_and_bad_bodies_are_400():
 
 
 def test_completion_prompts():
-    def comp(**fields):
-        return oa.parse_completion(json.dumps({"model": MODEL, **fields}).encode(), MODEL)
-
     assert comp(prompt="abc").req.prompt_text == "abc"
     assert comp(prompt=["abc"]).req.prompt_text == "abc"
     assert comp(prompt=[1, 2, 3]).req.prompt_ids.tolist() == [1, 2, 3]
     assert comp(prompt=[[4, 5]]).req.prompt_ids.tolist() == [4, 5]
     r = comp(prompt="x")
     assert r.req.max_tokens == 16  # OpenAI's default
+    r = comp(prompt="x", logprobs=3, n=2, structured_outputs={"regex": "[ab]+"})
+    assert (r.req.logprobs, r.req.top_logprobs, r.req.n) == (True, 3, 2)
+    assert r.req.constraint.kind == "regex"
+    assert comp(prompt="x", logprobs=0).req.logprobs
     for fields, param in (
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
@@ -174,7 +304,8 @@ def test_completion_prompts():
         ({"prompt": ""}, "prompt"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "tools": [NOW]}, "tools"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "messages": USER}, "messages"),
     ):
@@ -184,12 +315,8 @@ def test_completion_prompts():
 
 def test_chat_stream_matches_the_sdk_types():
     r = chat(stream=True, stream_options={"include_usage": True})
-    out = bytearray()
-    r.start(out, 5)
-    for text in ("he", 'l"l\\o\n', "é🙂", "\x00"):
-        r.token(out, text)
-    r.end(out, Ending(FinishReason.MAX_TOKENS, 5, 4))
-    events = sse_events(bytes(out))
+    texts = ("he", 'l"l\\o\n', "é🙂", "\x00")
+    events = streamed(r, [(0, t, None) for t in texts], [Ending(FinishReason.MAX_TOKENS, 5, 4)])
     assert events[-1] == (None, "[DONE]")
     chunks = [oc.ChatCompletionChunk.model_validate_json(d) for _, d in events[:-1]]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -199,32 +326,197 @@ def test_chat_stream_matches_the_sdk_types():
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 9
     assert len({c.id for c in chunks}) == 1
     # Without include_usage: no usage chunk.
-    r = chat(stream=True)
-    out = bytearray()
-    r.end(out, Ending(FinishReason.EOS, 5, 0))
-    events = sse_events(bytes(out))
-    assert len(events) == 2 and json.loads(events[0][1])["choices"][0]["finish_reason"] == "stop"
+    events = streamed(chat(stream=True), [], [Ending(FinishReason.EOS, 5, 0)])
+    assert len(events) == 3 and json.loads(events[1][1])["choices"][0]["finish_reason"] == "stop"
+
+
+def test_n_choices_streamed_and_whole():
+    endings = [Ending(FinishReason.EOS, 5, 2), Ending(FinishReason.MAX_TOKENS, 5, 3)]
+    deltas = [(1, "b", None), (0, "a", None), (1, "c", None), (0, "!", None)]
+    events = streamed(
+        chat(stream=True, n=2, stream_options={"include_usage": True}), deltas, endings
+    )
+    chunks = [oc.ChatCompletionChunk.model_validate_json(d) for _, d in events[:-1]]
+    by_choice: dict[int, str] = {0: "", 1: ""}
+    finish = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        by_choice[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+    assert by_choice == {0: "a!", 1: "bc"} and finish == {0: "stop", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 5 and events[-1][1] == "[DONE]"
+    done = oc.ChatCompletion.model_validate_json(whole(chat(n=2), deltas, endings))
+    assert [(c.index, c.message.content, c.finish_reason) for c in done.choices] == [
+        (0, "a!", "stop"),
+        (1, "bc", "length"),
+    ]
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, 5)
+    text = whole(comp(prompt="x", n=2), deltas, endings)
+    assert [c.text for c in ot.Completion.model_validate_json(text).choices] == ["a!", "bc"]
+
+
+def test_chat_logprobs_in_the_sdk_types():
+    # "é" is two byte tokens: the first has no text of its own, the second brings it.
+    deltas = [
+        (0, "a", lp(97, [97, 98])),
+        (0, "", lp(0xC3, [0xC3, 97])),
+        (0, "é", lp(0xA9, [0xA9, 1])),
+    ]
+    ending = [Ending(FinishReason.EOS, 5, 3)]
+    done = oc.ChatCompletion.model_validate_json(
+        whole(chat(logprobs=True, top_logprobs=2), deltas, ending)
+    )
+    content = done.choices[0].logprobs.content
+    assert [t.token for t in content] == ["a", "\ufffd", "\ufffd"]
+    assert [t.bytes for t in content] == [[97], [0xC3], [0xA9]]
+    assert bytes(b for t in content for b in t.bytes).decode() == "aé"
+    assert content[0].logprob == -0.5
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("a", -1.0), ("b", -2.0)]
+    r = chat(logprobs=True, top_logprobs=2, stream=True)
+    chunks = [
+        oc.ChatCompletionChunk.model_validate_json(d) for _, d in streamed(r, deltas, ending)[:-1]
+    ]
+    streamed_lps = [
+        t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content
+    ]
+    assert streamed_lps == content
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == "aé"
+    assert (
+        oc.ChatCompletion.model_validate_json(whole(chat(), [(0, "a", None)], ending))
+        .choices[0]
+        .logprobs
+        is None
+    )
+
+
+def test_completion_logprobs_lists():
+    deltas = [(0, "ab", lp(97, [97])), (0, "", lp(98, [98]))]
+    body = whole(comp(prompt="x", logprobs=1), deltas, [Ending(FinishReason.EOS, 1, 2)])
+    got = ot.Completion.model_validate_json(body).choices[0].logprobs
+    assert got.tokens == ["a", "b"] and got.token_logprobs == [-0.5, -0.5]
+    assert got.top_logprobs == [{"a": -1.0}, {"b": -1.0}] and got.text_offset == [0, 1]
+    events = streamed(
+        comp(prompt="x", logprobs=1, stream=True), deltas, [Ending(FinishReason.EOS, 1, 2)]
+    )
+    parts = [json.loads(d)["choices"][0]["logprobs"] for _, d in events[:-1]]
+    assert [p["tokens"] for p in parts if p] == [["a"], ["b"]]
+    assert [p["text_offset"] for p in parts if p] == [[0], [1]]
+
+
+FORCED = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.mark.parametrize("step", [1, 6, 100])
+def test_tool_calls_streamed_in_the_sdk_types(step: int) -> None:
+    r = chat(tools=[WEATHER, NOW], tool_choice="required", stream=True)
+    assert r.req.constraint.field == "tools" and r.req.tools[0]["function"]["name"] == "get_weather"
+    deltas = [(0, FORCED[i : i + step], None) for i in range(0, len(FORCED), step)]
+    events = streamed(r, deltas, [Ending(FinishReason.EOS, 5, 9)])
+    chunks = [oc.ChatCompletionChunk.model_validate_json(d) for _, d in events[:-1]]
+    calls = [t for c in chunks for ch in c.choices for t in ch.delta.tool_calls or ()]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
+    assert json.loads("".join(t.function.arguments for t in calls)) == {"city": "Paris"}
+    assert {t.index for t in calls} == {0}
+    assert not any(ch.delta.content for c in chunks for ch in c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_calls_in_the_body() -> None:
+    ending = [Ending(FinishReason.EOS, 5, 9)]
+    done = oc.ChatCompletion.model_validate_json(
+        whole(chat(tools=[WEATHER], tool_choice="required"), [(0, FORCED, None)], ending)
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Paris"
+    }
+    # auto: the model's own Hermes form, with text around it; a plain answer stays content
+    hermes = (
+        'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    done = oc.ChatCompletion.model_validate_json(
+        whole(chat(tools=[WEATHER]), [(0, hermes, None)], ending)
+    )
+    assert done.choices[0].message.content == "Checking."
+    assert done.choices[0].message.tool_calls[0].function.name == "get_weather"
+    done = oc.ChatCompletion.model_validate_json(
+        whole(chat(tools=[WEATHER]), [(0, "Hi", None)], ending)
+    )
+    assert done.choices[0].message.tool_calls is None and done.choices[0].finish_reason == "stop"
+    # none: the tools are not shown to the model and nothing is parsed
+    r = chat(tools=[WEATHER], tool_choice="none")
+    assert r.req.tools is None and r.req.constraint is None
+    done = oc.ChatCompletion.model_validate_json(whole(r, [(0, hermes, None)], ending))
+    assert done.choices[0].message.content == hermes
+    # a named function: one call, no list
+    named = chat(
+        tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "now"}}
+    )
+    assert json.loads(named.req.constraint.text)["properties"]["name"] == {"const": "now"}
+    one = chat(tools=[WEATHER, NOW], tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(one.req.constraint.text).get("type") != "array"
+
+
+def test_tool_history_for_the_template():
+    r = chat(
+        messages=[
+            {"role": "user", "content": "weather?", "name": "ann"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                    }
+                ],
+            },
+            {
+                "role": "tool",
+                "tool_call_id": "call_1",
+                "content": [{"type": "text", "text": "sun"}],
+            },
+        ],
+        tools=[WEATHER],
+    )
+    assert r.req.messages == [
+        {"role": "user", "content": "weather?", "name": "ann"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sun", "tool_call_id": "call_1"},
+    ]
 
 
 def test_chat_and_completion_bodies_match_the_sdk_types():
-    body = chat().body("hello", Ending(FinishReason.STOP, 3, 2))
+    body = whole(chat(), [(0, "hello", None)], [Ending(FinishReason.STOP, 3, 2)])
     done = oc.ChatCompletion.model_validate_json(body)
     assert done.choices[0].message.content == "hello"
     assert done.choices[0].finish_reason == "stop"
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (3, 2)
-    comp = oa.parse_completion(b'{"prompt": "x", "stream": true}', MODEL)
-    out = bytearray()
-    comp.start(out, 1)
-    comp.token(out, "ab")
-    comp.end(out, Ending(FinishReason.MAX_TOKENS, 1, 2))
-    events = sse_events(bytes(out))
+    events = streamed(
+        comp(prompt="x", stream=True), [(0, "ab", None)], [Ending(FinishReason.MAX_TOKENS, 1, 2)]
+    )
     assert events[-1][1] == "[DONE]"
     # The SDK reads stream chunks without validation (finish_reason is null until the end).
     chunks = [json.loads(d) for _, d in events[:-1]]
     assert [c["object"] for c in chunks] == ["text_completion"] * 2
     assert [c["choices"][0]["text"] for c in chunks] == ["ab", ""]
     assert ot.Completion.model_validate(chunks[-1]).choices[0].finish_reason == "length"
-    full = ot.Completion.model_validate_json(comp.body("ab", Ending(FinishReason.EOS, 1, 2)))
+    body = whole(comp(prompt="x"), [(0, "ab", None)], [Ending(FinishReason.EOS, 1, 2)])
+    full = ot.Completion.model_validate_json(body)
     assert full.choices[0].text == "ab" and full.usage.total_tokens == 3
 
 
@@ -272,7 +564,26 @@ def test_messages_defaults_and_fields():
         ({"temperature": 2.5}, "temperature"),
         ({"top_k": -2}, "top_k"),
         ({"stop_sequences": "x"}, "stop_sequences"),
-        ({"tools": [{"name": "t"}]}, "tools"),
+        ({"tools": [{"name": "t"}]}, "tools[0].input_schema"),
+        (
+            {"tools": [{"name": "t", "input_schema": {"type": "array"}}]},
+            "tools[0].input_schema.type",
+        ),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),  # no tools
+        ({"tools": [AN_TOOL], "tool_choice": {"type": "tool", "name": "x"}}, "tool_choice.name"),
+        ({"tools": [AN_TOOL], "tool_choice": {"type": "some"}}, "tool_choice.type"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b"}]}
+                ]
+            },
+            "messages[0].content[0]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+            "messages[0].content[0].tool_use_id",
+        ),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"system": 5}, "system"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
@@ -284,7 +595,7 @@ def test_messages_defaults_and_fields():
         ({"container": "x"}, "container"),
     ],
 )
-def test_messages_refusals_name_the_field(fields, param):
+def test_messages_refusals_name_the_field(fields, param):  # noqa: ANN001
     err = refused(lambda: messages(**fields))
     assert (err.status, err.param) == (400, param), err.message
 
@@ -298,12 +609,9 @@ def test_messages_ranges_are_every_doors():
 
 def test_messages_stream_matches_the_sdk_types():
     r = messages(stream=True, stop_sequences=["STOP"])
-    out = bytearray()
-    r.start(out, 11)
-    r.token(out, "a\n")
-    r.token(out, '"b"')
-    r.end(out, Ending(FinishReason.STOP, 11, 2))
-    events = sse_events(bytes(out))
+    events = streamed(
+        r, [(0, "a\n", None), (0, '"b"', None)], [Ending(FinishReason.STOP, 11, 2)], 11
+    )
     names = [name for name, _ in events]
     assert names == [
         "message_start",
@@ -327,20 +635,114 @@ def test_messages_stream_matches_the_sdk_types():
 
 
 def test_messages_body_matches_the_sdk_type():
-    r = messages()
     for finish, reason in (
         (FinishReason.EOS, "end_turn"),
         (FinishReason.MAX_TOKENS, "max_tokens"),
         (FinishReason.STOP, "stop_sequence"),
     ):
-        msg = at.Message.model_validate_json(r.body("hey", Ending(finish, 4, 1)))
+        msg = at.Message.model_validate_json(
+            whole(messages(), [(0, "hey", None)], [Ending(finish, 4, 1)])
+        )
         assert msg.stop_reason == reason
         assert msg.content[0].text == "hey" and msg.usage.input_tokens == 4
         assert msg.stop_sequence is None  # no stop_sequences asked for, none reported
     # Several stop strings: the one that matched is reported when the path knows it.
     r = messages(stop_sequences=["a", "b"])
-    msg = at.Message.model_validate_json(r.body("", Ending(FinishReason.STOP, 4, 1, False, "b")))
+    msg = at.Message.model_validate_json(
+        whole(r, [], [Ending(FinishReason.STOP, 4, 1, False, "b")])
+    )
     assert msg.stop_sequence == "b"
+
+
+@pytest.mark.parametrize("step", [1, 7, 100])
+def test_anthropic_tool_use_streamed(step: int) -> None:
+    r = messages(tools=[AN_TOOL], tool_choice={"type": "any"}, stream=True)
+    assert r.req.constraint is not None and r.req.tools[0]["function"]["name"] == "get_weather"
+    text = FORCED
+    deltas = [(0, text[i : i + step], None) for i in range(0, len(text), step)]
+    events = streamed(r, deltas, [Ending(FinishReason.EOS, 5, 9)])
+    parsed = [json.loads(d) for _, d in events]
+    kinds = [p["type"] for p in parsed]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == [
+        "message_delta",
+        "message_stop",
+    ]
+    start = at.RawContentBlockStartEvent.model_validate(parsed[2])
+    assert start.content_block.type == "tool_use" and start.content_block.name == "get_weather"
+    assert start.content_block.id.startswith("toolu_") and start.index == 0
+    pieces = [
+        at.RawContentBlockDeltaEvent.model_validate(p)
+        for p in parsed
+        if p["type"] == "content_block_delta"
+    ]
+    assert {p.delta.type for p in pieces} == {"input_json_delta"}
+    assert json.loads("".join(p.delta.partial_json for p in pieces)) == {"city": "Paris"}
+    assert kinds.count("content_block_stop") == 1
+    assert at.RawMessageDeltaEvent.model_validate(parsed[-2]).delta.stop_reason == "tool_use"
+
+
+def test_anthropic_tool_use_body_and_text_then_call_streamed() -> None:
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    hermes = f"Let me check. <tool_call>{call}</tool_call>"
+    ending = [Ending(FinishReason.EOS, 5, 9)]
+    msg = at.Message.model_validate_json(
+        whole(messages(tools=[AN_TOOL]), [(0, hermes, None)], ending)
+    )
+    assert msg.stop_reason == "tool_use"
+    assert [b.type for b in msg.content] == ["text", "tool_use"]
+    assert msg.content[0].text == "Let me check." and msg.content[1].input == {"city": "Oslo"}
+    events = streamed(messages(tools=[AN_TOOL], stream=True), [(0, hermes, None)], ending)
+    parsed = [json.loads(d) for _, d in events]
+    starts = [p["content_block"]["type"] for p in parsed if p["type"] == "content_block_start"]
+    assert starts == ["text", "tool_use"]
+    assert [p["index"] for p in parsed if p["type"] == "content_block_stop"] == [0, 1]
+    named = messages(tools=[AN_TOOL], tool_choice={"type": "tool", "name": "get_weather"})
+    assert json.loads(named.req.constraint.text)["properties"]["name"] == {"const": "get_weather"}
+    assert messages(tools=[AN_TOOL], tool_choice={"type": "none"}).req.tools is None
+
+
+def test_anthropic_tool_history():
+    r = messages(
+        messages=[
+            {"role": "user", "content": "weather in Rome?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Checking."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "get_weather",
+                        "input": {"city": "Rome"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                    {"type": "text", "text": "and tomorrow?"},
+                ],
+            },
+        ],
+        tools=[AN_TOOL],
+    )
+    assert r.req.messages == [
+        {"role": "user", "content": "weather in Rome?"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1", "name": "get_weather"},
+        {"role": "user", "content": "and tomorrow?"},
+    ]
 
 
 def test_count_tokens_request():

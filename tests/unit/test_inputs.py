@@ -4,6 +4,8 @@ gateway.validation's (tests/unit/test_validation.py)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -115,9 +117,9 @@ class _RecordingTokenizer(ByteTokenizer):
         super().__init__()
         self.calls: list[str] = []
 
-    def render_chat(self, messages, system):  # noqa: ANN001, ANN201
+    def render_chat(self, messages, system, tools=None):  # noqa: ANN001, ANN201
         self.calls.append("render_chat")
-        return super().render_chat(messages, system)
+        return super().render_chat(messages, system, tools)
 
     def encode_prompt(self, text: str) -> np.ndarray:
         self.calls.append("encode_prompt")
@@ -150,3 +152,71 @@ def test_text_at_the_bound_reaches_the_tokenizer() -> None:
     with pytest.raises(Refusal) as err:  # 1024 bytes pass the bound; the context then refuses
         InputProcessor(tok, INFO).prepare(Request(max_tokens=4, prompt_text="a" * 1024))
     assert "tokens" in err.value.message and tok.calls == ["encode_prompt"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALLED = [
+    {"role": "user", "content": "weather in Rome?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+            }
+        ],
+    },
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"},
+]
+
+
+def test_tools_and_calls_as_text_for_a_template_without_tools() -> None:
+    tok = _RecordingTokenizer()
+    req = Request(max_tokens=4, messages=CALLED, system="be brief", tools=[WEATHER])
+    prompt = tok.decode(InputProcessor(tok, ModelInfo("m", 259, 257, 2048)).prepare(req).prompt)
+    system, rest = prompt.split("<|user|>", 1)
+    assert system.startswith("<|system|>\nbe brief\n\nYou may call")
+    assert '"name": "get_weather"' in system and "<tool_call>" in system
+    assert (
+        '<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}' in rest
+    )
+    assert "<|user|>\n<tool_response>\nsunny\n</tool_response>\n<|assistant|>\n" in rest
+
+
+def test_a_template_with_tools_renders_them(tmp_path) -> None:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from gateway.models.hf_tokenizer import HFTokenizer
+
+    rust = RustTokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.save(str(tmp_path / "tokenizer.json"))
+    template = (
+        "{% if tools %}TOOLS{% for t in tools %} {{ t.function.name }}{% endfor %}.{% endif %}"
+        "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}]"
+        "{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% endfor %}"
+    )
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer(tmp_path)
+    assert tok.renders_tools
+    seen: list[str] = []
+    tok.encode_prompt = lambda text: seen.append(text) or np.ones(3, np.int32)  # type: ignore[method-assign]
+    InputProcessor(tok, ModelInfo("m", 3, 2, 64)).prepare(
+        Request(max_tokens=4, messages=CALLED, tools=[WEATHER])
+    )
+    assert seen == [
+        'TOOLS get_weather.[user]weather in Rome?[assistant]CALL get_weather {"city": "Rome"}'
+        "[tool:get_weather]sunny"
+    ]

@@ -14,12 +14,15 @@ from gateway.tools import (
     CallStart,
     CallStream,
     Content,
+    OutputCalls,
     ToolError,
     choice_from_anthropic,
     choice_from_openai,
     forced_schema,
     parse,
+    plain_history,
     system_prompt,
+    template_tools,
     tools_from_anthropic,
     tools_from_openai,
 )
@@ -54,6 +57,26 @@ TOOLS = tools_from_openai([WEATHER, {"type": "function", "function": {"name": "n
             "tools[0].function.parameters.type",
         ),
         ([WEATHER, WEATHER], "tools[1].name"),
+        (
+            [{"type": "function", "function": {"name": "a", "parameters": {"type": "string"}}}],
+            "tools[0].function.parameters.type",
+        ),
+        (
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "a",
+                        "parameters": {"properties": {"x": {"items": {"type": "strng"}}}},
+                    },
+                }
+            ],
+            "tools[0].function.parameters.properties.x.items.type",
+        ),
+        (
+            [{"type": "function", "function": {"name": "a", "parameters": {"anyOf": []}}}],
+            "tools[0].function.parameters.anyOf",
+        ),
     ],
 )
 def test_bad_openai_tools_name_the_field(value: object, field: str) -> None:
@@ -156,3 +179,97 @@ def test_forced_schema_accepts_only_valid_calls() -> None:
 def test_system_prompt_lists_every_tool() -> None:
     text = system_prompt(TOOLS)
     assert "get_weather" in text and '"now"' in text and "<tool_call>" in text
+
+
+def _events(calls: OutputCalls, text: str, step: int) -> list:
+    events = []
+    for i in range(0, len(text), step):
+        events += calls.feed(text[i : i + step])
+    return events + calls.close()
+
+
+def _calls_of(events: list) -> list[tuple[str, object]]:
+    """(name, arguments) of each call the events describe, by index."""
+    names = {e.index: e.name for e in events if isinstance(e, CallStart)}
+    return [
+        (
+            names[i],
+            json.loads(
+                "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == i)
+            ),
+        )
+        for i in sorted(names)
+    ]
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_forced_json_form_streams_its_calls(step: int) -> None:
+    text = (
+        '[{"name": "get_weather", "arguments": {"city": "Lyon, \\"FR\\" {x}"}}, '
+        '{"name": "now", "arguments": {}}]'
+    )
+    calls = OutputCalls(TOOLS, forced=True)
+    events = _events(calls, text, step)
+    assert not [e for e in events if isinstance(e, Content)]
+    assert _calls_of(events) == [("get_weather", {"city": 'Lyon, "FR" {x}'}), ("now", {})]
+    assert [e.index for e in events if isinstance(e, CallEnd)] == [0, 1]
+    assert calls.calls == 2
+    one = OutputCalls(TOOLS, forced=True)
+    assert _calls_of(_events(one, '{"name": "now", "arguments": {"a": [1, {"b": 2}]}}', step)) == [
+        ("now", {"a": [1, {"b": 2}]})
+    ]
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_auto_output_streams_hermes_and_holds_json(step: int) -> None:
+    hermes = 'Let me look. <tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    events = _events(OutputCalls(TOOLS, forced=False), hermes, step)
+    assert "".join(e.text for e in events if isinstance(e, Content)).strip() == "Let me look."
+    assert _calls_of(events) == [("now", {})]
+    llama = ' <|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    calls = OutputCalls(TOOLS, forced=False, id_prefix="toolu_")
+    events = _events(calls, llama, step)
+    assert _calls_of(events) == [("get_weather", {"city": "Oslo"})]
+    assert [e.id[:6] for e in events if isinstance(e, CallStart)] == ["toolu_"]
+    assert calls.calls == 1
+    # JSON that is no call is content, whole, at the end.
+    events = _events(OutputCalls(TOOLS, forced=False), '{"answer": 42}', step)
+    assert [e.text for e in events] == ['{"answer": 42}']
+    # Plain text streams as it comes (nothing held back but a possible tag's beginning).
+    plain = OutputCalls(TOOLS, forced=False)
+    assert plain.feed("Hello") == [Content("Hello")]
+    assert plain.feed(" <tool") == [Content(" ")]
+    assert plain.close() == [Content("<tool")]
+
+
+def test_one_call_without_parallel() -> None:
+    text = '<tool_call>{"name": "now", "arguments": {}}</tool_call>' * 2
+    calls = OutputCalls(TOOLS, forced=False, parallel=False)
+    assert len(_calls_of(_events(calls, text, 3))) == 1 and calls.calls == 1
+    content, whole = OutputCalls(TOOLS, forced=False, parallel=False).result(text)
+    assert len(whole) == 1 and content == ""
+
+
+def test_history_without_template_tools() -> None:
+    history = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+                },
+            ],
+        },
+        {"role": "tool", "content": "12:00", "tool_call_id": "c1"},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c2"},
+    ]
+    plain = plain_history(history)
+    assert [m["role"] for m in plain] == ["user", "assistant", "user"]
+    assert [c.name for c in parse(plain[1]["content"], TOOLS)[1]] == ["now", "get_weather"]
+    assert plain[2]["content"].count("<tool_response>") == 2 and "sunny" in plain[2]["content"]
+    assert template_tools(TOOLS)[0]["function"]["name"] == "get_weather"

@@ -1,0 +1,322 @@
+"""Agent-ready HTTP APIs (issue #27) with the real clients against a daemon serving the default
+model, SmolLM2-135M-Instruct: the openai SDK's ``chat.completions.parse`` with a pydantic model,
+streamed tool calls, logprobs in the SDK's types (and equal to transformers' on the same
+weights), n choices, the anthropic SDK's tool-use round trip, a LangChain tool loop and
+``with_structured_output``; and each bad agent field a 400 naming it on both APIs, the
+connection still serving afterwards.
+
+A model this small has no tool training: the forced choices (``required``, a named tool, Anthropic
+``any``) are what make its calls valid, through the grammar. Outputs are short (small
+``max_tokens``, ``maxLength`` in the schemas) to keep the suite quick."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from tests.support.daemon import Daemon
+from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of, reference_model
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
+@pytest.fixture(scope="module")
+def daemon(smollm2_dir: Path):
+    env = {
+        "ENGINE__BACKEND": "cpu",
+        "MODEL__DATA_DIR": data_dir_of(smollm2_dir),
+        "ENGINE__MAX_BATCH_SIZE": "4",
+        "ENGINE__MAX_CONTEXT": "1024",
+        "CACHE__ENABLED": "false",
+    }
+    with Daemon(env) as d:
+        yield d
+
+
+def oai(d: Daemon, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.http_url + "/v1", api_key="none", max_retries=0, **kw)
+
+
+def ant(d: Daemon, **kw) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=d.http_url, api_key="none", max_retries=0, **kw)
+
+
+BAD_CHAT = [  # (fields, the param the 400 names)
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "objekt"}}}}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": 3}}}}}]},
+        "tools[0].function.parameters.properties.a.type",
+    ),
+    ({"n": 1000}, "n"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"49152": 5}}, "logit_bias"),  # the vocabulary is 49152 ids
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice.function.name",
+    ),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+]  # fmt: skip
+BAD_MESSAGES = [  # (fields, the field the message names)
+    (
+        {"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {
+            "a": {"type": "objekt"}}}}]},
+        "tools[0].input_schema.properties.a.type",
+    ),
+    ({"tools": [{"name": "f", "input_schema": "no"}]}, "tools[0].input_schema"),
+    (
+        {"tools": [{"name": "f", "input_schema": {"type": "object"}}],
+         "tool_choice": {"type": "tool", "name": "nope"}},
+        "tool_choice.name",
+    ),
+    ({"n": 2}, "n"),  # not a Messages field
+]  # fmt: skip
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on(daemon):
+    streams: list[object] = []  # the network stream each response came on
+
+    def client(lib):  # noqa: ANN001, ANN202 - httpx (openai) or httpx2 (anthropic)
+        hooks = {"response": [lambda r: streams.append(r.extensions["network_stream"])]}
+        return lib.Client(event_hooks=hooks, limits=lib.Limits(max_connections=1))
+
+    c = oai(daemon, http_client=client(httpx))
+    for fields, param in BAD_CHAT:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(
+                model=MODEL, messages=ASK_WEATHER, max_tokens=2, extra_body=fields
+            )
+        body = info.value.body
+        assert param in body["message"], (fields, body)
+        # refused by the door's parser: OpenAI's param; by the request path (the model's
+        # vocabulary, engine.max_n, the grammar compile): the message (docs/http.md)
+        assert body["param"] in (param, None), (fields, body)
+    ok = c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+    assert len(streams) == len(BAD_CHAT) + 1 and len(set(map(id, streams))) == 1
+    streams.clear()
+    a = ant(daemon, http_client=client(httpx2))
+    for fields, where in BAD_MESSAGES:
+        extra = {k: v for k, v in fields.items() if k not in ("tools", "tool_choice")}
+        known = {k: v for k, v in fields.items() if k in ("tools", "tool_choice")}
+        with pytest.raises(anthropic.BadRequestError) as ainfo:
+            a.messages.create(
+                model=MODEL, max_tokens=2, messages=ASK_WEATHER, extra_body=extra, **known
+            )
+        assert where in ainfo.value.body["error"]["message"], (fields, ainfo.value.body)
+    assert a.messages.create(model=MODEL, max_tokens=2, messages=ASK_WEATHER).content
+    assert len(streams) == len(BAD_MESSAGES) + 1 and len(set(map(id, streams))) == 1
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_parse_with_a_pydantic_model_returns_a_validated_object(daemon):
+    c = oai(daemon)
+    done = c.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a big city and its country."}],
+        response_format=City,
+        max_tokens=64,
+        temperature=0,
+    )
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and city.country
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_streamed_tool_calls_forced_by_the_grammar(daemon):
+    c = oai(daemon)
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+        )
+    )
+    calls = [t for ch in chunks for choice in ch.choices for t in choice.delta.tool_calls or ()]
+    assert calls and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert len(calls) > 2  # the arguments came in pieces
+    args = json.loads("".join(t.function.arguments or "" for t in calls if t.index == 0))
+    assert isinstance(args["city"], str)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_logprobs_in_the_sdk_types_equal_transformers(daemon, smollm2_dir: Path):
+    from gateway.models.hf_tokenizer import HFTokenizer
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    done = oai(daemon).chat.completions.create(
+        model=MODEL, messages=question, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5
+    )
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens == 6
+    for t in content:
+        values = [alt.logprob for alt in t.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True) and values[0] <= 0
+        assert t.top_logprobs[0].token == t.token and t.logprob == values[0]  # greedy
+    text = b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace")
+    assert text.startswith(done.choices[0].message.content)
+    # transformers on the same GGUF, greedy: log_softmax of its logits at each position (a
+    # greedy row's logprobs are the model's own distribution, T = 1: kernels/sampling.py).
+    tok = HFTokenizer(smollm2_dir)
+    ids = tok.encode_prompt(tok.render_chat(question, None)).tolist()
+    model = reference_model()
+    with torch.inference_mode():
+        for t in content:
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            top = torch.topk(lp, 5)
+            best = int(top.indices[0])
+            assert tok.token_bytes(best) == bytes(t.bytes)
+            # Q4_1 blocks computed in this daemon's kernels vs transformers' dequantized float32
+            assert abs(t.logprob - float(top.values[0])) < 0.05
+            ours = [alt.logprob for alt in t.top_logprobs]
+            assert max(abs(a - float(b)) for a, b in zip(ours, top.values, strict=True)) < 0.05
+            ids.append(best)
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_n_choices(daemon):
+    done = oai(daemon).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say a word."}],
+        max_tokens=4,
+        n=3,
+        seed=7,
+    )
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert all(c.finish_reason in ("stop", "length") for c in done.choices)
+    assert done.usage.completion_tokens <= 12
+    chunks = list(
+        oai(daemon).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say a word."}],
+            max_tokens=4,
+            n=3,
+            seed=7,
+            stream=True,
+        )
+    )
+    finished = {ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason}
+    assert finished == {0, 1, 2}
+
+
+ANT_WEATHER = {
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "input_schema": WEATHER["function"]["parameters"],
+}
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_anthropic_tool_use_round_trip(daemon):
+    a = ant(daemon)
+    first = a.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=ASK_WEATHER,
+        tools=[ANT_WEATHER],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
+    assert first.stop_reason == "tool_use"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and isinstance(use.input["city"], str)
+    history = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}],
+        },
+    ]
+    with a.messages.stream(
+        model=MODEL,
+        max_tokens=24,
+        messages=history,
+        tools=[ANT_WEATHER],
+        tool_choice={"type": "none"},
+        extra_body={"temperature": 0},
+    ) as stream:
+        answer = stream.get_final_message()
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert answer.content[0].type == "text" and answer.content[0].text
+    # Streamed tool use: a tool_use block whose input arrives as input_json_delta pieces.
+    with a.messages.stream(
+        model=MODEL,
+        max_tokens=64,
+        messages=ASK_WEATHER,
+        tools=[ANT_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    ) as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_message()
+    assert "input_json" in kinds and streamed.stop_reason == "tool_use"
+    assert streamed.content[-1].type == "tool_use" and "city" in streamed.content[-1].input
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_langchain_tool_loop_and_structured_output(daemon):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"Sunny and 21 C in {city}"
+
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=daemon.http_url + "/v1",
+        api_key="none",
+        temperature=0,
+        max_tokens=48,
+        max_retries=0,
+    )
+    messages = [HumanMessage("What is the weather in Paris?")]
+    called = llm.bind_tools([get_weather], tool_choice="required").invoke(messages)
+    (call,) = called.tool_calls[:1]
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    result = get_weather.invoke(call["args"])
+    messages += [called, ToolMessage(result, tool_call_id=call["id"])]
+    answer = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+    city = llm.with_structured_output(City).invoke("Name a big city and its country.")
+    assert isinstance(city, City) and city.name
