@@ -6,7 +6,7 @@ A benchmark is a tool first: it prints its table and writes tracked files (bench
 docs/benchmarks.md) only when run with ``--write`` (``make bench`` passes it). ``parser`` builds
 every benchmark's argument parser and turns SIGTERM into a normal exit, so ``with Daemon(...)``
 blocks and ``finally`` clauses stop the children; the children also get SIGKILL from the kernel
-if the benchmark dies without cleaning up (tests/support/daemon.py's ``die_with_parent``).
+if the benchmark dies without cleaning up (benchmarks/_support/daemon.py's ``die_with_parent``).
 """
 
 from __future__ import annotations

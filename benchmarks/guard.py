@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,9 +36,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import engine as eng  # noqa: E402
-from benchmarks import serving as srv  # noqa: E402
 from benchmarks._report import RESULTS, machine, parser, publish, table  # noqa: E402
-from tests.support.daemon import ROOT, Daemon  # noqa: E402
+from benchmarks._support.daemon import ROOT, Daemon  # noqa: E402
+from benchmarks._support.pump import VOCAB, Floor  # noqa: E402
+from benchmarks.scenarios import common as srv  # noqa: E402
 
 TREES = ("base", "new")
 
@@ -63,7 +63,7 @@ def flat(args, roots: dict[str, Path]) -> dict:
     }  # fmt: skip
     env = {
         "ENGINE__BACKEND": "synthetic", "ENGINE__MAX_BATCH_SIZE": "64",
-        "ENGINE__MAX_CONTEXT": "2048", "ENGINE__SYNTHETIC_VOCAB_SIZE": str(srv.VOCAB),
+        "ENGINE__MAX_CONTEXT": "2048", "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
     }  # fmt: skip
     cpu: dict[str, list[float]] = {t: [] for t in TREES}
     with contextlib.ExitStack() as stack:
@@ -85,7 +85,7 @@ def paced(args, roots: dict[str, Path]) -> dict:
     loads = {"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)}
     env = srv.paced_env(args)
     with contextlib.ExitStack() as stack:
-        floor = stack.enter_context(srv.Floor(args.step_ms))
+        floor = stack.enter_context(Floor(args.step_ms))
         servers: srv.Servers = {"pump": (floor.endpoint, floor.proc.pid)}
         daemons = [stack.enter_context(Daemon(env, root=roots[t])) for t in TREES]
         for t, d in zip(TREES, daemons, strict=True):
@@ -109,13 +109,10 @@ def paced(args, roots: dict[str, Path]) -> dict:
 
 
 def instructions(args, roots: dict[str, Path]) -> dict:
-    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
-        raise SystemExit("the instructions part needs valgrind (Debian: valgrind)")
     loads = {"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)}
     out: dict = {"loads": loads, "runs": args.instr_runs, "per_request": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        wrapper = ["valgrind", "--tool=callgrind", f"--log-file={tmp}/log.%p",
-                   f"--callgrind-out-file={tmp}/cg.%p"]  # fmt: skip
+        wrapper = srv.callgrind_wrapper(tmp)
 
         def count(endpoint: str, pid: int) -> dict[str, float]:
             srv.measure(endpoint, pid, loads["burst"], warmup=True)
@@ -132,7 +129,7 @@ def instructions(args, roots: dict[str, Path]) -> dict:
                 print(f"instructions {name}: {got[name]:,.0f} / request", file=sys.stderr)
             return got
 
-        with srv.Floor(args.step_ms, wrapper) as floor:
+        with Floor(args.step_ms, wrapper) as floor:
             out["per_request"]["pump"] = count(floor.endpoint, floor.proc.pid)
         for t in TREES:
             with Daemon(srv.paced_env(args), wrapper=wrapper, root=roots[t]) as d:

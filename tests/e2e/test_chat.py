@@ -8,8 +8,8 @@ import os
 import sys
 import time
 
-from tests.support.daemon import ROOT, Daemon
-from tests.support.metrics import scrape, value
+from benchmarks._support.daemon import ROOT, Daemon
+from benchmarks._support.metrics import scrape, value
 from tests.support.ptyproc import PtyProcess
 
 

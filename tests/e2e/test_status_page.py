@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway.client import SyncClient
-from tests.support.daemon import Daemon
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = (
