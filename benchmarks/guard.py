@@ -124,16 +124,26 @@ def instructions(args, roots: dict[str, Path]) -> dict:
                     srv.measure(endpoint, pid, load, warmup=True)
                 subprocess.run(["callgrind_control", "-d", str(pid)], check=True,
                                capture_output=True)  # fmt: skip
-                total = srv.callgrind_total(tmp, pid)
-                got[name] = total / (args.instr_runs * load["num_requests"])
+                requests = args.instr_runs * load["num_requests"]
+                got[name] = srv.callgrind_total(tmp, pid) / requests
+                split = srv.callgrind_split(tmp, pid)
+                splits[name] = {
+                    "by_object": {k: v / requests for k, v in split["by_object"].items()},
+                    "top": [(fn, v / requests) for fn, v in split["top"]],
+                }
                 print(f"instructions {name}: {got[name]:,.0f} / request", file=sys.stderr)
             return got
 
+        out["split"] = {}
         with Floor(args.step_ms, wrapper) as floor:
+            splits: dict[str, dict] = {}
             out["per_request"]["pump"] = count(floor.endpoint, floor.proc.pid)
+            out["split"]["pump"] = splits
         for t in TREES:
             with Daemon(srv.paced_env(args), wrapper=wrapper, root=roots[t]) as d:
+                splits = {}
                 out["per_request"][t] = count(d.endpoint, d.proc.pid)
+                out["split"][t] = splits
                 d.terminate()
     per = out["per_request"]
     out["new_vs_base"] = {n: per["new"][n] / per["base"][n] for n in loads}
@@ -158,8 +168,14 @@ def engine(args, roots: dict[str, Path]) -> dict:
             for streams, run in res.items():
                 tps[t].setdefault(streams, []).append(run["tokens_per_s"])
             print(f"engine {i}: {t} {[round(v[-1]) for v in tps[t].values()]}", file=sys.stderr)
-    ratios = {s: srv.paired_ratio(tps["new"][s], tps["base"][s])[0] for s in tps["new"]}
-    return {"size": args.size, "dtype": args.dtype, "tokens_per_s": tps, "new_vs_base": ratios}
+    paired_by = {s: srv.paired_ratio(tps["new"][s], tps["base"][s]) for s in tps["new"]}
+    return {
+        "size": args.size,
+        "dtype": args.dtype,
+        "tokens_per_s": tps,
+        "new_vs_base": {s: p[0] for s, p in paired_by.items()},
+        "ratios": {s: p[1] for s, p in paired_by.items()},
+    }
 
 
 PARTS = {"flat": flat, "paced": paced, "instructions": instructions, "engine": engine}
@@ -169,16 +185,38 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+LOADED = 1.0  # a 1-minute load average above this (2 cores): CPU-time figures inconclusive
+
+
 def markdown(r: dict) -> str:
     base, new = r["commits"]["base"], r["commits"]["new"]
+    load = r["machine"].get("load_average_1m")
+    loaded = load is None or load > LOADED
+    end = r.get("load_average_end")
+    loads = f"{load} when it started" + (f", {end:.2f} when it ended" if end is not None else "")
+    loaded = loaded or (end is not None and end > LOADED)
+    cpu_note = (
+        f"inconclusive: the 1-minute load average was {loads} (other engineers' jobs on the 2 "
+        "cores), and CPU time moves with it"
+        if loaded
+        else f"the 1-minute load average was {loads}"
+    )
     lines = [
         f"## Guard ({', '.join(p for p in PARTS if p in r)}): this tree against a baseline\n",
-        f"`python benchmarks/guard.py --base <checkout of {base}>` at {new}: every figure "
-        f"below from one run with both trees' daemons side by side, rounds interleaved "
-        f"({r['rounds']} rounds, order alternating), median over rounds; a ratio is new / base "
-        "(or / the pump), the median of per-round ratios. The machine (2 cores) was shared "
-        "with other engineers' jobs during the run: the foreign load columns say how much.\n",
+        f"`python benchmarks/guard.py --base <checkout of {base}>` at {new}: both trees' "
+        f"daemons side by side in one run, rounds interleaved ({r['rounds']} rounds, order "
+        "rotated), median over rounds; a ratio is new / base (or / the pump), the median of "
+        "per-round ratios.",
     ]
+    if "instructions" in r:
+        lines.append(
+            "Instructions are callgrind's count of each server's user-space instructions, all "
+            f"threads ({r['instructions']['runs']} run(s) of each load after a warm-up), which "
+            "the machine's load does not change."
+        )
+    if any(p in r for p in ("flat", "paced", "engine")):
+        lines.append(f"CPU time and tokens/s: {cpu_note}.")
+    lines.append("")
     rows = []
     if "flat" in r:
         f = r["flat"]
@@ -186,20 +224,21 @@ def markdown(r: dict) -> str:
         rows.append(["flat out, server CPU µs/token", f"{med(c['base']):.3f}",
                      f"{med(c['new']):.3f}", f"{f['new_vs_base']:.2f}x"])  # fmt: skip
     if "paced" in r:
-        for load in ("burst", "open"):
-            p = r["paced"][load]
+        for name in ("burst", "open"):
+            p = r["paced"][name]
             c = p["cpu_us_per_token"]
-            rows.append([f"paced {load}, server CPU µs/token (pump {med(c['pump']):.2f})",
-                         f"{med(c['base']):.2f}", f"{med(c['new']):.2f}",
+            rows.append([f"paced {name}, server CPU µs/token (pump {med(c['pump']):.2f})",
+                         f"{med(c['base']):.2f} ({p['base_vs_pump']:.2f}x pump)",
+                         f"{med(c['new']):.2f} ({p['new_vs_pump']:.2f}x pump)",
                          f"{p['new_vs_base']:.2f}x"])  # fmt: skip
     if "instructions" in r:
         i = r["instructions"]
-        for load in ("burst", "open"):
+        for name in ("burst", "open"):
             per = i["per_request"]
-            rows.append([f"paced {load}, instructions / request (pump {per['pump'][load]:,.0f})",
-                         f"{per['base'][load]:,.0f} ({i['vs_pump']['base'][load]:.2f}x pump)",
-                         f"{per['new'][load]:,.0f} ({i['vs_pump']['new'][load]:.2f}x pump)",
-                         f"{i['new_vs_base'][load]:.2f}x"])  # fmt: skip
+            rows.append([f"paced {name}, instructions / request (pump {per['pump'][name]:,.0f})",
+                         f"{per['base'][name]:,.0f} ({i['vs_pump']['base'][name]:.2f}x pump)",
+                         f"{per['new'][name]:,.0f} ({i['vs_pump']['new'][name]:.2f}x pump)",
+                         f"{i['new_vs_base'][name]:.2f}x"])  # fmt: skip
     if "engine" in r:
         e = r["engine"]
         for s in e["tokens_per_s"]["new"]:
@@ -209,10 +248,46 @@ def markdown(r: dict) -> str:
                          f"{e['new_vs_base'][s]:.2f}x"])  # fmt: skip
     lines.append(table(["measure", f"base {base}", f"new {new}", "new / base"], rows))
     if "paced" in r:
-        fl = {load: {n: med(v) for n, v in r["paced"][load]["foreign_load"].items()}
-              for load in ("burst", "open")}  # fmt: skip
-        lines.append(f"\nForeign load (share of the machine other processes used), median: {fl}.\n")
+        fl = [f"{name} {load}: {med(v):.2f}" for load in ("burst", "open")
+              for name, v in r["paced"][load]["foreign_load"].items()]  # fmt: skip
+        lines.append(
+            "\nOther processes' share of the machine during the paced runs (median over rounds): "
+            + ", ".join(fl)
+            + "."
+        )
+    if "engine" in r:
+        e = r["engine"]
+        lines.append(
+            "\nPer round, new / base at 1, 8, 32 streams: "
+            + "; ".join(", ".join(f"{v:.2f}" for v in rs) for rs in e.get("ratios", {}).values())
+            + "."
+        )
+    if "instructions" in r and "split" in r["instructions"]:
+        lines.append(split_md(r["instructions"], base, new))
     return "\n".join(lines)
+
+
+def split_md(i: dict, base: str, new: str, load: str = "open") -> str:
+    """The open loop's instructions per request by shared object and the new tree's top
+    functions (callgrind_annotate, self counts), against the pump and the base."""
+    sp = {t: i["split"][t][load] for t in ("pump", *TREES)}
+    objects = sorted(sp["new"]["by_object"], key=lambda o: -sp["new"]["by_object"][o])[:8]
+    rows = [
+        [o, *(f"{sp[t]['by_object'].get(o, 0):,.0f}" for t in ("pump", *TREES))] for o in objects
+    ]
+    base_fn = dict(sp["base"]["top"])
+    fn_rows = [
+        [fn, f"{v:,.0f}", f"{base_fn[fn]:,.0f}" if fn in base_fn else "(not in its top)"]
+        for fn, v in sp["new"]["top"][:12]
+    ]
+    return (
+        f"\nWhere the {load} loop's instructions per request go (callgrind_annotate, self "
+        "counts; Python code shows as the interpreter's C functions, so this splits by kind of "
+        "work, not by Python function):\n\n"
+        + table(["shared object", "pump", f"base {base}", f"new {new}"], rows)
+        + "\n\n"
+        + table(["function (new's top)", f"new {new}", f"base {base}"], fn_rows)
+    )
 
 
 def main() -> None:
@@ -236,7 +311,8 @@ def main() -> None:
         "rounds": args.rounds,
     }
     for part in args.parts.split(","):  # each part its own results file and docs section
-        results = {**head, part: PARTS[part](args, roots)}
+        results = {**head, "machine": machine(), part: PARTS[part](args, roots)}
+        results["load_average_end"] = os.getloadavg()[0]
         publish(args, f"guard-{part}", results, markdown(results))
         if not args.write:  # the figures survive a print-only run
             last = RESULTS / f"guard-{part}.last.json"

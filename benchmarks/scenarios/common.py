@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from benchmarks._report import cpu_seconds
 from benchmarks._support.daemon import Daemon
@@ -206,17 +208,57 @@ def open_load(args, tokens: int = PACED_TOKENS) -> dict:
 SPLIT_LENGTHS = (50, 150, 300)  # tokens per stream of the paced-split bursts
 
 
-def callgrind_total(out_dir: str, pid: int) -> int:
-    """The instruction total of the latest callgrind dump of process ``pid`` in ``out_dir``
-    (``callgrind_control -d`` writes cg.PID.1, cg.PID.2, ...)."""
+def latest_dump(out_dir: str, pid: int) -> Path:
+    """The latest callgrind dump of process ``pid`` in ``out_dir`` (``callgrind_control -d``
+    writes cg.PID.1, cg.PID.2, ...)."""
     dumps = list(Path(out_dir).glob(f"cg.{pid}.*"))
     if not dumps:
         raise SystemExit(f"no callgrind dump of process {pid} in {out_dir}")
-    latest = max(dumps, key=lambda f: int(f.name.rsplit(".", 1)[1]))
+    return max(dumps, key=lambda f: int(f.name.rsplit(".", 1)[1]))
+
+
+def callgrind_total(out_dir: str, pid: int) -> int:
+    """The instruction total of the latest callgrind dump of process ``pid`` in ``out_dir``."""
+    latest = latest_dump(out_dir, pid)
     for line in latest.read_text().splitlines():
         if line.startswith(("summary:", "totals:")):
             return int(line.split()[1])
     raise SystemExit(f"{latest}: no instruction total")
+
+
+_ANNOTATED = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*?)(?: \[(.+)\])?$")
+
+
+def callgrind_split(out_dir: str, pid: int, top: int = 15) -> dict[str, Any]:
+    """Where the latest dump's instructions went, by ``callgrind_annotate`` (self counts, not
+    inclusive): per shared object (the interpreter, numpy, uvloop, libc, ...) and the ``top``
+    functions. Python code shows as the interpreter's C functions (a Python 3.11 frame is not a
+    native one), so this splits the cost by kind of work, not by Python function."""
+    text = subprocess.run(
+        ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(latest_dump(out_dir, pid))],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    by_object: dict[str, int] = {}
+    functions: list[tuple[str, int]] = []
+    for line in text.splitlines():
+        m = _ANNOTATED.match(line)
+        if m is None or m.group(2) == "PROGRAM TOTALS":
+            continue
+        count = int(m.group(1).replace(",", ""))
+        # callgrind_annotate leaves the object out of some lines; the interpreter's own sources
+        # name it by their path.
+        obj = (
+            Path(m.group(3)).name
+            if m.group(3)
+            else "libpython (interpreter)"
+            if "/Python-3." in m.group(2)
+            else "?"
+        )
+        if obj.startswith("libpython"):
+            obj = "libpython (interpreter)"
+        by_object[obj] = by_object.get(obj, 0) + count
+        functions.append((m.group(2).rsplit(":", 1)[-1], count))
+    return {"by_object": by_object, "top": functions[:top]}
 
 
 def callgrind_wrapper(out_dir: str) -> list[str]:
