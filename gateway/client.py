@@ -172,6 +172,16 @@ class TokenEvent:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's logprob and its most likely alternatives (id, logprob),
+    descending: of the distribution the server sampled from (docs/protocol.md, LOGPROBS)."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
 class Result:
     """A finished stream: everything it streamed plus the DONE fields."""
 
@@ -184,6 +194,7 @@ class Result:
     total_us: int
     ids: list[int] = field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id, when asked
 
 
 class Stream:
@@ -197,6 +208,8 @@ class Stream:
         self.result: Result | None = None
         self.ids: list[int] = []
         self.text_parts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []  # filled as LOGPROBS frames arrive
+        self._last_ids: list[int] = []  # the ids of the last TOKEN frame (LOGPROBS follows it)
 
     def _push(self, item: TokenEvent | Result | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -214,6 +227,7 @@ class Stream:
             elif isinstance(item, Result):
                 item.ids = self.ids
                 item.text = "".join(self.text_parts)
+                item.logprobs = self.logprobs
                 self.result = item
                 return
             else:
@@ -353,9 +367,18 @@ class Client:
         stop_ids: list[int] | tuple[int, ...] = (),
         text: bool = True,
         cache: bool = True,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        logit_bias: dict[int, float] | None = None,
     ) -> Stream:
         """Send a binary REQUEST; a str prompt goes as UTF-8 text, a list as token ids.
-        ``cache=False`` bypasses the server's response cache (a fresh run of the model)."""
+        ``cache=False`` bypasses the server's response cache (a fresh run of the model).
+        ``logprobs`` (with ``top_logprobs`` alternatives) fills ``Result.logprobs``; it and the
+        logits processing fields need protocol version 2 (``hello``, the default)."""
         if self.closed_error is not None:
             raise ConnectionClosed(str(self.closed_error))
         stream = self._new_stream()
@@ -371,6 +394,13 @@ class Client:
             stop_ids=stop_ids,
             text_deltas=text,
             cache=cache,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            logit_bias=logit_bias,
         )
         await self._send(frame)
         return stream
@@ -438,7 +468,16 @@ class Client:
             stream = self._streams.get(sid)
             if stream is not None:
                 ids, text = p.parse_token(payload)
-                stream._push(TokenEvent(ids.tolist(), stream._decoder.decode(text)))
+                stream._last_ids = ids.tolist()
+                stream._push(TokenEvent(stream._last_ids, stream._decoder.decode(text)))
+        elif ftype == FrameType.LOGPROBS:
+            stream = self._streams.get(sid)
+            if stream is not None:  # for the ids of the TOKEN frame just before it
+                token, top_ids, top = p.parse_logprobs(payload)
+                ids = stream._last_ids[-len(token) :] if len(token) else []
+                for j, (tid, lp) in enumerate(zip(ids, token.tolist(), strict=True)):
+                    pairs = list(zip(top_ids[j].tolist(), top[j].tolist(), strict=True))
+                    stream.logprobs.append(TokenLogprob(tid, lp, pairs))
         elif ftype == FrameType.DONE:
             stream = self._streams.pop(sid, None)
             if stream is not None:

@@ -101,6 +101,7 @@ class EngineConfig(_Section):
     max_step_tokens: int = Field(512, ge=1)
     prefill_chunk: int = Field(256, ge=1)
     max_context: int = Field(2048, ge=16)
+    max_n: int = Field(8, ge=1)  # most choices (``n``) one request may ask for (issue #27)
     synthetic_step_ms: float = Field(0.0, ge=0)
     synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)

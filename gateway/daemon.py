@@ -55,6 +55,8 @@ from gateway.ops.sockets import make_listen_socket
 from gateway.ops.tls import ALPN_FRAME, ALPN_HTTP, ServerTLS, server_tls
 from gateway.prompts import PromptRegistry
 from gateway.server import Server
+from gateway.structured import Grammars
+from gateway.tokenizer import Tokenizer
 
 log = logging.getLogger("zerolayer")
 
@@ -240,6 +242,18 @@ class Parts:
     stores: list[StorePing]
 
 
+def _grammars(tokenizer: Tokenizer, info: ModelInfo) -> Grammars | None:
+    """Structured output's compiler for the model's tokenizer.json (None when it has none, or
+    llguidance is missing: constrained requests are then refused naming the field)."""
+    if tokenizer.json_path is None:
+        return None
+    try:
+        return Grammars(tokenizer.json_path, tokenizer.eos_token_id, info.vocab_size)
+    except ImportError:
+        log.warning("llguidance is not importable: structured output is refused")
+        return None
+
+
 def _build(settings: Settings, metrics: Metrics, health: Health, listeners: Listeners) -> Parts:
     """Load the model, compile the registered prompts, build hooks, engine, path and doors."""
     health.starting("loading model")
@@ -277,7 +291,9 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
         prefix_store=store,
     )
     sink.engine = engine
-    path = RequestPath(engine, InputProcessor(tokenizer, backend.info, prompts), chain, metrics)
+    # n choices hold n slots at once: at most the slots there are.
+    inputs = InputProcessor(tokenizer, backend.info, prompts, min(ecfg.max_n, backend.num_slots))
+    path = RequestPath(engine, inputs, chain, metrics, grammars=_grammars(tokenizer, backend.info))
     server = Server(settings.server, path, backend.info, metrics)
     api_server = None  # the HTTP front end: another door onto the same request path
     if listeners.api is not None:

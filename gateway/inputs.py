@@ -60,8 +60,21 @@ class Prepared:
     stop_ids: frozenset[int]
     stop_sequences: tuple[str, ...]
     detokenizer: Detokenizer | None
-    deterministic: bool  # greedy or seeded: the same request gives the same answer
+    # The same request gives the same answer (greedy or seeded) and the response cache can hold
+    # it: one choice, no logprobs, no logits processing or constraint (the cache's key has none
+    # of these fields, and a replay carries no logprobs).
+    deterministic: bool
     ignore_eos: bool = False  # generate past the end-of-sequence token (HTTP extension)
+
+
+def plain(req: Request) -> bool:
+    """Whether ``req`` asks for none of issue #27's features (one choice, no logprobs, no logits
+    processing, no constraint): only such requests may use the response cache."""
+    return (
+        req.n == 1 and not req.logprobs and req.constraint is None and not req.logit_bias
+        and not req.min_tokens and not req.presence_penalty and not req.frequency_penalty
+        and req.repetition_penalty == 1.0
+    )  # fmt: skip
 
 
 class InputProcessor:
@@ -72,10 +85,12 @@ class InputProcessor:
         tokenizer: Tokenizer,
         info: ModelInfo,
         prompts: PromptRegistry | None = None,
+        max_n: int = 8,  # engine.max_n
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.prompts = prompts
+        self.max_n = max_n
 
     def prepare(self, req: Request) -> Prepared:
         self.check_text_bound(req)
@@ -86,6 +101,13 @@ class InputProcessor:
             raise invalid("the prompt is empty after tokenization", "prompt")
         if _outside(req.stop_ids, vocab):
             raise invalid(f"stop token id outside the vocabulary [0, {vocab})", "stop_ids")
+        if req.logit_bias and not all(0 <= t < vocab for t in req.logit_bias):
+            bad = next(t for t in req.logit_bias if not 0 <= t < vocab)
+            raise invalid(
+                f"logit_bias key {bad} is outside the vocabulary [0, {vocab})", "logit_bias"
+            )
+        if req.n > self.max_n:
+            raise invalid(f"n must be at most {self.max_n} (engine.max_n), got {req.n}", "n")
         max_context = self.info.max_context
         max_tokens = req.max_tokens
         if max_tokens is None:  # as many as fit beside the prompt
@@ -105,12 +127,18 @@ class InputProcessor:
                 top_k=req.top_k,
                 seed=req.seed or 0,
                 seeded=req.seed is not None,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=req.logit_bias or None,
+                min_tokens=req.min_tokens,
+                logprobs=req.top_logprobs if req.logprobs else -1,
             ),
             max_tokens=max_tokens,
             stop_ids=frozenset(req.stop_ids.tolist()) if len(req.stop_ids) else _NO_STOP_IDS,
             stop_sequences=req.stop_sequences,
             detokenizer=Detokenizer(self.tokenizer) if wants_detok else None,
-            deterministic=req.temperature == 0 or req.seed is not None,
+            deterministic=(req.temperature == 0 or req.seed is not None) and plain(req),
             ignore_eos=req.ignore_eos,
         )
 

@@ -28,6 +28,7 @@ on, and each door reads ``draining`` to say so in its own wire format.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -49,10 +50,13 @@ from gateway.codes import (
 from gateway.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
 from gateway.engine.step import FINISH_ERROR, StepOutput
 from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
-from gateway.inputs import InputProcessor, Prepared
+from gateway.inputs import InputProcessor, Prepared, plain
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
 from gateway.outputs import OutputProcessor, TokenWriter
+from gateway.structured import Grammar, GrammarError, Grammars
+from gateway.tokenizer import Detokenizer
+from kernels.sampling import child_seed
 
 log = logging.getLogger("zerolayer.requests")
 
@@ -108,7 +112,8 @@ class Stream:
 
     __slots__ = ("door", "key", "api", "phase", "seq", "ctx", "t_recv", "t_first", "n_ids",
                  "prompt_tokens", "cache_bits", "want_text", "record", "rec_ids", "rec_text",
-                 "full_ids", "finish", "from_cache", "state", "ended")  # fmt: skip
+                 "full_ids", "finish", "from_cache", "state", "ended", "choice",
+                 "group")  # fmt: skip
 
     def __init__(self, door: Door, key: int, api: str, want_text: bool = False) -> None:
         self.door = door
@@ -133,6 +138,10 @@ class Stream:
         self.finish = _ERROR  # how it ended, once ENDED
         self.from_cache = False
         self.state: object = None  # the door's own per-stream data
+        # n > 1 (docs/architecture.md, "n choices"): ``RequestPath.open`` makes n streams for
+        # one request; each is one choice, ``group`` the tuple of all n (None when n == 1).
+        self.choice = 0
+        self.group: tuple[Stream, ...] | None = None
 
 
 def charged_prompt_tokens(st: Stream) -> int:
@@ -158,8 +167,10 @@ class RequestPath:
         chain: Chain,
         metrics: Metrics,
         tokenizer_decode=None,  # noqa: ANN001 - Callable[[list[int]], str]
+        grammars: Grammars | None = None,
     ) -> None:
         self.engine = engine
+        self.grammars = grammars  # structured output (None: the model's tokenizer has none)
         self.inputs = inputs
         self.chain = chain
         self.metrics = metrics
@@ -180,22 +191,68 @@ class RequestPath:
 
     def open(self, st: Stream, principal: Principal, req: p.Request) -> None:
         """Run ``req`` for ``st`` (already known to its door). Never raises for anything the
-        request contains: every outcome reaches the door through its methods."""
+        request contains: every outcome reaches the door through its methods. With ``req.n`` >
+        1, ``st`` is choice 0 of n streams made here (docs/architecture.md, "n choices")."""
         assert st.phase is NEW
+        if req.n > 1:
+            self._make_choices(st, req.n)
         try:
             if self.draining:
                 raise Refusal(ErrorCode.SHUTTING_DOWN, "server is draining")
-            if self.inputs.check_text_bound(req) > offload.INLINE_BYTES:
+            large = self.inputs.check_text_bound(req) > offload.INLINE_BYTES
+            if large or req.constraint is not None:
                 st.phase = PREPARING  # the stream is open (its id taken) while it is prepared
-                self._track(self._prepare_async(st, principal, req))
+                self._track(self._prepare_async(st, principal, req, large))
                 return
             prep = self.inputs.prepare(req)
         except Refusal as exc:
-            self.fail(st, exc.code, exc.message, exc.retry_after_ms)
+            self._fail_all(st, exc.code, exc.message, exc.retry_after_ms)
             return
-        self._prepared(st, principal, req, prep)
+        self._prepared(st, principal, req, prep, None)
 
-    def _prepared(self, st: Stream, principal: Principal, req: p.Request, prep: Prepared) -> None:
+    def _make_choices(self, st: Stream, n: int) -> None:
+        """Choices 1 … n-1 of ``st``'s request: streams of the same door, key and api."""
+        group = [st]
+        for choice in range(1, n):
+            sib = Stream(st.door, st.key, st.api, st.want_text)
+            sib.t_recv = st.t_recv
+            sib.choice = choice
+            group.append(sib)
+        for member in group:
+            member.group = tuple(group)
+
+    def _fail_all(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+        """End ``st`` and the other choices of its request with the same ERROR."""
+        for member in st.group or (st,):
+            self.fail(member, code, message, retry_after_ms)
+
+    async def _compile(self, req: p.Request) -> Grammar | None:
+        """The request's constraint compiled (off the loop and the engine thread, cached by
+        constraint); a Refusal naming the field when it cannot be."""
+        constraint = req.constraint
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise Refusal(
+                ErrorCode.INVALID_REQUEST,
+                f"{constraint.field}: structured output needs the model's tokenizer.json, "
+                "which this model does not have",
+                0,
+                constraint.field,
+            )
+        try:
+            return await self.grammars.compile(constraint)
+        except GrammarError as exc:
+            raise Refusal(ErrorCode.INVALID_REQUEST, str(exc), 0, exc.field) from None
+
+    def _prepared(
+        self,
+        st: Stream,
+        principal: Principal,
+        req: p.Request,
+        prep: Prepared,
+        grammar: Grammar | None,
+    ) -> None:
         """After validation and tokenizing: the hooks, then the engine."""
         st.full_ids = prep.prompt
         st.prompt_tokens = len(prep.prompt)
@@ -206,13 +263,26 @@ class RequestPath:
         if self._records and prep.deterministic:
             st.record = True
             st.rec_text = [] if prep.detokenizer is not None else None
+        # Fair admission: an authenticated client's sequences share one turn, an anonymous
+        # client's share its connection's (gateway.engine.engine: round robin by this key).
+        fair_key = principal.name if principal.key_id else id(st.door)
         st.seq = Sequence(
             st, prep.prompt, prep.max_tokens, prep.sampling, prep.stop_ids, prep.stop_sequences,
-            prep.detokenizer, prep.ignore_eos,
-            # Fair admission: an authenticated client's sequences share one turn, an anonymous
-            # client's share its connection's (gateway.engine.engine: round robin by this key).
-            principal.name if principal.key_id else id(st.door),
+            prep.detokenizer, prep.ignore_eos, fair_key, grammar,
         )  # fmt: skip
+        for sib in (st.group or (st,))[1:]:  # the other choices: their own seed stream and text
+            sib.full_ids, sib.prompt_tokens = st.full_ids, st.prompt_tokens
+            sib.want_text = st.want_text
+            sampling = dataclasses.replace(prep.sampling)
+            if sampling.seeded:
+                sampling.seed = child_seed(sampling.seed, sib.choice)
+            detok = Detokenizer(self.inputs.tokenizer) if prep.detokenizer is not None else None
+            sib.seq = Sequence(
+                sib, prep.prompt, prep.max_tokens, sampling, prep.stop_ids, prep.stop_sequences,
+                detok, prep.ignore_eos, fair_key, grammar,
+            )  # fmt: skip
+            sib.seq.parent = st.seq
+            st.seq.choices.append(sib.seq)
         if not self._per_request_hooks:
             self._submit(st)
             return
@@ -234,24 +304,33 @@ class RequestPath:
         self.hook_tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self.hook_tasks.discard)
 
-    async def _prepare_async(self, st: Stream, principal: Principal, req: p.Request) -> None:
-        """A large input, prepared on the offload pool. A stream that ended meanwhile (CANCEL,
-        disconnect, drain) has already been answered once: the result is dropped."""
+    async def _prepare_async(
+        self, st: Stream, principal: Principal, req: p.Request, large: bool
+    ) -> None:
+        """A constraint compiled, and a large input prepared on the offload pool. A stream that
+        ended meanwhile (CANCEL, disconnect, drain) has already been answered once: the result
+        is dropped."""
         try:
             try:
-                prep = await offload.run(self.inputs.prepare, req)
+                grammar = await self._compile(req)
+                if st.phase is not PREPARING:
+                    return
+                if large:
+                    prep = await offload.run(self.inputs.prepare, req)
+                else:
+                    prep = self.inputs.prepare(req)
             except Refusal as exc:
                 if st.phase is PREPARING:
                     st.phase = NEW
-                    self.fail(st, exc.code, exc.message, exc.retry_after_ms)
+                    self._fail_all(st, exc.code, exc.message, exc.retry_after_ms)
                 return
             if st.phase is not PREPARING:
                 return
             st.phase = NEW
-            self._prepared(st, principal, req, prep)
-        except Exception:  # a bug in preparing or after it: this stream alone ends
-            log.exception("request path failed preparing a large input")
-            self.fail(st, ErrorCode.INTERNAL, "internal server error")
+            self._prepared(st, principal, req, prep, grammar)
+        except Exception:  # a bug in preparing or after it: this request alone ends
+            log.exception("request path failed preparing a request")
+            self._fail_all(st, ErrorCode.INTERNAL, "internal server error")
         finally:
             if st.door.open:
                 st.door.flush()
@@ -324,7 +403,7 @@ class RequestPath:
             stop_ids=tuple(sorted(seq.stop_ids)),
             stop_sequences=req.stop_sequences,
             want_text=req.want_text,
-            use_cache=req.use_cache,
+            use_cache=req.use_cache and plain(req),  # the cache's key has no #27 field
         )
 
     async def _run_hooks_async(self, st: Stream) -> None:
@@ -357,7 +436,7 @@ class RequestPath:
         st.ctx = None
         if exc.code == ErrorCode.RATE_LIMITED:
             self.metrics.rate_limited()
-        self.fail(st, exc.code, exc.message, exc.retry_after_ms)
+        self._fail_all(st, exc.code, exc.message, exc.retry_after_ms)
 
     def _proceed(self, st: Stream, cached: CachedResponse | None) -> None:
         """After the hooks: the engine, or the response cache's answer."""
@@ -367,14 +446,16 @@ class RequestPath:
             self._replay(st, cached)
 
     def _submit(self, st: Stream) -> None:
+        """Into the engine: one sequence (choice 0 carries the other choices' sequences)."""
         assert st.seq is not None
-        st.phase = ENGINE
+        for member in st.group or (st,):
+            member.phase = ENGINE
         try:
             self.engine.submit(st.seq)
         except EngineOverloaded as exc:
-            self.fail(st, ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms)
+            self._fail_all(st, ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms)
         except EngineStopped:
-            self.fail(st, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            self._fail_all(st, ErrorCode.SHUTTING_DOWN, "server is shutting down")
 
     def _replay(self, st: Stream, cached: CachedResponse) -> None:
         """Answer from the response cache: the stored stream, then DONE with cache bit 0."""
@@ -455,8 +536,10 @@ class RequestPath:
                         "total_ms": round(total_s * 1000, 3),
                     },
                 )
-        if st.ctx is not None and not hooks_running:
-            self._hooks_done(st)
+        first = st.group[0] if st.group else st
+        last = st.group is None or all(member.ended for member in st.group)
+        if first.ctx is not None and not (hooks_running or first.phase is HOOKS) and last:
+            self._hooks_done(first)  # one request: on_done once, after its last choice
         door.stream_ended(st)
 
     def _hooks_done(self, st: Stream) -> None:
@@ -472,10 +555,11 @@ class RequestPath:
                 if st.rec_text is not None
                 else self._decode(st.rec_ids.tolist())
             )
+        completion_tokens = sum(member.n_ids for member in st.group or (st,))
         self.chain.on_done(
             ctx,
             Completion(
-                int(st.finish), charged_prompt_tokens(st), st.n_ids, ids, text,
+                int(st.finish), charged_prompt_tokens(st), completion_tokens, ids, text,
                 from_cache=st.from_cache,
             ),
         )  # fmt: skip

@@ -105,7 +105,9 @@ class OutputProcessor:
                 dirty.append(door)
         if step.joined:
             now = _perf()
-            for st in step.owners[-step.joined :]:
+            owners = step.owners
+            for i in step.joined:
+                st = owners[i]
                 if not st.t_first:  # type: ignore[attr-defined]
                     st.t_first = now  # type: ignore[attr-defined]
         if fan.recording:

@@ -27,6 +27,7 @@ from gateway.validation import (
     get_bool,
     get_float,
     get_int,
+    get_logit_bias,
     get_messages,
     get_stops,
     get_text,
@@ -34,7 +35,8 @@ from gateway.validation import (
     validate,
 )
 
-VERSION = 1
+VERSION = 2  # what this codec speaks; the server also speaks 1 (docs/protocol.md, "Versions")
+SUPPORTED_VERSIONS = (1, 2)
 HEADER = struct.Struct("<IBBHI")  # length, type, flags, reserved, stream
 HEADER_SIZE = HEADER.size  # 12
 MAX_PING_BYTES = 64
@@ -51,6 +53,7 @@ class FrameType(IntEnum):
     HELLO = 0x08
     WELCOME = 0x09
     GOAWAY = 0x0A
+    LOGPROBS = 0x0B  # version 2
 
 
 # REQUEST flags and options
@@ -59,12 +62,23 @@ OPT_TEXT_PROMPT = 0x01
 OPT_TEXT_DELTAS = 0x02
 OPT_SEED = 0x04
 OPT_NO_CACHE = 0x08  # bypass the response cache (JSON "cache": false)
-KNOWN_OPTIONS = OPT_TEXT_PROMPT | OPT_TEXT_DELTAS | OPT_SEED | OPT_NO_CACHE
+OPT_LOGPROBS = 0x10  # version 2: LOGPROBS frames beside the TOKEN frames
+OPT_PROCESSING = 0x20  # version 2: the processing block follows the stop ids
+TOP_LOGPROBS_SHIFT, TOP_LOGPROBS_MASK = 8, 0x1F00  # options bits 8-12: top_logprobs (0-20)
+KNOWN_OPTIONS = (
+    OPT_TEXT_PROMPT | OPT_TEXT_DELTAS | OPT_SEED | OPT_NO_CACHE | OPT_LOGPROBS | OPT_PROCESSING
+    | TOP_LOGPROBS_MASK
+)  # fmt: skip
 # DONE cache bits
 CACHE_RESPONSE = 0x01
 CACHE_PROMPT = 0x02
 
 REQUEST_FIXED = struct.Struct("<IffIQIHH")  # 32 bytes
+# The processing block (option bit 5): presence, frequency, repetition penalty, min_tokens,
+# n_bias, reserved; then n_bias (token id i32, bias f32) pairs.
+REQUEST_PROCESSING = struct.Struct("<fffIHH")  # 16 bytes
+BIAS_ENTRY = np.dtype([("id", "<i4"), ("value", "<f4")])
+LOGPROBS_HEAD = struct.Struct("<HBB")  # n_tokens, k, reserved
 TOKEN_HEAD = struct.Struct("<HH")
 DONE_BODY = struct.Struct("<BBHIIIII")  # 24 bytes
 ERROR_HEAD = struct.Struct("<HHI")
@@ -85,13 +99,16 @@ SERVER_TO_CLIENT = frozenset(
         FrameType.ERROR,
         FrameType.WELCOME,
         FrameType.GOAWAY,
+        FrameType.LOGPROBS,
     }
 )
 # Frames that must be on stream 0, and frames that must not be.
 CONNECTION_FRAMES = frozenset(
     {FrameType.PING, FrameType.PONG, FrameType.HELLO, FrameType.WELCOME, FrameType.GOAWAY}
 )
-STREAM_FRAMES = frozenset({FrameType.REQUEST, FrameType.CANCEL, FrameType.TOKEN, FrameType.DONE})
+STREAM_FRAMES = frozenset(
+    {FrameType.REQUEST, FrameType.CANCEL, FrameType.TOKEN, FrameType.DONE, FrameType.LOGPROBS}
+)
 # Allowed flag bits per type: only REQUEST has one.
 _ALLOWED_FLAGS = [0] * 256
 _ALLOWED_FLAGS[FrameType.REQUEST] = FLAG_JSON
@@ -264,6 +281,9 @@ def parse_request(flags: int, payload: memoryview) -> Request:
     prompt_at = REQUEST_FIXED.size + 4 * n_stop
     if prompt_at > len(payload):
         raise invalid(f"n_stop {n_stop} does not fit in the payload", "n_stop")
+    processing = None
+    if options & OPT_PROCESSING:
+        processing, prompt_at = _parse_processing(payload, prompt_at)
     stop_ids = (
         np.frombuffer(payload, dtype="<i4", count=n_stop, offset=REQUEST_FIXED.size).astype(
             np.int32  # a copy: the payload view is reused
@@ -281,7 +301,12 @@ def parse_request(flags: int, payload: memoryview) -> Request:
         stop_ids=stop_ids,
         want_text=bool(options & OPT_TEXT_DELTAS),
         use_cache=not options & OPT_NO_CACHE,
+        logprobs=bool(options & OPT_LOGPROBS),
+        top_logprobs=(options & TOP_LOGPROBS_MASK) >> TOP_LOGPROBS_SHIFT,
     )
+    if processing is not None:
+        (req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.min_tokens,
+         req.logit_bias) = processing  # fmt: skip
     validate(req)
     rest = payload[prompt_at:]
     if options & OPT_TEXT_PROMPT:
@@ -298,6 +323,26 @@ def parse_request(flags: int, payload: memoryview) -> Request:
     return req
 
 
+def _parse_processing(
+    payload: memoryview, at: int
+) -> tuple[tuple[float, float, float, int, dict[int, float] | None], int]:
+    """The processing block at ``at`` (option bit 5): its fields, and where the prompt starts."""
+    end = at + REQUEST_PROCESSING.size
+    if end > len(payload):
+        raise invalid("the processing block (option bit 5) does not fit", "options")
+    presence, frequency, repetition, min_tokens, n_bias, _ = REQUEST_PROCESSING.unpack_from(
+        payload, at
+    )
+    bias_end = end + BIAS_ENTRY.itemsize * n_bias
+    if bias_end > len(payload):
+        raise invalid(f"n_bias {n_bias} does not fit in the payload", "logit_bias")
+    entries = np.frombuffer(payload, BIAS_ENTRY, n_bias, end)
+    bias = dict(zip(entries["id"].tolist(), entries["value"].tolist(), strict=True)) or None
+    if bias is not None and len(bias) != n_bias:
+        raise invalid("logit_bias names a token id twice", "logit_bias")
+    return (presence, frequency, repetition, min_tokens, bias), bias_end
+
+
 # The keys of a JSON REQUEST (docs/protocol.md); their values follow gateway.validation.
 _JSON_KEYS = frozenset(
     {
@@ -312,6 +357,15 @@ _JSON_KEYS = frozenset(
         "seed",
         "stop_sequences",
         "cache",
+        # version 2
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "n",
     }
 )
 
@@ -333,6 +387,14 @@ def _parse_json_request(payload: memoryview) -> Request:
         stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
         want_text=True,
         use_cache=get_bool(obj, "cache", True),
+        logprobs=get_bool(obj, "logprobs", False),
+        top_logprobs=get_int(obj, "top_logprobs", 0),
+        presence_penalty=get_float(obj, "presence_penalty", 0.0),
+        frequency_penalty=get_float(obj, "frequency_penalty", 0.0),
+        repetition_penalty=get_float(obj, "repetition_penalty", 1.0),
+        logit_bias=get_logit_bias(obj),
+        min_tokens=get_int(obj, "min_tokens", 0),
+        n=get_int(obj, "n", 1),
     )
     if "system" in obj:
         req.system = get_text(obj["system"], "system") or None
@@ -405,6 +467,20 @@ def parse_token(payload: memoryview) -> tuple[np.ndarray, bytes]:
     return ids, bytes(payload[end:])
 
 
+def parse_logprobs(payload: memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each token's logprob f32 [n], the top ids i32 [n, k], their logprobs f32 [n, k])."""
+    if len(payload) < LOGPROBS_HEAD.size:
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "LOGPROBS shorter than 4 bytes")
+    n, k, _ = LOGPROBS_HEAD.unpack_from(payload, 0)
+    if len(payload) != LOGPROBS_HEAD.size + 4 * n * (1 + 2 * k):
+        raise ProtocolError(ErrorCode.MALFORMED_FRAME, "LOGPROBS size disagrees with n and k")
+    at = LOGPROBS_HEAD.size
+    token = np.frombuffer(payload, "<f4", n, at)
+    ids = np.frombuffer(payload, "<i4", n * k, at + 4 * n).reshape(n, k)
+    top = np.frombuffer(payload, "<f4", n * k, at + 4 * n * (1 + k)).reshape(n, k)
+    return token, ids, top
+
+
 def parse_done(payload: memoryview) -> Done:
     if len(payload) != DONE_BODY.size:
         raise ProtocolError(ErrorCode.MALFORMED_FRAME, "DONE must be 24 bytes")
@@ -455,12 +531,40 @@ def encode_request(
     stop_ids: list[int] | tuple[int, ...] = (),
     text_deltas: bool = False,
     cache: bool = True,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_tokens: int = 0,
+    logit_bias: dict[int, float] | None = None,
 ) -> bytes:
     """A binary REQUEST. A str/bytes prompt is sent as UTF-8 text, a list/array as int32 ids;
-    ``cache=False`` bypasses the response cache."""
+    ``cache=False`` bypasses the response cache. Version 2: ``logprobs`` (option bit 4, with
+    ``top_logprobs`` in bits 8-12) and the processing block (bit 5), written when any of its
+    fields is not its default."""
     options = OPT_TEXT_DELTAS if text_deltas else 0
     if not cache:
         options |= OPT_NO_CACHE
+    if logprobs:
+        options |= OPT_LOGPROBS
+    options |= (top_logprobs << TOP_LOGPROBS_SHIFT) & TOP_LOGPROBS_MASK
+    block = b""
+    if (
+        presence_penalty
+        or frequency_penalty
+        or repetition_penalty != 1.0
+        or min_tokens
+        or (logit_bias)
+    ):
+        options |= OPT_PROCESSING
+        bias = np.array(list((logit_bias or {}).items()), BIAS_ENTRY)
+        block = (
+            REQUEST_PROCESSING.pack(
+                presence_penalty, frequency_penalty, repetition_penalty, min_tokens, len(bias), 0
+            )
+            + bias.tobytes()
+        )
     if isinstance(prompt, str):
         body = prompt.encode("utf-8")
         options |= OPT_TEXT_PROMPT
@@ -482,7 +586,7 @@ def encode_request(
         options,
     )
     stops = np.asarray(stop_ids, dtype="<i4").tobytes()
-    return encode_frame(FrameType.REQUEST, stream, fixed + stops + body)
+    return encode_frame(FrameType.REQUEST, stream, fixed + stops + block + body)
 
 
 def encode_json_request(stream: int, request: JsonObject) -> bytes:
@@ -502,9 +606,10 @@ def encode_welcome(
     eos_token_id: int,
     max_context: int,
     model: str,
+    version: int = VERSION,
 ) -> bytes:
     body = WELCOME_HEAD.pack(
-        VERSION, 0, max_frame_bytes, max_streams, vocab_size, eos_token_id, max_context
+        version, 0, max_frame_bytes, max_streams, vocab_size, eos_token_id, max_context
     )
     return encode_frame(FrameType.WELCOME, 0, body + model.encode("utf-8"))
 
@@ -535,6 +640,20 @@ def encode_goaway(in_flight: int, reason: str = "") -> bytes:
 def encode_token(stream: int, ids: list[int] | np.ndarray, text: bytes = b"") -> bytes:
     body = TOKEN_HEAD.pack(len(ids), 0) + np.asarray(ids, dtype="<i4").tobytes() + text
     return encode_frame(FrameType.TOKEN, stream, body)
+
+
+def encode_logprobs(stream: int, token: np.ndarray, top_ids: np.ndarray, top: np.ndarray) -> bytes:
+    """A LOGPROBS frame for the n ids of the TOKEN frame before it: each id's logprob
+    (``token`` [n]), and k alternatives per id (``top_ids`` / ``top`` [n, k], descending)."""
+    n = len(token)
+    k = top_ids.shape[1] if top_ids.ndim == 2 else 0
+    body = (
+        LOGPROBS_HEAD.pack(n, k, 0)
+        + np.asarray(token, "<f4").tobytes()
+        + np.asarray(top_ids, "<i4").tobytes()
+        + np.asarray(top, "<f4").tobytes()
+    )
+    return encode_frame(FrameType.LOGPROBS, stream, body)
 
 
 def encode_done(stream: int, done: Done) -> bytes:

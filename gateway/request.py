@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.structured import Constraint
+
 NO_STOP_IDS = np.empty(0, np.int32)  # the stop ids of a request without any (shared: read-only)
 NO_STOP_IDS.flags.writeable = False
 
@@ -36,3 +38,13 @@ class Request:
     ignore_eos: bool = False  # a stop rule: generate past EOS (vLLM's extension)
     want_text: bool = False  # the door wants text deltas
     use_cache: bool = True  # False: the response cache is neither read nor written (#29)
+    # Logits processing (kernels/sampling.py says the order and semantics), issue #27:
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
+    repetition_penalty: float = 1.0  # (0, 2], Hugging Face semantics, prompt + output; 1 = off
+    logit_bias: dict[int, float] | None = None  # token id -> [-100, 100] added to its logit
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens were produced
+    logprobs: bool = False  # return the sampled token's logprob (after processing, see sampling)
+    top_logprobs: int = 0  # [0, 20] most likely alternatives with it (needs logprobs)
+    n: int = 1  # choices generated from one prompt, [1, engine.max_n]: one prefill, n streams
+    constraint: Constraint | None = None  # structured output (gateway.structured)

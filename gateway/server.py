@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gateway import protocol as p
-from gateway.codes import FRAMES, ErrorCode, FinishReason, Refusal
+from gateway.codes import FRAMES, ErrorCode, FinishReason, Refusal, invalid
 from gateway.config import ServerConfig
 from gateway.engine.backend import ModelInfo
 from gateway.engine.step import NO_TOKEN, StepOutput
@@ -61,14 +61,14 @@ class Server:
         self._all_closed = asyncio.Event()
         self._conn_ids = itertools.count(1)
         self._draining = False  # drain() ran
-        self.welcome = p.encode_welcome(
-            cfg.max_frame_bytes,
-            cfg.max_streams_per_connection,
-            info.vocab_size,
-            info.eos_token_id,
-            info.max_context,
-            info.name,
-        )
+        # The WELCOME answering a HELLO of each version the server speaks (it names it).
+        self.welcomes = {
+            version: p.encode_welcome(
+                cfg.max_frame_bytes, cfg.max_streams_per_connection, info.vocab_size,
+                info.eos_token_id, info.max_context, info.name, version,
+            )
+            for version in p.SUPPORTED_VERSIONS
+        }  # fmt: skip
         # first bytes -> the reply to a client at the wrong door (gateway.wrong_door), or None
         self.wrong_door: Callable[[bytes], bytes | None] | None = None
         self._m_bytes_out = metrics.bytes_out
@@ -219,6 +219,7 @@ class Connection(asyncio.BufferedProtocol):
         self.cert_principal: Principal | None = None  # a verified mTLS certificate's key
         self.closing = False
         self.slow = False
+        self.version = 1  # the protocol version its HELLO asked for (1 without a HELLO)
         self.dirty = False
         self.last_activity = self.opened_at = time.monotonic()
         self.out = FrameBuffer(_IDLE_OUT_BYTES)
@@ -361,13 +362,15 @@ class Connection(asyncio.BufferedProtocol):
 
     def _on_hello(self, payload: memoryview) -> None:
         version, key = p.parse_hello(payload)
-        if version != p.VERSION:
+        if version not in p.SUPPORTED_VERSIONS:
+            speaks = " and ".join(map(str, p.SUPPORTED_VERSIONS))
             raise ProtocolError(
                 ErrorCode.UNSUPPORTED_VERSION,
-                f"protocol version {version} not supported (this server speaks {p.VERSION})",
+                f"protocol version {version} not supported (this server speaks {speaks})",
             )
+        self.version = version
         if not key and self.cert_principal is not None:  # the certificate stands for the key
-            self._queue_frame(self.server.welcome, "WELCOME")
+            self._queue_frame(self.server.welcomes[version], "WELCOME")
             return
         try:
             principal = self.path.authenticate(key)
@@ -388,7 +391,7 @@ class Connection(asyncio.BufferedProtocol):
             )
             return
         self.principal = principal
-        self._queue_frame(self.server.welcome, "WELCOME")
+        self._queue_frame(self.server.welcomes[version], "WELCOME")
 
     def _on_request(self, stream: int, flags: int, payload: memoryview) -> None:
         if stream in self.streams:
@@ -407,11 +410,36 @@ class Connection(asyncio.BufferedProtocol):
             return
         try:
             req = p.parse_request(flags, payload)
+            self._check_version(req)
         except Refusal as exc:
             self.path.refuse(st, exc.code, exc.message)
             return
         assert self.principal is not None
         self.path.open(st, self.principal, req)
+
+    def _check_version(self, req: p.Request) -> None:
+        """The frame door's own rules on issue #27's fields (docs/protocol.md): they need
+        protocol version 2 (a version 1 client could not read a LOGPROBS frame), and n > 1 is
+        the HTTP door's (a frame stream is one choice)."""
+        if req.n > 1:
+            raise invalid(
+                "n > 1 is served on the HTTP API; a frame stream is one choice "
+                "(send n requests with their own seeds)",
+                "n",
+            )
+        if self.version >= 2:
+            return
+        v2 = (
+            ("logprobs", req.logprobs),
+            ("presence_penalty", req.presence_penalty != 0.0),
+            ("frequency_penalty", req.frequency_penalty != 0.0),
+            ("repetition_penalty", req.repetition_penalty != 1.0),
+            ("logit_bias", bool(req.logit_bias)),
+            ("min_tokens", req.min_tokens != 0),
+        )
+        for name, used in v2:
+            if used:
+                raise invalid(f"{name} needs protocol version 2 (send HELLO version 2)", name)
 
     # ------------------------------------------------------------------ the door's writes
 
@@ -514,13 +542,16 @@ class TokenFrames:
     each connection its span of bytes. Streams that want text get a frame per step with their id
     and text delta (or the text alone when the step produced no id)."""
 
-    __slots__ = ("perm", "n", "frames", "spans", "text_rows", "doors")
+    __slots__ = ("perm", "n", "frames", "spans", "text_rows", "doors", "logprobs")
 
     def __init__(self, streams: list[Stream], rows: list[int]) -> None:
         by_conn: dict[Connection, list[tuple[int, int]]] = {}
         self.text_rows: list[tuple[int, Stream]] = []
+        self.logprobs = False  # some stream wants LOGPROBS frames (it is then a text row)
         for st, i in zip(streams, rows, strict=True):
-            if st.want_text:
+            lp = st.seq is not None and st.seq.sampling.logprobs >= 0
+            self.logprobs |= lp
+            if st.want_text or lp:
                 self.text_rows.append((i, st))
             else:
                 by_conn.setdefault(st.door, []).append((i, st.key))  # type: ignore[arg-type]
@@ -563,6 +594,14 @@ class TokenFrames:
                 out = st.door.out  # type: ignore[attr-defined]
                 if token != NO_TOKEN:
                     out.token(st.key, (token,), data)
+                    lp = step.logprobs.get(i) if self.logprobs else None
+                    if lp is not None:  # beside the TOKEN frame of its id
+                        out.raw(
+                            p.encode_logprobs(
+                                st.key, np.array([lp.token], np.float32), lp.top_ids[None, :],
+                                lp.top[None, :],
+                            )
+                        )  # fmt: skip
                 elif data:
                     out.token(st.key, (), data)
                 else:

@@ -145,12 +145,13 @@ class RowMatcher:
 
 class Grammars:
     """Compiles constraints for one tokenizer on its own worker thread, LRU-cached by text.
-    ``eos_ids[0]`` is the end token a complete match allows (the model's EOS)."""
+    ``eos_id`` is the end token a complete match allows (the model's EOS; the engine's rows
+    allow the tokenizer's other end-of-generation ids wherever it is allowed)."""
 
     def __init__(
         self,
         tokenizer_json: str | Path,
-        eos_ids: list[int],
+        eos_id: int,
         vocab_size: int,
         timeout_s: float = COMPILE_TIMEOUT_S,
         cache_size: int = CACHE_SIZE,
@@ -159,7 +160,7 @@ class Grammars:
 
         self._llg = llguidance
         text = Path(tokenizer_json).read_text()
-        self.tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_ids[0])
+        self.tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_id)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.timeout_s = timeout_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +25,9 @@ class Tokenizer(ABC):
         int
     ]  # every id that ends generation (generation_config may list several)
     add_bos: bool  # prepend BOS to prompts that do not start with it
+    # The checkpoint's tokenizer.json, which structured output's grammar engine reads (None: the
+    # tokenizer has none, and constrained requests are refused).
+    json_path: Path | None = None
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:

@@ -33,6 +33,7 @@ JsonObject = dict[str, Any]
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
+MAX_TOP_LOGPROBS = 20  # the most alternatives a row may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +49,10 @@ class Range:
 #: docs/http.md quote them). temperature: OpenAI's [0, 2] (Anthropic documents [0, 1]; the
 #: wider range is served on /v1/messages too). top_k: 0 or -1 = off (vLLM); top_p: (0, 1];
 #: seed: any int64 or uint64 (a negative seed is taken as its two's complement, as OpenAI's
-#: int64 seeds). Fields that come next take their place here: ``top_logprobs`` (issue #27,
-#: frame option bit 4) and the response-cache bypass (issue #29, bit 3; JSON ``"cache"``).
+#: int64 seeds). presence/frequency penalties: OpenAI's [-2, 2]; repetition_penalty: Hugging
+#: Face's multiplicative penalty, (0, 2] (1 = off); logit_bias values: OpenAI's [-100, 100]
+#: (its keys' vocabulary check is the input processor's); top_logprobs: OpenAI's [0, 20]; n:
+#: at least 1 here, at most ``engine.max_n`` (the input processor's: it is configured).
 RANGES: dict[str, Range] = {
     "max_tokens": Range(1, U32_MAX, f"an integer in [1, {U32_MAX}]"),
     "temperature": Range(0.0, 2.0, "a number in [0, 2]"),
@@ -57,6 +60,13 @@ RANGES: dict[str, Range] = {
     "top_k": Range(-1, INT32_MAX, f"an integer in [-1, {INT32_MAX}] (0 or -1 = off)"),
     "seed": Range(-(2**63), U64_MAX, "an integer in [-2**63, 2**64)"),
     "prompt_id": Range(0, U32_MAX, f"an integer in [0, {U32_MAX}] (0 = none)"),
+    "presence_penalty": Range(-2.0, 2.0, "a number in [-2, 2]"),
+    "frequency_penalty": Range(-2.0, 2.0, "a number in [-2, 2]"),
+    "repetition_penalty": Range(0.0, 2.0, "a number in (0, 2]"),  # 0 itself is refused
+    "logit_bias": Range(-100.0, 100.0, "a number in [-100, 100]"),  # each value
+    "min_tokens": Range(0, U32_MAX, f"an integer in [0, {U32_MAX}]"),
+    "top_logprobs": Range(0, MAX_TOP_LOGPROBS, f"an integer in [0, {MAX_TOP_LOGPROBS}]"),
+    "n": Range(1, U32_MAX, "an integer of at least 1"),  # the top is engine.max_n (inputs)
 }
 MAX_STOP_SEQUENCES = 64  # stop strings a request may give (vLLM: unlimited; OpenAI: 4)
 MAX_STOP_IDS = 0xFFFF  # stop token ids (the binary REQUEST's n_stop is a u16)
@@ -91,7 +101,32 @@ def validate(req: Request) -> Request:
         raise invalid(f"at most {MAX_STOP_SEQUENCES} stop sequences", "stop_sequences")
     if len(req.stop_ids) > MAX_STOP_IDS:
         raise invalid(f"at most {MAX_STOP_IDS} stop token ids", "stop_ids")
+    _validate_processing(req)
     return req
+
+
+def _validate_processing(req: Request) -> None:
+    """The logits-processing fields of issue #27 (kernels/sampling.py), same rules as above."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= getattr(req, name) <= 2.0:
+            raise _out_of_range(name, getattr(req, name))
+    if not 0.0 < req.repetition_penalty <= 2.0:
+        raise _out_of_range("repetition_penalty", req.repetition_penalty)
+    if req.logit_bias:
+        for token, value in req.logit_bias.items():
+            if not -100.0 <= value <= 100.0:
+                raise invalid(
+                    f"logit_bias[{token}] must be {RANGES['logit_bias'].text}, got {value!r}",
+                    "logit_bias",
+                )
+    if not 0 <= req.min_tokens <= U32_MAX:
+        raise _out_of_range("min_tokens", req.min_tokens)
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise _out_of_range("top_logprobs", req.top_logprobs)
+    if req.top_logprobs and not req.logprobs:
+        raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
+    if not 1 <= req.n <= U32_MAX:
+        raise _out_of_range("n", req.n)
 
 
 # ------------------------------------------------------------------------ JSON field getters
@@ -154,6 +189,32 @@ def get_bool(obj: JsonObject, key: str, default: bool = False) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"{key} must be true or false", key)
     return value
+
+
+def get_logit_bias(obj: JsonObject, key: str = "logit_bias") -> dict[int, float] | None:
+    """``logit_bias``: an object mapping token ids (as JSON keys: decimal strings) to numbers
+    (their range is ``validate``'s; the vocabulary the input processor's)."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(f"{key} must be an object of token id: bias", key)
+    out: dict[int, float] = {}
+    for token, bias in value.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise invalid(f"{key} keys must be token ids, got {token!r}", key) from None
+        if not 0 <= token_id <= INT32_MAX:
+            raise invalid(f"{key} key {token_id} is outside the vocabulary", key)
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, (int, float))
+            or not (-100.0 <= float(bias) <= 100.0)
+        ):
+            raise invalid(f"{key}[{token}] must be {RANGES['logit_bias'].text}, got {bias!r}", key)
+        out[token_id] = float(bias)
+    return out or None
 
 
 def get_text(value: object, name: str, allow_empty: bool = True) -> str:

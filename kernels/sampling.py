@@ -26,8 +26,10 @@ stateless, so its tokens never depend on which other rows share the batch, on ho
 other requests drew before it, or on a row-by-row retry. ``child_seed`` gives the n sequences of
 one request n independent streams. Unseeded rows take ``u`` from the sampler's process RNG.
 
-Penalties need per-slot token counts: ``TokenCounts``, owned by the ``Sampler``, started at a
-row's admission (``Sampler.start_row``) and advanced by every sampled token of a penalised row.
+Penalties need each row's token counts: ``Processing.counts`` (a token's count in the row's
+output) and ``Processing.seen`` (in its prompt or output), given with the batch. The sampler keeps
+no per-row state: the engine's rows (gateway/engine/rows.py) own the counts, advanced where a
+row's sampled token is taken in, so one place knows what a row produced.
 """
 
 from __future__ import annotations
@@ -97,9 +99,6 @@ def sample_with_uniforms(
     return out
 
 
-MAX_TOP_LOGPROBS = 20  # the most alternatives a row may ask for (OpenAI's limit)
-
-
 def child_seed(seed: int, index: int) -> int:
     """The seed of sequence ``index`` of an n > 1 request seeded with ``seed``: index 0 keeps
     ``seed`` (so n = 1 is unchanged), the others get independent streams."""
@@ -136,27 +135,52 @@ class SparseRows:
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
+    def select(self, row: int) -> SparseRows:
+        """Row ``row``'s entries, as the only row of a batch of one."""
+        keep = self.rows == row
+        return SparseRows(np.zeros(int(keep.sum()), np.int64), self.ids[keep], self.values[keep])
+
 
 @dataclass(slots=True)
 class Processing:
     """The per-row logits processing of one batch: arrays of length b, None = off for every row.
 
-    ``slots`` (the rows' slots in the sampler's ``TokenCounts``) is required when any penalty is
-    set. ``allowed`` is a grammar bitmask, int32 [b, ceil(vocab / 32)], bit ``i`` of word ``j``
+    ``counts`` and ``seen`` (int32 / bool [b, vocab]: each token's count in the row's output, and
+    whether it is in its prompt or output) are required when any penalty is set. ``allowed`` is a
+    grammar bitmask, int32 [b, ceil(vocab / 32)], bit ``i`` of word ``j``
     allowing token ``32 j + i`` (the layout xgrammar and llguidance fill); ``constrained`` says
     which rows it applies to (other rows' words are ignored). ``logprobs`` is the number of
-    alternatives a row wants (0..20), -1 for none.
+    alternatives a row wants (0..20), -1 for none. ``sampled`` is the sampler's result for this
+    batch (``Sampler.sample_processed`` writes it), where the caller reads the logprobs.
     """
 
-    slots: np.ndarray | None = None  # int [b]
+    counts: np.ndarray | None = None  # int32 [b, vocab]
+    seen: np.ndarray | None = None  # bool [b, vocab]
     presence: np.ndarray | None = None  # float32 [b]; 0 = off
     frequency: np.ndarray | None = None  # float32 [b]; 0 = off
     repetition: np.ndarray | None = None  # float32 [b]; 1 = off
     bias: SparseRows | None = None
     banned: SparseRows | None = None
-    allowed: torch.Tensor | None = None  # int32 [b, words]
+    allowed: torch.Tensor | np.ndarray | None = None  # int32 [b, words]
     constrained: np.ndarray | None = None  # bool [b]
     logprobs: np.ndarray | None = None  # int32 [b]
+    sampled: Sampled | None = None
+
+    def select(self, row: int) -> Processing:
+        """Row ``row`` alone, as a batch of one (a failed batch retried row by row)."""
+        one = slice(row, row + 1)
+
+        def cut(arr: np.ndarray | None) -> np.ndarray | None:
+            return None if arr is None else np.asarray(arr)[one]
+
+        return Processing(
+            counts=cut(self.counts), seen=cut(self.seen), presence=cut(self.presence),
+            frequency=cut(self.frequency), repetition=cut(self.repetition),
+            bias=None if self.bias is None else self.bias.select(row),
+            banned=None if self.banned is None else self.banned.select(row),
+            allowed=None if self.allowed is None else self.allowed[one],
+            constrained=cut(self.constrained), logprobs=cut(self.logprobs),
+        )  # fmt: skip
 
     def penalised(self) -> np.ndarray | None:
         """bool [b]: rows with any penalty on, or None when there is none in the batch."""
@@ -180,37 +204,6 @@ class Sampled:
     top_logprobs: np.ndarray | None = None  # float32 [b, k]
 
 
-class TokenCounts:
-    """Per slot: each token's count in the output, and whether it appeared in prompt or output.
-
-    Dense [slots, vocab] tensors (int32 and bool), allocated on first use; a slot's row is only
-    meaningful after ``start`` for the sequence now in it.
-    """
-
-    def __init__(self, num_slots: int, vocab: int) -> None:
-        self.output = torch.zeros(num_slots, vocab, dtype=torch.int32)
-        self.seen = torch.zeros(num_slots, vocab, dtype=torch.bool)
-
-    def start(self, slot: int, prompt: np.ndarray) -> None:
-        """A new sequence in ``slot``: no output yet, the prompt's ids seen."""
-        self.output[slot].zero_()
-        self.seen[slot].zero_()
-        ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64))
-        self.seen[slot, ids] = True
-
-    def copy(self, src: int, dst: int) -> None:
-        """``dst`` continues from ``src``'s counts (the n sequences of one prompt)."""
-        self.output[dst] = self.output[src]
-        self.seen[dst] = self.seen[src]
-
-    def add(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """One sampled token per slot (distinct slots)."""
-        s = torch.from_numpy(np.asarray(slots, dtype=np.int64))
-        t = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-        self.output.index_put_((s, t), torch.ones_like(s, dtype=torch.int32), accumulate=True)
-        self.seen[s, t] = True
-
-
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool [r, vocab] from an int32 [r, words] bitmask (bit i of word j = token 32 j + i)."""
     bits = torch.arange(32, dtype=torch.int32)
@@ -218,9 +211,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return allowed.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def process_logits(
-    logits: torch.Tensor, proc: Processing, counts: TokenCounts | None
-) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, proc: Processing) -> torch.Tensor:
     """Steps 1-5 of the module docstring: float32 [b, vocab] processed logits (a new tensor)."""
     x = logits.float().clone()
     b, vocab = x.shape
@@ -228,7 +219,7 @@ def process_logits(
     if proc.allowed is not None and proc.constrained is not None and proc.constrained.any():
         keep = torch.ones(b, vocab, dtype=torch.bool)
         rows = torch.from_numpy(np.flatnonzero(proc.constrained))
-        keep[rows] = unpack_bitmask(proc.allowed[rows], vocab)
+        keep[rows] = unpack_bitmask(torch.as_tensor(proc.allowed)[rows], vocab)
     if proc.banned is not None and len(proc.banned):
         grammar = keep
         keep = torch.ones(b, vocab, dtype=torch.bool) if grammar is None else grammar.clone()
@@ -246,15 +237,14 @@ def process_logits(
         )
     if proc.penalised() is None:
         return x
-    if counts is None or proc.slots is None:
-        raise ValueError("penalties need the rows' slots and token counts")
-    slots = torch.from_numpy(np.asarray(proc.slots, dtype=np.int64))
+    if proc.counts is None or proc.seen is None:
+        raise ValueError("penalties need the rows' token counts")
     if proc.repetition is not None:
         p = torch.from_numpy(np.asarray(proc.repetition, dtype=np.float32))[:, None]
-        seen = counts.seen[slots] & (p != 1.0)
+        seen = torch.from_numpy(proc.seen) & (p != 1.0)
         x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
     if proc.frequency is not None or proc.presence is not None:
-        c = counts.output[slots].float()
+        c = torch.from_numpy(proc.counts).float()
         if proc.frequency is not None:
             x -= torch.from_numpy(np.asarray(proc.frequency, dtype=np.float32))[:, None] * c
         if proc.presence is not None:
@@ -287,22 +277,10 @@ def gather_logprobs(
 
 
 class Sampler:
-    """Samples a batch of rows; owns the RNG for unseeded rows and the penalties' token counts."""
+    """Samples a batch of rows; owns the RNG for unseeded rows (and no per-row state)."""
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = np.random.default_rng(seed)
-        self.counts: TokenCounts | None = None
-
-    def start_row(self, slot: int, prompt: np.ndarray, num_slots: int, vocab: int) -> None:
-        """A penalised sequence enters ``slot`` with ``prompt``: its counts start there."""
-        if self.counts is None:
-            self.counts = TokenCounts(num_slots, vocab)
-        self.counts.start(slot, prompt)
-
-    def copy_row(self, src: int, dst: int) -> None:
-        """``dst`` (another of the n sequences of ``src``'s prompt) starts from ``src``'s counts."""
-        if self.counts is not None:
-            self.counts.copy(src, dst)
 
     def sample(
         self,
@@ -330,9 +308,9 @@ class Sampler:
         positions: np.ndarray,  # int [b]
         proc: Processing | None,
     ) -> Sampled:
-        """The module docstring's steps; penalised rows' counts advance by their sampled token."""
+        """The module docstring's steps; the result is also ``proc.sampled``."""
         if proc is not None:
-            logits = process_logits(logits, proc, self.counts)
+            logits = process_logits(logits, proc)
         seeded = np.asarray(seeded, dtype=bool)
         uniforms = self._rng.random(len(seeded))
         if seeded.any():
@@ -349,11 +327,39 @@ class Sampler:
         out = Sampled(ids.numpy().astype(np.int32))
         if proc is None:
             return out
-        penalised = proc.penalised()
-        if penalised is not None and self.counts is not None and proc.slots is not None:
-            self.counts.add(np.asarray(proc.slots)[penalised], out.ids[penalised])
         if proc.logprobs is not None and (np.asarray(proc.logprobs) >= 0).any():
             out.logprob, out.top_ids, out.top_logprobs = gather_logprobs(
                 logits, temperature, out.ids, np.asarray(proc.logprobs)
             )
+        proc.sampled = out
         return out
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [r, vocab]
+        temperature: np.ndarray,  # float32 [r]
+        top_k: np.ndarray,  # int32 [r]
+        top_p: np.ndarray,  # float32 [r]
+        seeds: np.ndarray,  # uint64 [r]
+        seeded: np.ndarray,  # bool [r]
+        positions: np.ndarray,  # int [r]
+        procs: Sequence[Processing | None],  # one per row (each of batch size 1), or None
+    ) -> np.ndarray:
+        """Token ids int32 [r] for rows that each bring their own processing (a prefill's last
+        chunks): the plain rows sampled together, each processed row alone (its result in its
+        ``Processing.sampled``). Seeded rows draw the same as in any batch."""
+        ids = np.empty(len(procs), np.int32)
+        plain = [i for i, proc in enumerate(procs) if proc is None]
+        if plain:
+            ids[plain] = self.sample(
+                logits[plain], temperature[plain], top_k[plain], top_p[plain], seeds[plain],
+                seeded[plain], positions[plain],
+            )  # fmt: skip
+        for i, proc in enumerate(procs):
+            if proc is not None:
+                one = slice(i, i + 1)
+                ids[i] = self.sample_processed(
+                    logits[one], temperature[one], top_k[one], top_p[one], seeds[one],
+                    seeded[one], positions[one], proc,
+                ).ids[0]  # fmt: skip
+        return ids

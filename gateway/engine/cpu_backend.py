@@ -144,7 +144,7 @@ class CpuBackend(Backend, PrefixKV):
         if last_rows:
             rows = [chunks[i] for i in last_rows]
             s = [c.sampling for c in rows]
-            out[last_rows] = self.sampler.sample(
+            out[last_rows] = self.sampler.sample_rows(
                 torch.stack([logits[i] for i in last_rows]),
                 temperature=np.array([r.temperature for r in s], np.float32),
                 top_k=np.array([r.top_k for r in s], np.int32),
@@ -153,6 +153,7 @@ class CpuBackend(Backend, PrefixKV):
                 seeded=np.array([r.seeded for r in s], bool),
                 # The sampled token will sit right after the chunk.
                 positions=np.array([c.start + len(c.tokens) for c in rows], np.int64),
+                procs=[c.processing for c in rows],
             )
         return out
 
@@ -186,7 +187,7 @@ class CpuBackend(Backend, PrefixKV):
             torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)),
             self.cache,
         )
-        return self.sampler.sample(
+        return self.sampler.sample_processed(
             logits,
             temperature=batch.temperature,
             top_k=batch.top_k,
@@ -194,7 +195,8 @@ class CpuBackend(Backend, PrefixKV):
             seeds=batch.seeds,
             seeded=batch.seeded,
             positions=positions + 1,
-        )
+            proc=batch.processing,
+        ).ids
 
     def free(self, slot: int) -> None:
         self._check_slot(slot)

@@ -31,12 +31,19 @@ import numpy as np
 
 from gateway.codes import FinishReason
 from gateway.engine.admission import QueueShares
-from gateway.engine.backend import Backend
+from gateway.engine.backend import Backend, PrefixKV
 from gateway.engine.compute import ComputeThread
 from gateway.engine.prefix_store import PrefixStore
-from gateway.engine.rows import BY_EOS, BY_LIMIT, BY_STOP_ID, Rows
+from gateway.engine.rows import (
+    BY_EOS,
+    BY_GRAMMAR,
+    BY_GRAMMAR_REFUSED,
+    BY_LIMIT,
+    BY_STOP_ID,
+    Rows,
+)
 from gateway.engine.sequence import NOT_FINISHED, Sequence
-from gateway.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Output, StepOutput
+from gateway.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Logprobs, Output, StepOutput
 from gateway.engine.types import DecodeBatch, PrefillChunk
 from gateway.tokenizer import Tokenizer
 
@@ -52,7 +59,12 @@ _REASONS = {
     BY_EOS: FinishReason.EOS,
     BY_STOP_ID: FinishReason.STOP,
     BY_LIMIT: FinishReason.MAX_TOKENS,
+    BY_GRAMMAR: FinishReason.STOP,  # structured output complete
+    BY_GRAMMAR_REFUSED: FINISH_ERROR,
 }
+
+# Endings whose token is not produced (EOS, a stop id, a token the grammar refused).
+_QUIET = frozenset((BY_EOS, BY_STOP_ID, BY_GRAMMAR_REFUSED))
 
 # Called from the engine thread once per step that produced anything.
 Deliver = Callable[[StepOutput], None]
@@ -115,6 +127,7 @@ class Engine:
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
         self._cancel_pending = False
+        self._extra: list[Finished] = []  # endings of choices without a row, for the step
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
         info = backend.info
@@ -232,10 +245,14 @@ class Engine:
         finished: list[Finished] = []
         plan = self.schedule(finished)
         if plan is None:
-            return StepOutput(finished=finished)
-        prefilled, decoded, failed = self.execute(plan)
-        out = self._update(plan, prefilled, decoded, failed, finished)
-        self.steps += 1
+            out = StepOutput(finished=finished)
+        else:
+            prefilled, decoded, failed = self.execute(plan)
+            out = self._update(plan, prefilled, decoded, failed, finished)
+            self.steps += 1
+        if self._extra:  # choices that ended without a row of their own
+            out.finished += self._extra
+            self._extra = []
         return out
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -250,6 +267,9 @@ class Engine:
                 self._waiting[seq.fair_key] = queue = collections.deque()
             queue.append(seq)
         while self._waiting and self._free_slots:
+            head = next(iter(self._waiting.values()))[0]
+            if 1 + len(head.choices) > len(self._free_slots):
+                break  # n choices are admitted together, when n slots are free (in turn)
             self._admit(self._next_waiting(), finished)
         self._drop_cancelled(finished)
         if not self._running:
@@ -265,13 +285,15 @@ class Engine:
             start = seq.prefilled
             n = min(len(seq.prompt) - start, self._prefill_chunk, budget)
             budget -= n
+            last = start + n == len(seq.prompt)
             plan.chunks.append(
                 PrefillChunk(
                     slot=seq.slot,
                     tokens=seq.prompt[start : start + n],
                     start=start,
-                    last=start + n == len(seq.prompt),
+                    last=last,
                     sampling=seq.sampling,
+                    processing=rows.processing([seq.slot]) if last else None,
                 )
             )
             plan.chunk_seqs.append(seq)
@@ -315,8 +337,45 @@ class Engine:
             finished.append(self._end(seq, FINISH_ERROR))
             self._free(seq)
             return
+        for choice in seq.choices:  # reserved now; their rows start when the prompt is in
+            choice.slot = heapq.heappop(self._free_slots)
+            choice.t_admit = seq.t_admit
         self._running.append(seq)
         self._prefilling.append(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """``seq``'s prompt is in its slot: its other choices start from its KV (all but the
+        prompt's last position, copied into their reserved slots), so each prefills one token
+        and samples its first from its own seed stream. A backend without KV ranges prefills
+        each choice's whole prompt."""
+        choices, seq.choices = seq.choices, []
+        n = len(seq.prompt)
+        backend = self.backend
+        handle = None
+        if isinstance(backend, PrefixKV) and n > 1:
+            try:
+                handle = backend.save_kv(seq.slot, 0, n - 1)
+            except Exception:
+                log.exception("copying a prompt's KV for its choices failed; they prefill it")
+        for choice in choices:
+            if choice.cancelled:
+                self._extra.append(self._end(choice, FinishReason.CANCELLED))
+                self._free(choice)
+                continue
+            try:
+                self._rows.add(choice.slot, choice)
+                if handle is not None:
+                    assert isinstance(backend, PrefixKV)
+                    backend.load_kv(handle, choice.slot, 0)
+                    choice.prefilled = n - 1
+                    choice.reused = seq.reused
+            except Exception:  # this choice alone cannot run
+                log.exception("starting a choice from its prompt's KV failed; ending it")
+                self._extra.append(self._end(choice, FINISH_ERROR))
+                self._free(choice)
+                continue
+            self._running.append(choice)
+            self._prefilling.append(choice)
 
     def _drop_cancelled(self, finished: list[Finished]) -> None:
         if not self._cancel_pending:  # no scan per step unless cancel() was called
@@ -402,18 +461,18 @@ class Engine:
         failed: set[int] | None,
         finished: list[Finished],
     ) -> StepOutput:
+        """The step's rows are the rows' decode set after this step's joins and failures, in
+        slot order: a prompt that completed joins the rows now (``Rows.join``), so the row set
+        (owners, index, text rows) is built once per change and the next step reuses it."""
         ended: list[Sequence] = []
-        # The step's rows: the decode rows, then the prompts that completed (first token).
-        seqs = plan.decode
+        rows = self._rows
         sampled = decoded
         completed: list[Sequence] = []
+        first: list[int] = []
         if prefilled is not None:
-            first: list[int] = []
             for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, prefilled.tolist(),
                                          strict=True):  # fmt: skip
                 if failed and id(seq) in failed:
-                    finished.append(self._end(seq, FINISH_ERROR))
-                    ended.append(seq)
                     continue
                 seq.prefilled += len(chunk.tokens)
                 if chunk.last:
@@ -423,79 +482,116 @@ class Engine:
                 if self._store is not None:
                     self._offer(completed)
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
-                seqs = seqs + completed
-                sampled = (
-                    np.array(first, np.int32)
-                    if decoded is None
-                    else np.concatenate([decoded, np.array(first, np.int32)])
-                )
+                for seq in completed:
+                    if seq.choices:
+                        self._fork(seq)
+        if failed:  # rows that failed even when run alone end; the others go on
+            for seq in plan.decode + plan.chunk_seqs:
+                if id(seq) in failed and seq not in ended:
+                    finished.append(self._end(seq, FINISH_ERROR))
+                    ended.append(seq)
+            self._release(ended)  # out of the decode set before the step's rows are taken
         out = StepOutput()
-        if sampled is not None:
-            rows = self._rows
-            texts = rows.text_rows
-            if completed or failed:  # not the decode rows alone: their index and text rows
-                if failed:  # rows that failed even when run alone end; the others go on
-                    keep = [id(s) not in failed for s in seqs]
-                    for seq, ok in zip(seqs, keep, strict=True):
-                        if not ok and seq not in ended:
-                            finished.append(self._end(seq, FINISH_ERROR))
-                            ended.append(seq)
-                    sampled = sampled[np.array(keep, np.bool_)]
-                    seqs = [s for s, ok in zip(seqs, keep, strict=True) if ok]
-                    completed = [s for s in completed if id(s) not in failed]
-                index: slice | np.ndarray = np.array([s.slot for s in seqs], np.intp)
-                owners = [s.owner for s in seqs]
-                texts = [(i, s) for i, s in enumerate(seqs) if s.detok is not None]
+        if completed or failed:  # the row set changed: each token to its slot, then in order
+            joined = [s.slot for s in completed]
+            rows.join(joined)
+            if rows.decoding:
+                by_slot = rows.scratch
+                if decoded is not None and plan.batch is not None:
+                    by_slot[plan.batch.slots] = decoded
+                by_slot[joined] = first
+                sampled = by_slot[rows.index].copy()  # a slice is a view of the scratch
             else:
-                index, owners = rows.index, rows.owners
-            out, endings = self._advance(seqs, owners, index, sampled, len(completed), texts)
+                sampled = None
+        if sampled is not None:
+            out, endings = self._advance(sampled, rows.joined_rows(completed))
+            if rows.logprob_rows:
+                out.logprobs = self._logprobs(plan, out.quiet)
+            mine: list[Sequence] = []
             for seq, finish in endings:
                 finished.append(self._end(seq, finish))
-                ended.append(seq)
-            rows.join([s.slot for s in completed if s not in ended])
+                mine.append(seq)
+            self._release(mine)
         out.finished = finished
-        if ended:
-            self._release(ended)
         return out
 
     def _advance(
-        self,
-        seqs: list[Sequence],
-        owners: list[object],
-        index: slice | np.ndarray,
-        sampled: np.ndarray,
-        joined: int,
-        texts: list[tuple[int, Sequence]],
+        self, sampled: np.ndarray, joined: list[int]
     ) -> tuple[StepOutput, list[tuple[Sequence, int]]]:
-        """Every row of the step sampled a token: advance the rows at once, then add the text
-        of the rows that detokenize (``texts``: (row, sequence)). Returns the step's rows and
-        the sequences that ended, with their finish."""
-        adv = self._rows.advance(index, sampled)
+        """Every row of the step (the rows' decode set, in slot order) sampled a token: advance
+        the rows at once, then add the text of the rows that detokenize. Returns the step's rows
+        and the sequences that ended, with their finish."""
+        rows = self._rows
+        seqs = rows.decoding_seqs
+        adv = rows.advance(sampled)
         ends = {i: _REASONS[r] for i, r in zip(adv.ended, adv.reasons, strict=True)}
-        quiet = [i for i, f in ends.items() if f != FinishReason.MAX_TOKENS]
+        quiet = [i for i, r in zip(adv.ended, adv.reasons, strict=True) if r in _QUIET]
         text: dict[int, str] = {}
-        if texts:
+        if rows.text_rows:
             tokens = sampled.tolist()
-            for i, seq in texts:
+            for i, seq in rows.text_rows:
+                end = ends.get(i, NOT_FINISHED)
+                # A row its grammar completed produced its token: its text is flushed as at a
+                # limit, and it ends STOP.
+                as_text = (
+                    FinishReason.MAX_TOKENS if end == FinishReason.STOP and i not in quiet else end
+                )
                 try:
-                    text[i], finish = seq.text(tokens[i], ends.get(i, NOT_FINISHED))
+                    text[i], finish = seq.text(tokens[i], as_text)
                 except Exception:  # e.g. a detokenizer failure: this sequence ends alone
                     log.exception("processing a sampled token failed; ending its sequence")
                     text[i], finish = "", FINISH_ERROR
                     quiet.append(i)
                 if finish != NOT_FINISHED:
-                    ends[i] = finish
+                    ends[i] = end if finish == as_text else finish
         if quiet:
             sampled = sampled.copy()
             sampled[quiet] = NO_TOKEN
         sampled.flags.writeable = False
-        out = StepOutput(owners, sampled, adv.counts, joined, text, quiet)
+        out = StepOutput(rows.owners, sampled, adv.counts, joined, text, quiet)
         return out, [(seqs[i], finish) for i, finish in ends.items()]
+
+    def _logprobs(self, plan: StepPlan, quiet: list[int]) -> dict[int, Logprobs]:
+        """The logprobs of the step's rows that asked (the samplers wrote them into the
+        batch's and the chunks' Processing), by row; none for a row that produced no token."""
+        rows = self._rows
+        by_slot: dict[int, Logprobs] = {}
+        sources = [(c.processing, [c.slot]) for c in plan.chunks if c.processing is not None]
+        if plan.batch is not None and plan.batch.processing is not None:
+            sources.append((plan.batch.processing, plan.batch.slots.tolist()))
+        for proc, slots in sources:
+            got = proc.sampled
+            if got is None or got.logprob is None or proc.logprobs is None:
+                continue
+            assert got.top_ids is not None and got.top_logprobs is not None
+            for r, slot in enumerate(slots):
+                k = int(proc.logprobs[r])
+                if k >= 0:
+                    by_slot[slot] = Logprobs(
+                        float(got.logprob[r]),
+                        got.top_ids[r, :k].copy(),
+                        got.top_logprobs[r, :k].copy(),
+                    )
+        skip = set(quiet)
+        return {
+            i: by_slot[slot]
+            for i, slot in enumerate(rows.decoding)
+            if slot in by_slot and i not in skip
+        }
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def _end(self, seq: Sequence, finish: int) -> Finished:
-        """``seq`` ended with ``finish``: its record (the slot is freed by ``_release``)."""
+        """``seq`` ended with ``finish``: its record (the slot is freed by ``_release``). Its
+        choices still waiting for its prompt end with it (cancelled with it, else failed)."""
+        if seq.choices:
+            choices, seq.choices = seq.choices, []
+            for choice in choices:
+                cancelled = finish == FinishReason.CANCELLED or choice.cancelled
+                self._extra.append(
+                    self._end(choice, FinishReason.CANCELLED if cancelled else FINISH_ERROR)
+                )
+                self._free(choice)
         if seq.t_admit:
             elapsed = time.perf_counter() - seq.t_admit
             self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
@@ -537,6 +633,8 @@ class Engine:
         running = list(self._running)
         finished = [self._end(seq, FINISH_ERROR) for seq in running]
         self._release(running)
+        finished += self._extra
+        self._extra = []
         return finished
 
 
@@ -555,4 +653,5 @@ def _one_row(batch: DecodeBatch, i: int) -> DecodeBatch:
         top_k=batch.top_k[s],
         seeds=batch.seeds[s],
         seeded=batch.seeded[s],
+        processing=None if batch.processing is None else batch.processing.select(i),
     )

@@ -353,7 +353,7 @@ class NeuronBackend(Backend):
             return out
         rows = [i for i, _ in done]
         sampling = [chunks[i].sampling for i in rows]
-        sampled = self._sampler.sample(
+        sampled = self._sampler.sample_rows(
             self._torch.stack([row for _, row in done]),
             np.array([s.temperature for s in sampling], np.float32),
             np.array([s.top_k for s in sampling], np.int32),
@@ -362,6 +362,7 @@ class NeuronBackend(Backend):
             np.array([s.seeded for s in sampling], np.bool_),
             # The sampled token's position: right after the prompt.
             np.array([chunks[i].start + len(chunks[i].tokens) for i in rows], np.int64),
+            [chunks[i].processing for i in rows],
         )
         out[rows] = sampled
         return out
@@ -383,7 +384,7 @@ class NeuronBackend(Backend):
         for slot, (_, pos) in rows.items():
             self._length[slot] = pos + 1
         index = self._torch.from_numpy(batch.slots.astype(np.int64))
-        return self._sampler.sample(
+        return self._sampler.sample_processed(
             logits.index_select(0, index),
             batch.temperature,
             batch.top_k,
@@ -391,7 +392,8 @@ class NeuronBackend(Backend):
             batch.seeds,
             batch.seeded,
             batch.positions.astype(np.int64) + 1,
-        )
+            batch.processing,
+        ).ids
 
     def free(self, slot: int) -> None:
         # The cache row is simply overwritten by the slot's next context encoding.

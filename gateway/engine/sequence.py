@@ -8,11 +8,16 @@ may start a stop sequence, and find one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from gateway.codes import FinishReason
 from gateway.engine.types import SamplingRow
 from gateway.tokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from gateway.structured import Grammar
 
 NOT_FINISHED = -2  # a finish value: the sequence goes on
 
@@ -22,7 +27,8 @@ class Sequence:
 
     __slots__ = ("owner", "prompt", "max_tokens", "sampling", "stop_ids", "stop_sequences",
                  "detok", "reused", "slot", "prefilled", "held", "cancelled", "t_admit",
-                 "ignore_eos", "fair_key", "matched_stop", "_max_stop")  # fmt: skip
+                 "ignore_eos", "fair_key", "matched_stop", "_max_stop", "grammar", "choices",
+                 "parent")  # fmt: skip
 
     def __init__(
         self,
@@ -35,6 +41,7 @@ class Sequence:
         detokenizer: Detokenizer | None = None,
         ignore_eos: bool = False,
         fair_key: object = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.owner = owner
         self.prompt = prompt  # int32 [n]: the whole prompt
@@ -53,6 +60,11 @@ class Sequence:
         self.fair_key = fair_key  # sequences sharing a key share one turn at admission
         self.matched_stop: str | None = None  # the stop sequence that ended it (finish STOP)
         self._max_stop = max(map(len, stop_sequences)) if stop_sequences else 0
+        self.grammar = grammar  # structured output: the row's matcher is made at admission
+        # n > 1: the first choice carries the others (``choices``), which start from its prompt's
+        # KV once it is prefilled; each of those has ``parent`` set (gateway.engine.engine).
+        self.choices: list[Sequence] = []
+        self.parent: Sequence | None = None
 
     def text(self, token: int, finish: int) -> tuple[str, int]:
         """The text delta of ``token``, which the engine's stop check gave ``finish``, and the

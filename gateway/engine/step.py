@@ -1,11 +1,12 @@
 """What one engine step hands out: ``StepOutput``, the only thing the engine delivers.
 
-A step's rows are the decode rows (in slot order), then the rows whose prompt finished its
-prefill in this step (they produced their first token). Per row: the owner, the token id it
-produced (``NO_TOKEN`` when it produced none: it ended on EOS or a stop id), how many tokens it
-has produced so far, and, for rows that detokenize, its text delta. Besides the rows: the
-sequences that ended in this step and why, each with its final token count (a sequence may end
-without a row: cancelled, refused at admission, failed).
+A step's rows are the decoding rows in slot order, the rows whose prompt finished its prefill
+in this step included (``joined``: they produced their first token). Per row: the owner, the
+token id it produced (``NO_TOKEN`` when it produced none: it ended on EOS or a stop id), how
+many tokens it has produced so far, and, for rows that detokenize, its text delta. Besides the
+rows: the sequences that ended in this step and why, each with its final token count (a
+sequence may end without a row: cancelled, refused at admission, failed). Rows that asked for
+logprobs have their ``Logprobs`` (kernels/sampling.py says of which distribution).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class Finished(NamedTuple):
     ids: np.ndarray | None
 
 
+class Logprobs(NamedTuple):
+    """One row's logprobs for the token it produced this step: the token's own, and the
+    ``top_logprobs`` most likely alternatives (ids and logprobs, descending; empty arrays when
+    the row asked for none)."""
+
+    token: float
+    top_ids: np.ndarray  # int32 [k]
+    top: np.ndarray  # float32 [k]
+
+
 class Output(NamedTuple):
     """One row's step as a record (``StepOutput.outputs``: for tests and tools)."""
 
@@ -54,9 +65,10 @@ class StepOutput:
     owners: list[object] = field(default_factory=list)
     tokens: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int32 [rows]
     counts: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int32 [rows]
-    joined: int = 0  # the last ``joined`` rows produced their first token
+    joined: list[int] = field(default_factory=list)  # rows that produced their first token
     text: dict[int, str] = field(default_factory=dict)  # row → text delta (detokenizing rows)
     quiet: list[int] = field(default_factory=list)  # rows that produced no token
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)  # row → (rows that asked)
     finished: list[Finished] = field(default_factory=list)
 
     def __bool__(self) -> bool:

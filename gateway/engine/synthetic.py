@@ -20,6 +20,12 @@ model in the serving benchmark, so while a batch keeps its rows (the engine pass
 ``slots`` array, its positions one further each step) decode computes the tokens of several
 coming steps at once and hands them out step by step: the same tokens, hashed in fewer calls.
 
+Rows with logits processing (kernels/sampling.py: penalties, logit bias, min_tokens, a grammar,
+logprobs) get logits made up for the purpose, 0 everywhere but ``PEAK`` at the hashed token,
+processed by the real sampler and taken greedily: an unconstrained, unbiased row keeps its hashed
+token, a grammar row the lowest-id token its grammar allows unless the hashed one is allowed,
+and logprobs are those of that made-up distribution (T = 1).
+
 Pacing (``step_ms``, ``prefill_us_per_token``) imitates a model: one pause per engine step,
 whether the step carries prefill chunks, decode rows or both, plus a cost per prefill token. An
 engine step calls ``prefill`` (if it has chunks) and then ``decode`` (if it has decode rows), so
@@ -34,11 +40,17 @@ prefill just finished.)
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gateway.engine.backend import Backend, ModelInfo, PrefixKV
 from gateway.engine.types import DecodeBatch, PrefillChunk
+
+if TYPE_CHECKING:
+    from kernels.sampling import Processing, Sampler
+
+PEAK = 8.0  # the made-up logit of a processed row's hashed token (module docstring)
 
 # 64 entries, indexed by the top 6 bits of a token's hash: letters twice, then spaces.
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz" * 2 + b" " * 12, np.uint8).astype(np.int32)
@@ -112,6 +124,24 @@ class SyntheticBackend(Backend, PrefixKV):
         self._block: list[np.ndarray] = []  # each step's tokens (read-only rows)
         self._block_next = 0
         self._block_size = _MIN_BLOCK
+        self._sampler: Sampler | None = None  # for rows with processing, made at first use
+
+    def _processed(self, tokens: np.ndarray, proc: Processing) -> np.ndarray:
+        """The tokens of rows with processing (module docstring): greedy over made-up logits."""
+        import torch
+
+        from kernels.sampling import Sampler
+
+        if self._sampler is None:
+            self._sampler = Sampler(0)
+        b = len(tokens)
+        logits = torch.zeros(b, self.info.vocab_size)
+        logits[torch.arange(b), torch.from_numpy(tokens.astype(np.int64))] = PEAK
+        zero = np.zeros(b, np.float32)
+        return self._sampler.sample_processed(
+            logits, zero, np.zeros(b, np.int32), np.ones(b, np.float32),
+            np.zeros(b, np.uint64), np.zeros(b, np.bool_), np.zeros(b, np.int64), proc,
+        ).ids  # fmt: skip
 
     def _pause_prefill(self, chunks: list[PrefillChunk]) -> None:
         pause = self._step_s + self._prefill_token_s * sum(len(c.tokens) for c in chunks)
@@ -133,8 +163,13 @@ class SyntheticBackend(Backend, PrefixKV):
         self._forget_block()
         slots = [chunk.slot for chunk in chunks]
         if len(set(slots)) < len(slots):  # a slot's chunks chain: one after the other
-            return np.concatenate([self._prefill([chunk]) for chunk in chunks])
-        return self._prefill(chunks)
+            out = np.concatenate([self._prefill([chunk]) for chunk in chunks])
+        else:
+            out = self._prefill(chunks)
+        for i, chunk in enumerate(chunks):
+            if chunk.processing is not None:
+                out[i] = self._processed(out[i : i + 1], chunk.processing)[0]
+        return out
 
     def _prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         """Each chunk's ids fold into its slot's digest in order; the chunks (distinct slots)
@@ -179,6 +214,12 @@ class SyntheticBackend(Backend, PrefixKV):
         return acc * up[:width] + digests[:, None] * up[1 : width + 1]
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
+        tokens = self._decode(batch)
+        if batch.processing is not None:
+            return self._processed(tokens, batch.processing)
+        return tokens
+
+    def _decode(self, batch: DecodeBatch) -> np.ndarray:
         self._pause_decode(batch)
         if batch.slots is not self._block_slots:  # new rows: one step, and remember them
             self._forget_block()

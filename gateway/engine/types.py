@@ -6,8 +6,12 @@ A backend never sees a request, a connection or a tokenizer; the scheduler never
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch only where a batch has processing (kernels.sampling)
+    from kernels.sampling import Processing
 
 
 @dataclass(slots=True)
@@ -24,17 +28,34 @@ class PrefillChunk:
     start: int
     last: bool
     sampling: SamplingRow
+    # The row's logits processing for its first token (a last chunk of a row that needs it:
+    # gateway.engine.rows), a batch of one; None = plain sampling.
+    processing: Processing | None = None
 
 
 @dataclass(slots=True)
 class SamplingRow:
-    """Sampling parameters of one sequence. temperature 0 = greedy; top_k 0 and top_p 1 = off."""
+    """Sampling parameters of one sequence. temperature 0 = greedy; top_k 0 and top_p 1 = off.
+    The logits processing (kernels/sampling.py; off at the defaults): penalties, a sparse
+    logit_bias, min_tokens, and logprobs (-1 = none, else the number of alternatives)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     seeded: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    logprobs: int = -1
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 @dataclass(slots=True)
@@ -55,6 +76,7 @@ class DecodeBatch:
     top_k: np.ndarray  # int32 [b]
     seeds: np.ndarray  # uint64 [b]
     seeded: np.ndarray  # bool [b]
+    processing: Processing | None = None  # only when a row needs it (gateway.engine.rows)
 
     @property
     def size(self) -> int:

@@ -89,6 +89,7 @@ class HFTokenizer(Tokenizer):
         tok_file = directory / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerLoadError(f"{directory}: tokenizer.json is missing")
+        self.json_path = tok_file
         try:
             self._tok = _RustTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust library raises a bare Exception

@@ -401,19 +401,21 @@ def test_rows_with_and_without_stop_ids_and_text_give_the_same_ids():
 
 def test_a_step_output_keeps_its_owners_list_while_the_rows_stay():
     """Consecutive steps with the same rows hand out the same owners list (a consumer keys its
-    per-row work on it); a row that ends or joins gives a new one. Counts are by row."""
+    per-row work on it); a row that ends or joins gives a new one. The step in which prompts
+    complete already hands out the row set the next steps decode (built once per join). Counts
+    are by row."""
     engine, _ = make_engine(SyntheticBackend(4, 300, 256))
     for name, max_tokens in (("short", 4), ("a", 12), ("b", 12)):
         engine.submit(plain(name, b"x" + name.encode(), max_tokens))
     steps = [engine.step() for _ in range(8)]
-    assert steps[0].owners == ["short", "a", "b"] and steps[0].joined == 3
+    assert steps[0].owners == ["short", "a", "b"] and steps[0].joined == [0, 1, 2]
     assert steps[0].counts.tolist() == [1, 1, 1]
-    assert steps[1].owners is steps[2].owners is steps[3].owners  # the same rows
+    assert steps[0].owners is steps[1].owners is steps[2].owners is steps[3].owners
     assert steps[3].counts.tolist() == [4, 4, 4]
     assert [f.owner for f in steps[3].finished] == ["short"]  # its 4th token ends it
     assert steps[3].finished[0].n_tokens == 4 and steps[3].tokens[0] != NO_TOKEN
     assert steps[4].owners == ["a", "b"] and steps[4].owners is not steps[3].owners
-    assert steps[4].owners is steps[5].owners and steps[4].joined == 0
+    assert steps[4].owners is steps[5].owners and steps[4].joined == []
 
 
 def test_decode_positions_advance_by_one():

@@ -221,7 +221,9 @@ def test_round_trip_welcome() -> None:
     wire = p.encode_welcome(4096, 16, 50257, -1, 8192, "llama-ünï")
     ftype, _, stream, payload = decode_one("client", wire)
     assert (ftype, stream) == (FrameType.WELCOME, 0)
-    assert p.parse_welcome(payload) == p.Welcome(1, 4096, 16, 50257, -1, 8192, "llama-ünï")
+    assert p.parse_welcome(payload) == p.Welcome(2, 4096, 16, 50257, -1, 8192, "llama-ünï")
+    v1 = p.encode_welcome(4096, 16, 50257, -1, 8192, "x", version=1)
+    assert p.parse_welcome(decode_one("client", v1)[3]).version == 1
 
 
 def test_round_trip_goaway() -> None:
@@ -535,7 +537,7 @@ def test_request_short_payload(size: int) -> None:
     request_error(bytes(binary_payload())[:size])
 
 
-@pytest.mark.parametrize("options", [0x0040, 0x0010, 0x8000, 0xFFFF])
+@pytest.mark.parametrize("options", [0x0040, 0x0080, 0x8000, 0xFFFF])
 def test_request_unknown_option_bits(options: int) -> None:
     assert "option" in request_error(binary_payload(options=options)).message
 

@@ -42,6 +42,11 @@ REQUIRED = {
     "hello_no_key",
     "welcome",
     "goaway",
+    # version 2
+    "request_binary_v2",
+    "logprobs",
+    "hello_v2",
+    "welcome_v2",
 }
 
 
@@ -71,6 +76,7 @@ RECEIVER = {
     "ERROR": "client",
     "WELCOME": "client",
     "GOAWAY": "client",
+    "LOGPROBS": "client",
 }
 
 
@@ -92,6 +98,13 @@ def encode(f: dict[str, Any]) -> bytes:
             stop_ids=f["stop_ids"],
             text_deltas=f["text_deltas"],
             cache=f.get("cache", True),
+            logprobs=f.get("logprobs", False),
+            top_logprobs=f.get("top_logprobs", 0),
+            presence_penalty=f.get("presence_penalty", 0.0),
+            frequency_penalty=f.get("frequency_penalty", 0.0),
+            repetition_penalty=f.get("repetition_penalty", 1.0),
+            min_tokens=f.get("min_tokens", 0),
+            logit_bias={int(k): v for k, v in f.get("logit_bias", {}).items()} or None,
         )
     if kind == "TOKEN":
         return p.encode_token(stream, f["ids"], f["text"].encode("utf-8"))
@@ -108,7 +121,7 @@ def encode(f: dict[str, Any]) -> bytes:
     if kind == "HELLO":
         return p.encode_hello(f["key"], f["version"])
     if kind == "WELCOME":
-        assert f["version"] == p.VERSION
+        assert f["version"] in p.SUPPORTED_VERSIONS
         return p.encode_welcome(
             f["max_frame_bytes"],
             f["max_streams"],
@@ -116,6 +129,14 @@ def encode(f: dict[str, Any]) -> bytes:
             f["eos_token_id"],
             f["max_context"],
             f["model"],
+            f["version"],
+        )
+    if kind == "LOGPROBS":
+        return p.encode_logprobs(
+            stream,
+            np.array(f["token_logprobs"], np.float32),
+            np.array(f["top_ids"], np.int32).reshape(len(f["token_logprobs"]), -1),
+            np.array(f["top_logprobs"], np.float32).reshape(len(f["token_logprobs"]), -1),
         )
     if kind == "GOAWAY":
         return p.encode_goaway(f["in_flight"], f["reason"])
@@ -177,6 +198,14 @@ def check_decoded(f: dict[str, Any], ftype: int, flags: int, stream: int, payloa
         assert req.stop_ids.tolist() == f["stop_ids"]
         assert req.want_text == f["text_deltas"]
         assert req.use_cache == f.get("cache", True)
+        assert req.logprobs == f.get("logprobs", False)
+        assert req.top_logprobs == f.get("top_logprobs", 0)
+        assert req.presence_penalty == f.get("presence_penalty", 0.0)
+        assert req.frequency_penalty == f.get("frequency_penalty", 0.0)
+        assert req.repetition_penalty == f.get("repetition_penalty", 1.0)
+        assert req.min_tokens == f.get("min_tokens", 0)
+        bias = {int(k): v for k, v in f.get("logit_bias", {}).items()} or None
+        assert req.logit_bias == bias
         if "prompt_text" in f:
             assert req.prompt_text == f["prompt_text"] and req.prompt_ids is None
         else:
@@ -212,6 +241,11 @@ def check_decoded(f: dict[str, Any], ftype: int, flags: int, stream: int, payloa
         )
     elif kind == "GOAWAY":
         assert p.parse_goaway(payload) == (f["in_flight"], f["reason"])
+    elif kind == "LOGPROBS":
+        token, ids, top = p.parse_logprobs(payload)
+        assert token.tolist() == f["token_logprobs"]
+        assert ids.reshape(-1).tolist() == f["top_ids"]
+        assert top.reshape(-1).tolist() == f["top_logprobs"]
     else:
         raise AssertionError(f"no decoder check for {kind}")
 

@@ -19,7 +19,6 @@ from kernels.sampling import (
     Processing,
     Sampler,
     SparseRows,
-    TokenCounts,
     child_seed,
     process_logits,
     unpack_bitmask,
@@ -68,13 +67,16 @@ def _bitmask(allowed: list[set[int] | None], vocab: int) -> tuple[torch.Tensor, 
     return torch.from_numpy(mask.view(np.int32)), constrained
 
 
-def _counts(prompts: list[list[int]], outputs: list[list[int]]) -> TokenCounts:
-    counts = TokenCounts(SLOTS, VOCAB)
-    for slot, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        counts.start(slot, np.array(prompt))
+def _counts(prompts: list[list[int]], outputs: list[list[int]]) -> dict[str, np.ndarray]:
+    """Processing's ``counts`` and ``seen`` for rows with these prompts and outputs."""
+    counts = np.zeros((len(prompts), VOCAB), np.int32)
+    seen = np.zeros((len(prompts), VOCAB), np.bool_)
+    for r, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        seen[r, prompt] = True
         for t in output:
-            counts.add(np.array([slot]), np.array([t]))
-    return counts
+            counts[r, t] += 1
+            seen[r, t] = True
+    return {"counts": counts, "seen": seen}
 
 
 def test_bitmask_unpacks_to_the_tokens_it_names() -> None:
@@ -102,7 +104,7 @@ def test_batched_processing_matches_per_row_reference() -> None:
     ]
     mask, constrained = _bitmask([p.get("allowed") for p in params], VOCAB)
     proc = Processing(
-        slots=np.arange(b),
+        **_counts(prompts, outputs),
         presence=np.array([p.get("presence", 0.0) for p in params], np.float32),
         frequency=np.array([p.get("frequency", 0.0) for p in params], np.float32),
         repetition=np.array([p.get("repetition", 1.0) for p in params], np.float32),
@@ -111,7 +113,7 @@ def test_batched_processing_matches_per_row_reference() -> None:
         allowed=mask,
         constrained=constrained,
     )
-    got = process_logits(logits, proc, _counts(prompts, outputs))
+    got = process_logits(logits, proc)
     for r, p in enumerate(params):
         ref = _reference_row(logits[r].tolist(), prompts[r], outputs[r], **p)
         np.testing.assert_allclose(got[r].numpy(), np.array(ref, np.float32), rtol=1e-5, atol=1e-5)
@@ -123,8 +125,8 @@ def test_repetition_penalty_equals_transformers() -> None:
     seqs = [list(range(10, 40)), [5, 5, 6, 250], [1]]
     penalties = [1.2, 0.7, 2.0]
     counts = _counts(seqs, [[] for _ in seqs])
-    proc = Processing(slots=np.arange(3), repetition=np.array(penalties, np.float32))
-    got = process_logits(logits, proc, counts)
+    proc = Processing(**counts, repetition=np.array(penalties, np.float32))
+    got = process_logits(logits, proc)
     for r in range(3):
         hf = RepetitionPenaltyLogitsProcessor(penalties[r])(
             torch.tensor([seqs[r]]), logits[r : r + 1].clone()
@@ -135,7 +137,7 @@ def test_repetition_penalty_equals_transformers() -> None:
 def test_logit_bias_equals_transformers_sequence_bias() -> None:
     logits = torch.randn(2, VOCAB)
     bias = [{4: 3.0, 9: -2.0}, {100: 50.0}]
-    got = process_logits(logits, Processing(bias=SparseRows.from_rows(bias)), None)
+    got = process_logits(logits, Processing(bias=SparseRows.from_rows(bias)))
     for r in range(2):
         hf = SequenceBiasLogitsProcessor({(t,): v for t, v in bias[r].items()})
         want = hf(torch.tensor([[1, 2]]), logits[r : r + 1].clone())
@@ -145,7 +147,7 @@ def test_logit_bias_equals_transformers_sequence_bias() -> None:
 def test_min_tokens_masks_stop_ids_like_transformers() -> None:
     logits = torch.randn(1, VOCAB)
     eos = [0, 7]
-    got = process_logits(logits, Processing(banned=SparseRows.from_rows([eos])), None)
+    got = process_logits(logits, Processing(banned=SparseRows.from_rows([eos])))
     hf = MinNewTokensLengthLogitsProcessor(
         prompt_length_to_skip=2, min_new_tokens=5, eos_token_id=eos
     )(torch.tensor([[1, 2, 3]]), logits.clone())
@@ -156,7 +158,7 @@ def test_min_tokens_gives_way_when_the_grammar_allows_only_stop_ids() -> None:
     logits = torch.randn(1, VOCAB)
     mask, constrained = _bitmask([{0}], VOCAB)  # a finished grammar: only EOS
     proc = Processing(banned=SparseRows.from_rows([[0]]), allowed=mask, constrained=constrained)
-    x = process_logits(logits, proc, None)
+    x = process_logits(logits, proc)
     assert torch.isfinite(x[0, 0])
     assert torch.isinf(x[0, 1:]).all()
 
@@ -187,29 +189,6 @@ def test_grammar_rows_only_sample_allowed_tokens_free_rows_unchanged() -> None:
             assert int(out.ids[r]) in {3, 50, 77}
         if step == 0:  # the same positions as `free`: the free rows drew the same tokens
             np.testing.assert_array_equal(out.ids[::2], free[::2])
-
-
-def test_penalty_counts_advance_with_sampled_tokens() -> None:
-    logits = torch.zeros(1, VOCAB)
-    logits[0, 42] = 5.0
-    sampler = Sampler(0)
-    sampler.start_row(0, np.array([1, 2]), SLOTS, VOCAB)
-    proc = Processing(slots=np.array([0]), frequency=np.array([2.0], np.float32))
-    greedy = {
-        "temperature": np.zeros(1, np.float32),
-        "top_k": np.zeros(1, np.int32),
-        "top_p": np.ones(1, np.float32),
-        "seeds": np.zeros(1, np.uint64),
-        "seeded": np.zeros(1, bool),
-        "positions": np.zeros(1),
-    }
-    tokens = [int(sampler.sample_processed(logits, proc=proc, **greedy).ids[0]) for _ in range(4)]
-    # 42 wins until two draws cost it 4.0 of its 5.0 lead (then 5 - 3 * 2 < 0 for a third).
-    assert tokens[:3] == [42, 42, 42]
-    assert tokens[3] != 42
-    assert sampler.counts is not None and int(sampler.counts.output[0, 42]) == 3
-    sampler.copy_row(0, 1)
-    assert int(sampler.counts.output[1, 42]) == 3
 
 
 def test_logprobs_are_log_softmax_after_processing_and_temperature() -> None:
@@ -255,15 +234,14 @@ def test_seeded_row_with_every_feature_is_independent_of_the_batch(where: int) -
     def run(batch: torch.Tensor, at: int, sampler_seed: int) -> list[int]:
         b = batch.shape[0]
         sampler = Sampler(sampler_seed)
-        for slot in range(b):
-            sampler.start_row(slot, np.array([slot, 3, 9]), 17, VOCAB)
+        outputs: list[list[int]] = [[] for _ in range(b)]
         mask, constrained = _bitmask(
             [set(range(100, 200)) if r == at else None for r in range(b)], VOCAB
         )
         tokens = []
         for step in range(12):
             proc = Processing(
-                slots=np.arange(b),
+                **_counts([[r, 3, 9] for r in range(b)], outputs),
                 presence=np.full(b, 0.4, np.float32),
                 frequency=np.full(b, 0.2, np.float32),
                 repetition=np.full(b, 1.1, np.float32),
@@ -290,6 +268,8 @@ def test_seeded_row_with_every_feature_is_independent_of_the_batch(where: int) -
                 proc=proc,
             )
             tokens.append(int(out.ids[at]))
+            for r in range(b):  # the engine's rows count every sampled token of a row
+                outputs[r].append(int(out.ids[r]))
         return tokens
 
     alone = run(row, 0, 0)

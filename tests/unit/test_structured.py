@@ -33,11 +33,9 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def grammars(model_dir, tokenizer):
-    # The model's own EOS first: it is the end token the grammar allows (the other
-    # end-of-generation ids, such as SmolLM2's <|endoftext|>, follow).
-    eos = tokenizer.eos_token_id
-    others = sorted(set(tokenizer.eos_token_ids) - {eos})
-    g = Grammars(model_dir / "tokenizer.json", [eos, *others], tokenizer.vocab_size)
+    # The model's own EOS is the end token the grammar allows (the engine's rows allow the other
+    # end-of-generation ids, such as SmolLM2's <|endoftext|>, wherever it is).
+    g = Grammars(model_dir / "tokenizer.json", tokenizer.eos_token_id, tokenizer.vocab_size)
     yield g
     g.close()
 
@@ -131,3 +129,95 @@ def test_matcher_finishes(grammars, tokenizer) -> None:
     assert m.accepting
     assert m.accept(tokenizer.eos_token_id)
     assert m.finished
+
+
+def _constrained_run(grammars, tokenizer, constraints: dict[str, object]) -> dict:  # noqa: ANN001
+    """Rows with these constraints (None: free) in one engine batch on the synthetic backend
+    over SmolLM2's vocabulary: each owner's text and finish."""
+    import numpy as np
+
+    from gateway.engine.engine import Engine, Sequence
+    from gateway.engine.synthetic import SyntheticBackend
+    from gateway.engine.types import SamplingRow
+    from gateway.tokenizer import Detokenizer
+
+    backend = SyntheticBackend(len(constraints), tokenizer.vocab_size, 256)
+    engine = Engine(backend, tokenizer, lambda _: None, max_queue=8, max_step_tokens=256,
+                    prefill_chunk=64)  # fmt: skip
+    for name, constraint in constraints.items():
+        grammar = grammars.compile_sync(constraint) if constraint is not None else None
+        prompt = np.array(tokenizer.encode_prompt(f"Answer {name}:"), np.int32)
+        engine.submit(
+            Sequence(
+                name, prompt, 40, SamplingRow(), detokenizer=Detokenizer(tokenizer), grammar=grammar
+            )  # fmt: skip
+        )
+    out: dict = {name: {"text": "", "finish": None, "ids": []} for name in constraints}
+    widest = 0
+    for _ in range(200):
+        step = engine.step()
+        widest = max(widest, len(step.owners))
+        for i, owner in enumerate(step.owners):
+            out[owner]["text"] += step.text.get(i, "")
+            if int(step.tokens[i]) >= 0:
+                out[owner]["ids"].append(int(step.tokens[i]))
+        for f in step.finished:
+            out[f.owner]["finish"] = f.finish
+        if engine.idle:
+            break
+    assert widest == len(constraints)  # one batch: constrained and free rows together
+    return out
+
+
+def test_constrained_rows_in_an_engine_batch_match_their_grammars(grammars, tokenizer) -> None:
+    from gateway.codes import FinishReason
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    out = _constrained_run(
+        grammars,
+        tokenizer,
+        {
+            "free": None,
+            "digits": Constraint.regex("[0-9]{3}"),
+            "pick": Constraint.choice(["alpha", "beta"]),
+            "json": Constraint.json_schema(schema),
+        },
+    )
+    assert len(out["digits"]["text"]) == 3 and out["digits"]["text"].isdigit()
+    assert out["pick"]["text"] in ("alpha", "beta")
+    jsonschema.validate(json.loads(out["json"]["text"]), schema)
+    for name in ("digits", "pick", "json"):  # the grammar completing ended each row (STOP)
+        assert out[name]["finish"] in (FinishReason.STOP, FinishReason.EOS), name
+    assert out["free"]["finish"] == FinishReason.MAX_TOKENS and len(out["free"]["ids"]) == 40
+    # The free row is the synthetic backend's own text: constraints elsewhere do not touch it.
+    alone = _constrained_run(grammars, tokenizer, {"free": None})
+    assert alone["free"]["ids"] == out["free"]["ids"]
+
+
+def test_every_end_of_generation_id_is_allowed_where_the_grammar_allows_eos(
+    grammars, tokenizer
+) -> None:
+    """SmolLM2 has two end-of-generation ids; the grammar knows one. The rows' mask allows both
+    wherever the grammar allows its own (each ends the row)."""
+    import numpy as np
+
+    from gateway.engine.rows import Rows
+
+    ends = sorted(tokenizer.eos_token_ids)
+    assert len(ends) >= 2
+    rows = Rows(1, 64, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    mask = np.zeros(grammars.words, np.int32)
+    eos = tokenizer.eos_token_id
+    mask.view(np.uint32)[eos // 32] |= np.uint32(1 << (eos % 32))
+    rows._every_eos(mask)
+    allowed = unpack_bitmask(torch.from_numpy(mask[None, :]), tokenizer.vocab_size)[0]
+    assert all(bool(allowed[e]) for e in ends)
+    assert int(allowed.sum()) == len(ends)
+    empty = np.zeros(grammars.words, np.int32)
+    rows._every_eos(empty)  # no EOS allowed: none added
+    assert not empty.any()
