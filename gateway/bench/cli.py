@@ -109,6 +109,14 @@ def add_bench_subparser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "it: frame option bit 3 / Cache-Control: no-cache)",
     )
     opt.add_argument(
+        "--frame-version",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="frames: the protocol version HELLO asks for (1 for a daemon of an older release; "
+        "the requests use no version-2 field either way)",
+    )
+    opt.add_argument(
         "--metrics-url", default=None, metavar="URL", help="the daemon's Prometheus endpoint"
     )
     out = bench.add_argument_group("report")
@@ -181,6 +189,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         detailed=args.detailed or bool(args.plot),
         label=args.label,
         use_cache=args.response_cache,
+        frame_version=args.frame_version,
         progress_interval_s=args.progress_interval,
     )
 

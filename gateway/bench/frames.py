@@ -136,9 +136,13 @@ class FrameTarget:
         text_deltas: bool = True,
         request_format: str = "auto",
         use_cache: bool = False,
+        version: int = p.VERSION,
         clock: Callable[[], float],
     ) -> None:
+        """``version``: the protocol version the HELLO asks for (a daemon of an older release
+        speaks 1 only; this one speaks 1 and 2, and a run's requests use no version-2 field)."""
         self.endpoint = endpoint
+        self._version = version
         self._cache = use_cache
         self._ssl = ssl
         self._n = max(1, connections)
@@ -152,7 +156,7 @@ class FrameTarget:
 
     async def open(self, timeout: float = 10.0) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        hello = p.encode_hello(self._api_key)
+        hello = p.encode_hello(self._api_key, self._version)
         for _ in range(self._n):
             try:
                 _, conn = await asyncio.wait_for(

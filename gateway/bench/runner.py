@@ -42,6 +42,7 @@ from gateway.bench.workload import (
     random_items,
 )
 from gateway.ops.tls import ALPN_FRAME, ALPN_HTTP, client_context
+from gateway.protocol import VERSION as FRAME_VERSION
 
 DEFAULT_NUM_REQUESTS = 100
 
@@ -79,6 +80,7 @@ class BenchOptions:
     request_timeout: float = 600.0
     label: str = ""
     use_cache: bool = False  # False: every request bypasses the server's response cache
+    frame_version: int = FRAME_VERSION  # the HELLO's protocol version (1: an older daemon)
     progress_interval_s: float = 5.0  # the progress line's period when stderr is not a terminal
     extra: dict[str, Any] = field(default_factory=dict)  # copied into the report (settings)
 
@@ -292,6 +294,7 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
             text_deltas=opts.text_deltas,
             request_format=opts.request_format,
             use_cache=opts.use_cache,
+            version=opts.frame_version,
             clock=clock,
         )
     info = await target.open()
