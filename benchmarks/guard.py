@@ -100,7 +100,7 @@ def paced(args, roots: dict[str, Path]) -> dict:
         daemons = [stack.enter_context(Daemon(env, root=roots[t])) for t in TREES]
         for t, d in zip(TREES, daemons, strict=True):
             servers[t] = (d.endpoint, d.proc.pid)
-        runs, orders = srv.interleaved_runs(servers, loads, args)
+        runs, orders = srv.interleaved_runs(servers, loads, args, warmup=loads["burst"])
         for d in daemons:
             d.terminate()
     out: dict = {"loads": loads, "step_ms": args.step_ms, "round_orders": orders}

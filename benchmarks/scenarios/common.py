@@ -162,14 +162,18 @@ K = TypeVar("K")
 
 
 def interleaved_runs(
-    servers: Servers, loads: dict[K, dict], args, detailed: bool = False
+    servers: Servers,
+    loads: dict[K, dict],
+    args,
+    detailed: bool = False,
+    warmup: dict | None = None,
 ) -> tuple[dict[tuple[str, K], list[dict]], list[list[str]]]:
-    """Warm every server up with one paced burst, then ``args.paced_runs`` rounds, each running
-    every load (name -> bench options, e.g. ``paced_load``) once on every server in
-    ``rotations`` order: the reports of each (server, load name), in round order, and each
-    round's order."""
+    """Warm every server up with one run of ``warmup`` (default: the paced burst), then
+    ``args.paced_runs`` rounds, each running every load (name -> bench options, e.g.
+    ``paced_load``) once on every server in ``rotations`` order: the reports of each (server,
+    load name), in round order, and each round's order."""
     for endpoint, pid in servers.values():
-        measure(endpoint, pid, paced_load(args, PACED_TOKENS), warmup=True)
+        measure(endpoint, pid, warmup or paced_load(args, PACED_TOKENS), warmup=True)
     units = [(name, load) for load in loads for name in servers]
     reports: dict[tuple[str, K], list[dict]] = {u: [] for u in units}
     orders = rotations(units, args.paced_runs)
