@@ -239,14 +239,16 @@ def callgrind_split(out_dir: str, pid: int, top: int = 15) -> dict[str, Any]:
     functions. Python code shows as the interpreter's C functions (a Python 3.11 frame is not a
     native one), so this splits the cost by kind of work, not by Python function."""
     text = subprocess.run(
-        ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(latest_dump(out_dir, pid))],
+        ["callgrind_annotate", "--inclusive=no", "--auto=no", "--threshold=100",
+         str(latest_dump(out_dir, pid))],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     by_object: dict[str, int] = {}
     functions: list[tuple[str, int]] = []
     for line in text.splitlines():
         m = _ANNOTATED.match(line)
-        if m is None or m.group(2) == "PROGRAM TOTALS":
+        # Call lines ("=> callee") carry inclusive counts: not a function's own.
+        if m is None or m.group(2) == "PROGRAM TOTALS" or m.group(2).startswith("=>"):
             continue
         count = int(m.group(1).replace(",", ""))
         # callgrind_annotate leaves the object out of some lines; the interpreter's own sources
