@@ -136,24 +136,14 @@ def instructions(args, roots: dict[str, Path]) -> dict:
                                capture_output=True)  # fmt: skip
                 requests = args.instr_runs * load["num_requests"]
                 got[name] = srv.callgrind_total(tmp, pid) / requests
-                split = srv.callgrind_split(tmp, pid)
-                splits[name] = {
-                    "by_object": {k: v / requests for k, v in split["by_object"].items()},
-                    "top": [(fn, v / requests) for fn, v in split["top"]],
-                }
                 print(f"instructions {name}: {got[name]:,.0f} / request", file=sys.stderr)
             return got
 
-        out["split"] = {}
         with Floor(args.step_ms, wrapper) as floor:
-            splits: dict[str, dict] = {}
             out["per_request"]["pump"] = count(floor.endpoint, floor.proc.pid)
-            out["split"]["pump"] = splits
         for t in TREES:
             with Daemon(srv.paced_env(args), wrapper=wrapper, root=roots[t]) as d:
-                splits = {}
                 out["per_request"][t] = count(d.endpoint, d.proc.pid)
-                out["split"][t] = splits
                 d.terminate()
     per = out["per_request"]
     out["new_vs_base"] = {n: per["new"][n] / per["base"][n] for n in loads}
@@ -272,32 +262,7 @@ def markdown(r: dict) -> str:
             + "; ".join(", ".join(f"{v:.2f}" for v in rs) for rs in e.get("ratios", {}).values())
             + "."
         )
-    if "instructions" in r and "split" in r["instructions"]:
-        lines.append(split_md(r["instructions"], base, new))
     return "\n".join(lines)
-
-
-def split_md(i: dict, base: str, new: str, load: str = "open") -> str:
-    """The open loop's instructions per request by shared object and the new tree's top
-    functions (callgrind_annotate, self counts), against the pump and the base."""
-    sp = {t: i["split"][t][load] for t in ("pump", *TREES)}
-    objects = sorted(sp["new"]["by_object"], key=lambda o: -sp["new"]["by_object"][o])[:8]
-    rows = [
-        [o, *(f"{sp[t]['by_object'].get(o, 0):,.0f}" for t in ("pump", *TREES))] for o in objects
-    ]
-    base_fn = dict(sp["base"]["top"])
-    fn_rows = [
-        [fn, f"{v:,.0f}", f"{base_fn[fn]:,.0f}" if fn in base_fn else "(not in its top)"]
-        for fn, v in sp["new"]["top"][:12]
-    ]
-    return (
-        f"\nWhere the {load} loop's instructions per request go (callgrind_annotate, self "
-        "counts; Python code shows as the interpreter's C functions, so this splits by kind of "
-        "work, not by Python function):\n\n"
-        + table(["shared object", "pump", f"base {base}", f"new {new}"], rows)
-        + "\n\n"
-        + table(["function (new's top)", f"new {new}", f"base {base}"], fn_rows)
-    )
 
 
 def main() -> None:

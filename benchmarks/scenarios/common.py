@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from benchmarks._report import cpu_seconds
 from benchmarks._support.daemon import Daemon
@@ -228,43 +226,6 @@ def callgrind_total(out_dir: str, pid: int) -> int:
         if line.startswith(("summary:", "totals:")):
             return int(line.split()[1])
     raise SystemExit(f"{latest}: no instruction total")
-
-
-_ANNOTATED = re.compile(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S.*?)(?: \[(.+)\])?$")
-
-
-def callgrind_split(out_dir: str, pid: int, top: int = 15) -> dict[str, Any]:
-    """Where the latest dump's instructions went, by ``callgrind_annotate`` (self counts, not
-    inclusive): per shared object (the interpreter, numpy, uvloop, libc, ...) and the ``top``
-    functions. Python code shows as the interpreter's C functions (a Python 3.11 frame is not a
-    native one), so this splits the cost by kind of work, not by Python function."""
-    text = subprocess.run(
-        ["callgrind_annotate", "--inclusive=no", "--auto=no", "--threshold=100",
-         str(latest_dump(out_dir, pid))],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    by_object: dict[str, int] = {}
-    functions: list[tuple[str, int]] = []
-    for line in text.splitlines():
-        m = _ANNOTATED.match(line)
-        # Call lines ("=> callee") carry inclusive counts: not a function's own.
-        if m is None or m.group(2) == "PROGRAM TOTALS" or m.group(2).startswith("=>"):
-            continue
-        count = int(m.group(1).replace(",", ""))
-        # callgrind_annotate leaves the object out of some lines; the interpreter's own sources
-        # name it by their path.
-        obj = (
-            Path(m.group(3)).name
-            if m.group(3)
-            else "libpython (interpreter)"
-            if "/Python-3." in m.group(2)
-            else "?"
-        )
-        if obj.startswith("libpython"):
-            obj = "libpython (interpreter)"
-        by_object[obj] = by_object.get(obj, 0) + count
-        functions.append((m.group(2).rsplit(":", 1)[-1], count))
-    return {"by_object": by_object, "top": functions[:top]}
 
 
 def callgrind_wrapper(out_dir: str) -> list[str]:
