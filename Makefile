@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --size smollm2 --dtype float32 --write
 	$(BIN)/python benchmarks/engine.py --size smollm2 --dtype bfloat16 --write
 	$(BIN)/python benchmarks/prompts.py --size smollm2 --write
+	$(BIN)/python benchmarks/aims.py --write  # last: the aims table from the results just written
 
 # ruff (lint + format), mypy (strict on gateway/, configured in pyproject.toml) and import-linter
 # (no import cycle in gateway/, the contract in pyproject.toml).

@@ -6,7 +6,7 @@ A benchmark is a tool first: it prints its table and writes tracked files (bench
 docs/benchmarks.md) only when run with ``--write`` (``make bench`` passes it). ``parser`` builds
 every benchmark's argument parser and turns SIGTERM into a normal exit, so ``with Daemon(...)``
 blocks and ``finally`` clauses stop the children; the children also get SIGKILL from the kernel
-if the benchmark dies without cleaning up (tests/support/daemon.py's ``die_with_parent``).
+if the benchmark dies without cleaning up (benchmarks/_support/daemon.py's ``die_with_parent``).
 """
 
 from __future__ import annotations
@@ -88,13 +88,15 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def publish(args: argparse.Namespace, name: str, data: dict, markdown: str) -> None:
-    """Print ``markdown``; with ``--write`` also write results/NAME.json and the doc section."""
+def publish(args: argparse.Namespace, name: str, data: dict | None, markdown: str) -> None:
+    """Print ``markdown``; with ``--write`` also write results/NAME.json (unless ``data`` is
+    None: a section made from other results files) and the doc section."""
     print(markdown)
     if not args.write:
-        print(f"(not written: pass --write to update results/{name}.json)", file=sys.stderr)
+        print(f"(not written: pass --write to update the {name} section)", file=sys.stderr)
         return
-    _write_json(name, data)
+    if data is not None:
+        _write_json(name, data)
     _write_section(name, markdown)
 
 

@@ -69,10 +69,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks._report import cpu_seconds, machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._support.daemon import ROOT, Daemon  # noqa: E402
 from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
 from gateway.models.gguf_blocks import BLOCKS_FILE  # noqa: E402
 from kernels import qmatmul  # noqa: E402
-from tests.support.daemon import ROOT, Daemon  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
 STATIC_BATCH = 32
@@ -482,7 +482,7 @@ def run_inprocess(
     bookkeeping, outputs)."""
     from gateway.config import EngineConfig, ModelConfig
     from gateway.engine.cpu_backend import create_cpu_backend
-    from gateway.engine.engine import FINISH, NO_TOKEN, NOT_FINISHED, TOKEN, Engine, Sequence
+    from gateway.engine.engine import Engine, Sequence
     from gateway.engine.types import SamplingRow
 
     engine_cfg = EngineConfig(
@@ -502,7 +502,7 @@ def run_inprocess(
     engine = Engine(
         backend,
         tokenizer,
-        lambda outputs, column: None,  # never called: the benchmark steps the engine itself
+        lambda step: None,  # never called: the benchmark steps the engine itself
         max_queue=engine_cfg.max_queue,
         max_step_tokens=engine_cfg.max_step_tokens,
         prefill_chunk=engine_cfg.prefill_chunk,
@@ -521,10 +521,10 @@ def run_inprocess(
             submit()
         t0 = time.perf_counter()
         while engine.running or engine.waiting:
-            for out in engine.step():
-                if out[TOKEN] != NO_TOKEN:
-                    tokens += 1
-                if out[FINISH] != NOT_FINISHED and pending:
+            out = engine.step()  # a StepOutput: a row per running sequence, then the endings
+            tokens += len(out.owners) - len(out.quiet)
+            for _ in out.finished:
+                if pending:
                     submit()
         return tokens, time.perf_counter() - t0
 

@@ -1,13 +1,13 @@
 """Fuzz campaign against a running daemon: valid and mutated frames on many connections.
 
-Starts a daemon (synthetic backend; tests/support/daemon.py), warms it up with the same mix, then
-writes --frames frames (a frame = one unit written: a well-formed frame, a mutated one, or a random
-blob) from --connections concurrent connections. Each connection writes batches: mostly requests
-(valid, or with a broken payload: a stream error at most), PINGs and CANCELs, and now and then a
-frame that must end the connection (bad header, oversized, random blob, a close mid-frame). After
-each batch it sends a PING and waits for the PONG and for every request of the batch to end;
-requests still running 2 s after the PONG (a mutation made max_tokens large) are cancelled, and
-must then end too.
+Starts a daemon (synthetic backend; benchmarks/_support/daemon.py), warms it up with the same mix,
+then writes --frames frames (a frame = one unit written: a well-formed frame, a mutated one, or a
+random blob) from --connections concurrent connections. Each connection writes batches: mostly
+requests (valid, or with a broken payload: a stream error at most), PINGs and CANCELs, and now and
+then a frame that must end the connection (bad header, oversized, random blob, a close mid-frame).
+After each batch it sends a PING and waits for the PONG and for every request of the batch to end;
+requests still running 2 s after the PONG (a mutation made max_tokens large) are cancelled, and must
+then end too.
 
 Checks, reported as pass/fail:
 - no crash: the daemon process is alive and /healthz answers 200 at the end;
@@ -19,7 +19,7 @@ Checks, reported as pass/fail:
 - long valid streams on another connection finish with all their tokens, all along.
 
 Frames answered with INTERNAL (and the batch that preceded a crash or hang) are written to
---findings as corpus files (tests/support/fuzzframes.py). A run is reproducible from --seed.
+--findings as corpus files (benchmarks/_support/fuzzframes.py). A run is reproducible from --seed.
 
     python benchmarks/fuzz.py [--frames 1000000] [--connections 32] [--seed 1] [--cache]
 """
@@ -44,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import contextlib
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._support import fuzzframes as ff  # noqa: E402
+from benchmarks._support.daemon import Daemon  # noqa: E402
 from gateway import protocol as p  # noqa: E402
-from tests.support import fuzzframes as ff  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
 
 CANCEL_AFTER_S = 2.0  # requests of a batch still running after its PONG + this are cancelled
 ERROR_NAMES = {

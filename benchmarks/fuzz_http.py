@@ -1,5 +1,5 @@
 """Fuzz campaign against the HTTP door of a running daemon: mutated heads, bodies and JSON
-(tests/support/fuzzhttp.py: lone surrogates, deep nesting, huge numbers, wrong types, broken
+(benchmarks/_support/fuzzhttp.py: lone surrogates, deep nesting, huge numbers, wrong types, broken
 headers, lying Content-Length, upgrades, long header lines), each request on its own connection
 from attacker addresses 127.0.0.2 ... 127.0.0.33, while a canary on 127.0.0.1 keeps asking.
 
@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._canary import Canary  # noqa: E402
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
-from tests.support import fuzzhttp as fh  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
+from benchmarks._support import fuzzhttp as fh  # noqa: E402
+from benchmarks._support.daemon import Daemon  # noqa: E402
 
 
 def fds(d: Daemon) -> int:

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,9 +36,10 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import engine as eng  # noqa: E402
-from benchmarks import serving as srv  # noqa: E402
 from benchmarks._report import RESULTS, machine, parser, publish, table  # noqa: E402
-from tests.support.daemon import ROOT, Daemon  # noqa: E402
+from benchmarks._support.daemon import ROOT, Daemon  # noqa: E402
+from benchmarks._support.pump import VOCAB, Floor  # noqa: E402
+from benchmarks.scenarios import common as srv  # noqa: E402
 
 TREES = ("base", "new")
 
@@ -56,14 +56,24 @@ def paired(runs: dict[str, list[float]], key: str = "base") -> tuple[float, list
     return srv.paired_ratio(runs["new"], runs[key])
 
 
+# Both trees get the same bytes, those the baseline understands: a version-1 HELLO (it speaks
+# protocol version 1 only, this tree 1 and 2) and no cache-bypass option bit (it came after the
+# baseline; every prompt is new anyway, and ``measure`` refuses a run with a cache replay).
+AS_BASE = {"frame_version": 1, "use_cache": True}
+
+
+def v1(loads: dict[str, dict]) -> dict[str, dict]:
+    return {name: {**load, **AS_BASE} for name, load in loads.items()}
+
+
 def flat(args, roots: dict[str, Path]) -> dict:
     load = {
         "concurrency": 64, "num_requests": 64 * args.flat_rounds, "input_len": "4",
-        "output_len": "256", "connections": 1,
+        "output_len": "256", "connections": 1, **AS_BASE,
     }  # fmt: skip
     env = {
         "ENGINE__BACKEND": "synthetic", "ENGINE__MAX_BATCH_SIZE": "64",
-        "ENGINE__MAX_CONTEXT": "2048", "ENGINE__SYNTHETIC_VOCAB_SIZE": str(srv.VOCAB),
+        "ENGINE__MAX_CONTEXT": "2048", "ENGINE__SYNTHETIC_VOCAB_SIZE": str(VOCAB),
     }  # fmt: skip
     cpu: dict[str, list[float]] = {t: [] for t in TREES}
     with contextlib.ExitStack() as stack:
@@ -82,15 +92,15 @@ def flat(args, roots: dict[str, Path]) -> dict:
 
 
 def paced(args, roots: dict[str, Path]) -> dict:
-    loads = {"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)}
+    loads = v1({"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)})
     env = srv.paced_env(args)
     with contextlib.ExitStack() as stack:
-        floor = stack.enter_context(srv.Floor(args.step_ms))
+        floor = stack.enter_context(Floor(args.step_ms))
         servers: srv.Servers = {"pump": (floor.endpoint, floor.proc.pid)}
         daemons = [stack.enter_context(Daemon(env, root=roots[t])) for t in TREES]
         for t, d in zip(TREES, daemons, strict=True):
             servers[t] = (d.endpoint, d.proc.pid)
-        runs, orders = srv.interleaved_runs(servers, loads, args)
+        runs, orders = srv.interleaved_runs(servers, loads, args, warmup=loads["burst"])
         for d in daemons:
             d.terminate()
     out: dict = {"loads": loads, "step_ms": args.step_ms, "round_orders": orders}
@@ -109,13 +119,10 @@ def paced(args, roots: dict[str, Path]) -> dict:
 
 
 def instructions(args, roots: dict[str, Path]) -> dict:
-    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
-        raise SystemExit("the instructions part needs valgrind (Debian: valgrind)")
-    loads = {"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)}
+    loads = v1({"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)})
     out: dict = {"loads": loads, "runs": args.instr_runs, "per_request": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        wrapper = ["valgrind", "--tool=callgrind", f"--log-file={tmp}/log.%p",
-                   f"--callgrind-out-file={tmp}/cg.%p"]  # fmt: skip
+        wrapper = srv.callgrind_wrapper(tmp)
 
         def count(endpoint: str, pid: int) -> dict[str, float]:
             srv.measure(endpoint, pid, loads["burst"], warmup=True)
@@ -127,12 +134,12 @@ def instructions(args, roots: dict[str, Path]) -> dict:
                     srv.measure(endpoint, pid, load, warmup=True)
                 subprocess.run(["callgrind_control", "-d", str(pid)], check=True,
                                capture_output=True)  # fmt: skip
-                total = srv.callgrind_total(tmp, pid)
-                got[name] = total / (args.instr_runs * load["num_requests"])
+                requests = args.instr_runs * load["num_requests"]
+                got[name] = srv.callgrind_total(tmp, pid) / requests
                 print(f"instructions {name}: {got[name]:,.0f} / request", file=sys.stderr)
             return got
 
-        with srv.Floor(args.step_ms, wrapper) as floor:
+        with Floor(args.step_ms, wrapper) as floor:
             out["per_request"]["pump"] = count(floor.endpoint, floor.proc.pid)
         for t in TREES:
             with Daemon(srv.paced_env(args), wrapper=wrapper, root=roots[t]) as d:
@@ -161,8 +168,14 @@ def engine(args, roots: dict[str, Path]) -> dict:
             for streams, run in res.items():
                 tps[t].setdefault(streams, []).append(run["tokens_per_s"])
             print(f"engine {i}: {t} {[round(v[-1]) for v in tps[t].values()]}", file=sys.stderr)
-    ratios = {s: srv.paired_ratio(tps["new"][s], tps["base"][s])[0] for s in tps["new"]}
-    return {"size": args.size, "dtype": args.dtype, "tokens_per_s": tps, "new_vs_base": ratios}
+    paired_by = {s: srv.paired_ratio(tps["new"][s], tps["base"][s]) for s in tps["new"]}
+    return {
+        "size": args.size,
+        "dtype": args.dtype,
+        "tokens_per_s": tps,
+        "new_vs_base": {s: p[0] for s, p in paired_by.items()},
+        "ratios": {s: p[1] for s, p in paired_by.items()},
+    }
 
 
 PARTS = {"flat": flat, "paced": paced, "instructions": instructions, "engine": engine}
@@ -172,16 +185,38 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+LOADED = 1.0  # a 1-minute load average above this (2 cores): CPU-time figures inconclusive
+
+
 def markdown(r: dict) -> str:
     base, new = r["commits"]["base"], r["commits"]["new"]
+    load = r["machine"].get("load_average_1m")
+    loaded = load is None or load > LOADED
+    end = r.get("load_average_end")
+    loads = f"{load} when it started" + (f", {end:.2f} when it ended" if end is not None else "")
+    loaded = loaded or (end is not None and end > LOADED)
+    cpu_note = (
+        f"inconclusive: the 1-minute load average was {loads} (other engineers' jobs on the 2 "
+        "cores), and CPU time moves with it"
+        if loaded
+        else f"the 1-minute load average was {loads}"
+    )
     lines = [
         f"## Guard ({', '.join(p for p in PARTS if p in r)}): this tree against a baseline\n",
-        f"`python benchmarks/guard.py --base <checkout of {base}>` at {new}: every figure "
-        f"below from one run with both trees' daemons side by side, rounds interleaved "
-        f"({r['rounds']} rounds, order alternating), median over rounds; a ratio is new / base "
-        "(or / the pump), the median of per-round ratios. The machine (2 cores) was shared "
-        "with other engineers' jobs during the run: the foreign load columns say how much.\n",
+        f"`python benchmarks/guard.py --base <checkout of {base}>` at {new}: both trees' "
+        f"daemons side by side in one run, rounds interleaved ({r['rounds']} rounds, order "
+        "rotated), median over rounds; a ratio is new / base (or / the pump), the median of "
+        "per-round ratios.",
     ]
+    if "instructions" in r:
+        lines.append(
+            "Instructions are callgrind's count of each server's user-space instructions, all "
+            f"threads ({r['instructions']['runs']} run(s) of each load after a warm-up), which "
+            "the machine's load does not change."
+        )
+    if any(p in r for p in ("flat", "paced", "engine")):
+        lines.append(f"CPU time and tokens/s: {cpu_note}.")
+    lines.append("")
     rows = []
     if "flat" in r:
         f = r["flat"]
@@ -189,20 +224,21 @@ def markdown(r: dict) -> str:
         rows.append(["flat out, server CPU µs/token", f"{med(c['base']):.3f}",
                      f"{med(c['new']):.3f}", f"{f['new_vs_base']:.2f}x"])  # fmt: skip
     if "paced" in r:
-        for load in ("burst", "open"):
-            p = r["paced"][load]
+        for name in ("burst", "open"):
+            p = r["paced"][name]
             c = p["cpu_us_per_token"]
-            rows.append([f"paced {load}, server CPU µs/token (pump {med(c['pump']):.2f})",
-                         f"{med(c['base']):.2f}", f"{med(c['new']):.2f}",
+            rows.append([f"paced {name}, server CPU µs/token (pump {med(c['pump']):.2f})",
+                         f"{med(c['base']):.2f} ({p['base_vs_pump']:.2f}x pump)",
+                         f"{med(c['new']):.2f} ({p['new_vs_pump']:.2f}x pump)",
                          f"{p['new_vs_base']:.2f}x"])  # fmt: skip
     if "instructions" in r:
         i = r["instructions"]
-        for load in ("burst", "open"):
+        for name in ("burst", "open"):
             per = i["per_request"]
-            rows.append([f"paced {load}, instructions / request (pump {per['pump'][load]:,.0f})",
-                         f"{per['base'][load]:,.0f} ({i['vs_pump']['base'][load]:.2f}x pump)",
-                         f"{per['new'][load]:,.0f} ({i['vs_pump']['new'][load]:.2f}x pump)",
-                         f"{i['new_vs_base'][load]:.2f}x"])  # fmt: skip
+            rows.append([f"paced {name}, instructions / request (pump {per['pump'][name]:,.0f})",
+                         f"{per['base'][name]:,.0f} ({i['vs_pump']['base'][name]:.2f}x pump)",
+                         f"{per['new'][name]:,.0f} ({i['vs_pump']['new'][name]:.2f}x pump)",
+                         f"{i['new_vs_base'][name]:.2f}x"])  # fmt: skip
     if "engine" in r:
         e = r["engine"]
         for s in e["tokens_per_s"]["new"]:
@@ -212,9 +248,20 @@ def markdown(r: dict) -> str:
                          f"{e['new_vs_base'][s]:.2f}x"])  # fmt: skip
     lines.append(table(["measure", f"base {base}", f"new {new}", "new / base"], rows))
     if "paced" in r:
-        fl = {load: {n: med(v) for n, v in r["paced"][load]["foreign_load"].items()}
-              for load in ("burst", "open")}  # fmt: skip
-        lines.append(f"\nForeign load (share of the machine other processes used), median: {fl}.\n")
+        fl = [f"{name} {load}: {med(v):.2f}" for load in ("burst", "open")
+              for name, v in r["paced"][load]["foreign_load"].items()]  # fmt: skip
+        lines.append(
+            "\nOther processes' share of the machine during the paced runs (median over rounds): "
+            + ", ".join(fl)
+            + "."
+        )
+    if "engine" in r:
+        e = r["engine"]
+        lines.append(
+            "\nPer round, new / base at 1, 8, 32 streams: "
+            + "; ".join(", ".join(f"{v:.2f}" for v in rs) for rs in e.get("ratios", {}).values())
+            + "."
+        )
     return "\n".join(lines)
 
 
@@ -239,7 +286,8 @@ def main() -> None:
         "rounds": args.rounds,
     }
     for part in args.parts.split(","):  # each part its own results file and docs section
-        results = {**head, part: PARTS[part](args, roots)}
+        results = {**head, "machine": machine(), part: PARTS[part](args, roots)}
+        results["load_average_end"] = os.getloadavg()[0]
         publish(args, f"guard-{part}", results, markdown(results))
         if not args.write:  # the figures survive a print-only run
             last = RESULTS / f"guard-{part}.last.json"

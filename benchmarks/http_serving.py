@@ -392,7 +392,7 @@ def main() -> None:
             args.client[0], int(args.client[1]), args.streams, args.tokens, args.rounds
         )
 
-    from tests.support.daemon import Daemon
+    from benchmarks._support.daemon import Daemon
 
     results: dict = {
         "machine": machine(),

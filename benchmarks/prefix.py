@@ -42,9 +42,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._support.daemon import Daemon  # noqa: E402
 from gateway.client import Client  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
 
 PREFIX_TOKENS = 1000
 USER_TOKENS = 24

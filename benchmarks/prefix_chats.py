@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
-from tests.support.daemon import ROOT, Daemon  # noqa: E402
+from benchmarks._support.daemon import ROOT, Daemon  # noqa: E402
 
 TOPICS = [
     "the sea",

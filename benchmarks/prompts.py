@@ -47,12 +47,12 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._support.daemon import Daemon  # noqa: E402
 from gateway.client import Client  # noqa: E402
 from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
 from gateway.prompts import system_ids  # noqa: E402
 from gateway.protocol import CACHE_PROMPT  # noqa: E402
 from gateway.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
 
 PROMPT_ID = 1
 TARGET_TOKENS = 1000

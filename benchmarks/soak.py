@@ -1,4 +1,4 @@
-"""Chaos soak with accounting (tests/support/soak.py has the clients and the checks).
+"""Chaos soak with accounting (benchmarks/_support/soak.py has the clients and the checks).
 
 Starts a real redis-server and a daemon (synthetic backend at 1 ms a step, auth with three keys,
 rate limits in Redis, response cache, a 4 KiB write-buffer limit so slow readers get
@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
-from tests.support.redis_server import RedisServer  # noqa: E402
-from tests.support.soak import daemon_env, run_epochs, write_keys  # noqa: E402
+from benchmarks._support.daemon import Daemon  # noqa: E402
+from benchmarks._support.redis_server import RedisServer  # noqa: E402
+from benchmarks._support.soak import daemon_env, run_epochs, write_keys  # noqa: E402
 
 
 def main() -> None:

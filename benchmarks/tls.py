@@ -3,10 +3,10 @@
 The same daemon configuration (synthetic backend, step time 0, response cache off) serves the same
 load three ways, side by side in one run: plain TCP (the baseline), TLS 1.3 with a server
 certificate, and TLS 1.3 with a client certificate (mutual TLS). Certificates are made at start
-(tests/support/certs.py, ECDSA P-256). The load client runs in its own process: ROUNDS rounds of
-STREAMS concurrent streams x TOKENS tokens, spread over CONNECTIONS connections (token-id prompts,
-no text). Server CPU = run time of the daemon's threads (schedstat, ns) across the load, so the
-handshakes (one per connection per run) are included.
+(benchmarks/_support/certs.py, ECDSA P-256). The load client runs in its own process: ROUNDS rounds
+of STREAMS concurrent streams x TOKENS tokens, spread over CONNECTIONS connections (token-id
+prompts, no text). Server CPU = run time of the daemon's threads (schedstat, ns) across the load, so
+the handshakes (one per connection per run) are included.
 
     python benchmarks/tls.py [--streams 64] [--tokens 256] [--rounds 60] [--connections 1 8 64]
 """
@@ -35,10 +35,10 @@ from benchmarks._report import (  # noqa: E402
     publish,
     table,
 )
+from benchmarks._support import fuzzframes as ff  # noqa: E402
+from benchmarks._support.certs import CA  # noqa: E402
+from benchmarks._support.daemon import Daemon  # noqa: E402
 from gateway.ops.tls import client_context  # noqa: E402
-from tests.support import fuzzframes as ff  # noqa: E402
-from tests.support.certs import CA  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
 
 CIPHERS: set[str] = set()  # what the client's connections negotiated
 

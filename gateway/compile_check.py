@@ -26,9 +26,9 @@ from gateway.prompts import (
 )
 from gateway.tokenizer import Tokenizer
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+else:  # Python 3.10
     import tomli as tomllib
 
 
@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerolayer")
     add_compile_check_subparser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["compile-check", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    code: int = args.func(args)  # argparse's Namespace is untyped: the handler returns an int
+    return code
 
 
 if __name__ == "__main__":

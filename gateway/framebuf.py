@@ -92,7 +92,7 @@ class FrameBuffer:
         if not self._len and len(self._buf) > size:
             self._buf = bytearray(size)
 
-    def take(self) -> bytes:
+    def take(self) -> bytes | bytearray:
         """The buffered bytes (a copy: the buffer is reused at once); empties the buffer."""
         n, self._len = self._len, 0
         return self._buf[:n] if n else b""

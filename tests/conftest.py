@@ -1,11 +1,28 @@
-"""Shared pytest fixtures. Helpers live in tests/support; unit tests in tests/unit run without
-starting a daemon, tests/e2e start real daemon processes (and redis-server) on loopback."""
+"""Shared pytest fixtures. Helpers live in tests/support, and those benchmarks share with tests
+(the daemon launcher, redis-server, certificates, fuzz inputs, the soak) in benchmarks/_support;
+unit tests in tests/unit run without starting a daemon, tests/e2e start real daemon processes
+(and redis-server) on loopback."""
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.redis_server import redis_server, redis_url  # noqa: F401 - fixtures
+from benchmarks._support.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the test session."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's redis-server, flushed before the test."""
+    redis_server.flush()
+    return redis_server.url
 
 
 @pytest.fixture(scope="session")

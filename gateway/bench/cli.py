@@ -8,13 +8,17 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gateway.bench.endpoint import HTTP_PROTOCOLS, EndpointError
 from gateway.bench.frames import TargetError
 from gateway.bench.workload import WorkloadError
 
+if TYPE_CHECKING:
+    from gateway.bench.runner import BenchOptions
 
-def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
+
+def add_bench_subparser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
         help="load-test a daemon or any OpenAI-compatible server and report latency/throughput",
@@ -105,6 +109,14 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
         "it: frame option bit 3 / Cache-Control: no-cache)",
     )
     opt.add_argument(
+        "--frame-version",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="frames: the protocol version HELLO asks for (1 for a daemon of an older release; "
+        "the requests use no version-2 field either way)",
+    )
+    opt.add_argument(
         "--metrics-url", default=None, metavar="URL", help="the daemon's Prometheus endpoint"
     )
     out = bench.add_argument_group("report")
@@ -144,7 +156,7 @@ def add_bench_subparser(sub: argparse._SubParsersAction) -> None:
     cmp.set_defaults(func=_cmd_compare)
 
 
-def _options(args: argparse.Namespace):
+def _options(args: argparse.Namespace) -> BenchOptions:
     from gateway.bench.runner import BenchOptions
 
     return BenchOptions(
@@ -177,6 +189,7 @@ def _options(args: argparse.Namespace):
         detailed=args.detailed or bool(args.plot),
         label=args.label,
         use_cache=args.response_cache,
+        frame_version=args.frame_version,
         progress_interval_s=args.progress_interval,
     )
 
@@ -194,17 +207,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs(result: dict) -> list[dict]:
-    return result.get("sweep", [result])
-
-
-def verdict(result: dict, max_failure_rate: float) -> tuple[int, list[str]]:
+def verdict(result: dict[str, Any], max_failure_rate: float) -> tuple[int, list[str]]:
     """The exit status of a finished (or interrupted) run and the lines to warn with: cache hits
     (the run measured replays, not the model), failures beyond ``max_failure_rate`` (1), and an
     interruption (130)."""
+    from gateway.bench.report import runs
+
     lines: list[str] = []
     status = 0
-    for run in _runs(result):
+    for run in runs(result):
         level = f" at concurrency {run['max_concurrency']}" if "sweep" in result else ""
         hits = run.get("response_cache_hits", 0)
         if hits:
@@ -222,7 +233,7 @@ def verdict(result: dict, max_failure_rate: float) -> tuple[int, list[str]]:
         elif total == 0 and not run.get("interrupted"):
             lines.append(f"no request{level} ended")
             status = 1
-    if any(run.get("interrupted") for run in _runs(result)):
+    if any(run.get("interrupted") for run in runs(result)):
         lines.append("interrupted: the report covers the requests that ended before Ctrl-C")
         status = 130
     return status, lines

@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import ssl as ssl_module
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 from gateway import protocol as p
 from gateway.bench.endpoint import Endpoint
 from gateway.bench.stats import RequestRecord
 from gateway.bench.workload import WorkItem
-from gateway.protocol import ErrorCode, FinishReason, FrameType
+from gateway.codes import ErrorCode, FinishReason
+from gateway.protocol import FrameType
 
 _TOKEN, _DONE, _ERROR = int(FrameType.TOKEN), int(FrameType.DONE), int(FrameType.ERROR)
 _WELCOME, _PING = int(FrameType.WELCOME), int(FrameType.PING)
@@ -50,8 +52,8 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.lost: str | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._decoder.get_buffer(sizehint)
@@ -67,7 +69,7 @@ class _Conn(asyncio.BufferedProtocol):
             assert self.transport is not None
             self.transport.close()
 
-    def _on_frame(self, now: float, ftype: int, _flags: int, sid: int, payload) -> None:
+    def _on_frame(self, now: float, ftype: int, _flags: int, sid: int, payload: memoryview) -> None:
         if ftype == _TOKEN:
             n = p.TOKEN_HEAD.unpack_from(payload)[0]
             entry = self.streams.get(sid)
@@ -134,9 +136,13 @@ class FrameTarget:
         text_deltas: bool = True,
         request_format: str = "auto",
         use_cache: bool = False,
+        version: int = p.VERSION,
         clock: Callable[[], float],
     ) -> None:
+        """``version``: the protocol version the HELLO asks for (a daemon of an older release
+        speaks 1 only; this one speaks 1 and 2, and a run's requests use no version-2 field)."""
         self.endpoint = endpoint
+        self._version = version
         self._cache = use_cache
         self._ssl = ssl
         self._n = max(1, connections)
@@ -145,14 +151,12 @@ class FrameTarget:
         self._format = request_format
         self._clock = clock
         self._conns: list[_Conn] = []
-        self._next = itertools.cycle(())
+        self._next: Iterator[_Conn] = itertools.cycle(())
         self.welcome: p.Welcome | None = None
 
-    async def open(self, timeout: float = 10.0) -> dict:
+    async def open(self, timeout: float = 10.0) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        # Version 1: the load uses none of version 2's fields, and so runs against older
-        # daemons (a guard's baseline) too.
-        hello = p.encode_hello(self._api_key, version=1)
+        hello = p.encode_hello(self._api_key, self._version)
         for _ in range(self._n):
             try:
                 _, conn = await asyncio.wait_for(
@@ -193,7 +197,7 @@ class FrameTarget:
                 text_deltas=self._text,
                 cache=self._cache,
             )
-        request: dict = {"max_tokens": item.max_tokens}
+        request: dict[str, Any] = {"max_tokens": item.max_tokens}
         if not self._cache:
             request["cache"] = False
         if item.messages is not None:
@@ -220,7 +224,8 @@ class FrameTarget:
         fut = asyncio.get_running_loop().create_future()
         conn.streams[sid] = (rec, fut)
         rec.t_send = self._clock()
-        conn.transport.write(frame)  # type: ignore[union-attr]
+        assert conn.transport is not None  # open() connected every connection
+        conn.transport.write(frame)
         try:
             await fut
         finally:

@@ -9,13 +9,14 @@ per concurrency level) and the per-run charts of its highest level.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class PlotError(RuntimeError):
     """matplotlib is missing (install the ``bench`` extra)."""
 
 
-def _pyplot():
+def _pyplot() -> Any:  # matplotlib.pyplot, imported on first use
     try:
         import matplotlib
     except ImportError:
@@ -28,13 +29,13 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     return path
 
 
-def _hist(plt, values_ms: list[float], title: str, path: Path) -> Path:
+def _hist(plt: Any, values_ms: list[float], title: str, path: Path) -> Path:
     """A histogram with a log count axis, so the tail shows next to the bulk."""
     fig, ax = plt.subplots(figsize=(5, 3.2))
     if values_ms:
@@ -45,7 +46,7 @@ def _hist(plt, values_ms: list[float], title: str, path: Path) -> Path:
     return path
 
 
-def plot_run(report: dict, out: Path, plt=None) -> list[Path]:
+def plot_run(report: dict[str, Any], out: Path, plt: Any = None) -> list[Path]:
     plt = plt or _pyplot()
     out.mkdir(parents=True, exist_ok=True)
     label = report.get("label") or report["endpoint"]
@@ -69,7 +70,7 @@ def plot_run(report: dict, out: Path, plt=None) -> list[Path]:
     return paths
 
 
-def plot_sweep(report: dict, out: Path) -> list[Path]:
+def plot_sweep(report: dict[str, Any], out: Path) -> list[Path]:
     plt = _pyplot()
     out.mkdir(parents=True, exist_ok=True)
     runs = report["sweep"]
@@ -88,6 +89,6 @@ def plot_sweep(report: dict, out: Path) -> list[Path]:
     return paths + plot_run(runs[-1], out, plt)
 
 
-def plot(report: dict, out: str | Path) -> list[Path]:
+def plot(report: dict[str, Any], out: str | Path) -> list[Path]:
     out = Path(out)
     return plot_sweep(report, out) if "sweep" in report else plot_run(report, out)

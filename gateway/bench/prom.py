@@ -8,10 +8,11 @@ the daemon measured them, and requests that ended in DONE or ERROR. Names are do
 from __future__ import annotations
 
 import urllib.request
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-Samples = dict[tuple[str, tuple], float]
+Samples = dict[tuple[str, tuple[Any, ...]], float]
 
 
 def metrics_url(url: str) -> str:
@@ -44,7 +45,7 @@ def _mean_ms(before: Samples, after: Samples, hist: str) -> float | None:
     return _delta(before, after, f"{hist}_sum") / count * 1000.0 if count else None
 
 
-def server_view(before: Samples, after: Samples) -> dict:
+def server_view(before: Samples, after: Samples) -> dict[str, Any]:
     tokens = _delta(before, after, "zerolayer_generation_tokens_total")
     prefill = _delta(before, after, "zerolayer_backend_busy_seconds_total", phase="prefill")
     decode = _delta(before, after, "zerolayer_backend_busy_seconds_total", phase="decode")

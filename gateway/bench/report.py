@@ -11,7 +11,7 @@ import json
 import math
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.bench.stats import METRICS, PERCENTILES, RequestRecord, aggregate, token_timeline
 
@@ -26,7 +26,7 @@ _LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 def build_report(
     opts: BenchOptions,
     endpoint: Endpoint,
-    info: dict,
+    info: dict[str, Any],
     records: list[RequestRecord],
     *,
     t0: float,
@@ -34,8 +34,8 @@ def build_report(
     cpu_seconds: float,
     warmup_requests: int,
     slo: dict[str, float] | None,
-    server: dict | None,
-) -> dict:
+    server: dict[str, Any] | None,
+) -> dict[str, Any]:
     metrics = aggregate(records, duration, slo)
     bin_s = opts.timeline_bin_s or min(1.0, max(0.02, duration / 40))
     timeline = token_timeline(records, t0, bin_s)
@@ -82,7 +82,7 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def summary(report: dict) -> str:
+def summary(report: dict[str, Any]) -> str:
     """The human-readable block printed after a run."""
     rows = [
         ("Endpoint", f"{report['endpoint']} ({report['backend']})"),
@@ -134,7 +134,7 @@ COMPARED = (
 )
 
 
-def load(path: str | Path) -> dict:
+def load(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -144,16 +144,18 @@ def load(path: str | Path) -> dict:
     return data
 
 
-def _runs(report: dict) -> list[dict]:
-    return report.get("sweep", [report])
+def runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """A report's runs: each level of a sweep, or the one run."""
+    found: list[dict[str, Any]] = report.get("sweep", [report])
+    return found
 
 
-def compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:
+def compare(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> str:
     """Two reports side by side with B/A ratios; sweeps are matched by concurrency level."""
     out = []
-    runs_b = {r.get("max_concurrency"): r for r in _runs(b)}
-    for ra in _runs(a):
-        rb = runs_b.get(ra.get("max_concurrency")) if "sweep" in a else _runs(b)[0]
+    runs_b = {r.get("max_concurrency"): r for r in runs(b)}
+    for ra in runs(a):
+        rb = runs_b.get(ra.get("max_concurrency")) if "sweep" in a else runs(b)[0]
         if rb is None:
             continue
         if "sweep" in a:
@@ -163,8 +165,8 @@ def compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:
             va, vb = ra.get(key), rb.get(key)
             if va is None and vb is None:
                 continue
-            numeric = isinstance(va, (int, float)) and va and vb is not None
-            ratio = f"{vb / va:.2f}x" if numeric else "-"
+            numeric = isinstance(va, (int, float)) and isinstance(vb, (int, float))
+            ratio = f"{vb / va:.2f}x" if numeric and va else "-"
             out.append(f"{key:<28}{_fmt(va):>18}{_fmt(vb):>18}{ratio:>9}")
         out.append("")
     return "\n".join(out).rstrip() + "\n"

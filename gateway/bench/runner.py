@@ -21,9 +21,10 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from gateway.bench.workload import (
     random_items,
 )
 from gateway.ops.tls import ALPN_FRAME, ALPN_HTTP, client_context
+from gateway.protocol import VERSION as FRAME_VERSION
 
 DEFAULT_NUM_REQUESTS = 100
 
@@ -78,8 +80,9 @@ class BenchOptions:
     request_timeout: float = 600.0
     label: str = ""
     use_cache: bool = False  # False: every request bypasses the server's response cache
+    frame_version: int = FRAME_VERSION  # the HELLO's protocol version (1: an older daemon)
     progress_interval_s: float = 5.0  # the progress line's period when stderr is not a terminal
-    extra: dict = field(default_factory=dict)  # copied into the report (e.g. server settings)
+    extra: dict[str, Any] = field(default_factory=dict)  # copied into the report (settings)
 
 
 class ItemSource:
@@ -122,13 +125,13 @@ class Progress:
         self,
         records: list[RequestRecord],
         live: dict[int, RequestRecord],
-        clock,
+        clock: Callable[[], float],
         tty: bool,
         interval: float,
     ):
         self._records, self._live, self._clock = records, live, clock
         self._tty, self._interval = tty, (0.5 if tty else interval)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -171,7 +174,12 @@ def _scrape(url: str | None) -> prom.Samples | None:
     return prom.scrape(url) if url else None
 
 
-async def _one(target, item: WorkItem, rec: RequestRecord, timeout: float, clock) -> RequestRecord:
+Target = FrameTarget | HttpTarget  # what a run drives: open, request, close
+
+
+async def _one(
+    target: Target, item: WorkItem, rec: RequestRecord, timeout: float, clock: Callable[[], float]
+) -> RequestRecord:
     try:
         await asyncio.wait_for(target.request(item, rec), timeout)
     except asyncio.TimeoutError:
@@ -179,8 +187,16 @@ async def _one(target, item: WorkItem, rec: RequestRecord, timeout: float, clock
     return rec
 
 
-async def _drive(target, source: ItemSource, opts: BenchOptions, start: int, clock, records):
-    """Send the measured requests; append each finished record to ``records``."""
+async def _drive(
+    target: Target,
+    source: ItemSource,
+    opts: BenchOptions,
+    start: int,
+    clock: Callable[[], float],
+    records: list[RequestRecord],
+) -> int:
+    """Send the measured requests; append each finished record to ``records``. Returns how
+    many were sent."""
     n = opts.num_requests
     if n is None and opts.duration is None:
         n = DEFAULT_NUM_REQUESTS
@@ -251,7 +267,7 @@ async def _drive(target, source: ItemSource, opts: BenchOptions, start: int, clo
     return state["next"]
 
 
-async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter) -> dict:
+async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """One bench run against ``opts.endpoint``; returns the report dict."""
     endpoint = parse_endpoint(opts.endpoint, opts.protocol)
     slo = parse_slo(opts.slo) if opts.slo else None
@@ -260,7 +276,7 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
         alpn = [ALPN_HTTP] if endpoint.is_http else [ALPN_FRAME]
         tls = client_context(opts.tls_ca, opts.tls_cert, opts.tls_key, alpn=alpn)
     if endpoint.is_http:
-        target = HttpTarget(
+        target: Target = HttpTarget(
             endpoint,
             ssl=tls,
             api_key=opts.api_key,
@@ -278,6 +294,7 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
             text_deltas=opts.text_deltas,
             request_format=opts.request_format,
             use_cache=opts.use_cache,
+            version=opts.frame_version,
             clock=clock,
         )
     info = await target.open()
@@ -317,7 +334,7 @@ async def run(opts: BenchOptions, clock: Callable[[], float] = time.perf_counter
     return report
 
 
-async def _interruptible(work) -> bool:
+async def _interruptible(work: Awaitable[object]) -> bool:
     """Await ``work``; SIGINT cancels it instead of ending the program. True if it did."""
     task = asyncio.ensure_future(work)
     loop = asyncio.get_running_loop()
@@ -342,7 +359,9 @@ async def _interruptible(work) -> bool:
     return bool(hit)
 
 
-async def sweep(opts: BenchOptions, levels: list[int], clock=time.perf_counter) -> dict:
+async def sweep(
+    opts: BenchOptions, levels: list[int], clock: Callable[[], float] = time.perf_counter
+) -> dict[str, Any]:
     """One run per concurrency level (each with the same options); the report holds them all."""
     runs = []
     for level in levels:

@@ -14,6 +14,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -138,13 +139,13 @@ def token_timeline(records: list[RequestRecord], t0: float, bin_s: float) -> lis
 
 def aggregate(
     records: list[RequestRecord], duration: float, slo: dict[str, float] | None = None
-) -> dict:
+) -> dict[str, Any]:
     """The report's metrics over measured (non-warm-up) records."""
     done = [r for r in records if r.ok]
     out = sum(r.output_tokens for r in done)
     inp = sum(r.prompt_tokens for r in done)
     duration = max(duration, 1e-9)
-    result: dict = {
+    result: dict[str, Any] = {
         "duration": duration,
         "completed": len(done),
         "failed": len(records) - len(done),

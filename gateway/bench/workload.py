@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class WorkItem:
     max_tokens: int
     prompt: str | None = None
     prompt_ids: list[int] | None = None
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
     system: str | None = None
     prompt_id: int = 0
 
@@ -87,7 +88,9 @@ def random_items(
     return items
 
 
-def load_file(path: str | Path, output_len: tuple[int, int] | None, rng) -> list[WorkItem]:
+def load_file(
+    path: str | Path, output_len: tuple[int, int] | None, rng: np.random.Generator
+) -> list[WorkItem]:
     """JSONL or ShareGPT JSON (told apart by the first non-blank character: ``[`` = ShareGPT).
     ``output_len`` overrides each item's max_tokens when given."""
     path = Path(path)

@@ -43,7 +43,7 @@ class Auth:
         self._entries: tuple[tuple[bytes, Principal], ...] = ()
         self._by_id: dict[str, Principal] = {}
         self._by_cert: dict[str, Principal] = {}
-        if not self.enabled:
+        if auth is None or not self.enabled:
             return
         self.path = Path(auth.keys_file)
         self._extra = command_line_keys(auth)

@@ -22,6 +22,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -189,6 +190,13 @@ class ResponseCache:
 
     records = True
 
+    # Closing, bound per instance to the store's own (sync or async).
+    close: Callable[[], None]
+    aclose: Callable[[], Awaitable[None]]
+    # The store as each implementation uses it (the same object as ``store``).
+    _memory: MemoryCacheStore
+    _redis: RedisCacheStore
+
     def __init__(self, settings: Any, store: MemoryCacheStore | RedisCacheStore | None = None):
         cfg = getattr(settings, "cache", None) or CacheConfig()
         self.enabled = cfg.enabled
@@ -201,11 +209,15 @@ class ResponseCache:
             else:
                 store = MemoryCacheStore(cfg.max_bytes)
         self.store = store
-        if store.is_async:
-            self.on_request = self._on_request_async
-            self.on_done = self._on_done_async
+        if isinstance(store, RedisCacheStore):
+            self._redis = store
+            # The async stages shadow the sync methods on this instance (the chain tells them
+            # apart by inspect.iscoroutinefunction); mypy cannot type a per-instance override.
+            self.on_request = self._on_request_async  # type: ignore[method-assign,assignment]
+            self.on_done = self._on_done_async  # type: ignore[method-assign,assignment]
             self.aclose = store.aclose
         else:
+            self._memory = store
             self.close = store.close
 
     def _key(self, ctx: Any) -> bytes | None:
@@ -234,18 +246,18 @@ class ResponseCache:
 
     def on_request(self, ctx: Any) -> CachedResponse | None:
         key = self._key(ctx)
-        return None if key is None else self.store.get(key)
+        return None if key is None else self._memory.get(key)
 
     def on_done(self, ctx: Any, result: Any) -> None:
         entry = self._entry(ctx, result)
         if entry is not None:
-            self.store.put(*entry)
+            self._memory.put(*entry)
 
     async def _on_request_async(self, ctx: Any) -> CachedResponse | None:
         key = self._key(ctx)
-        return None if key is None else await self.store.get(key)
+        return None if key is None else await self._redis.get(key)
 
     async def _on_done_async(self, ctx: Any, result: Any) -> None:
         entry = self._entry(ctx, result)
         if entry is not None:
-            await self.store.put(*entry)
+            await self._redis.put(*entry)

@@ -294,7 +294,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_keys_subparser(subparsers: argparse._SubParsersAction) -> None:
+def add_keys_subparser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``keys add|list|revoke`` to the CLI; each handler is ``args.func(args) -> exit code``."""
     keys = subparsers.add_parser("keys", help="manage API keys (auth.keys_file)")
     sub = keys.add_subparsers(dest="keys_command", metavar="{add,list,revoke}", required=True)

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.hooks.registry import hook
@@ -137,6 +137,13 @@ class RateLimiter:
     """Active when ``ratelimit.enabled`` (default). Effective limits: the principal's own,
     else ``ratelimit.default_rpm``/``default_tpm``; None everywhere = not limited."""
 
+    # Closing, bound per instance to the store's own (sync or async).
+    close: Callable[[], None]
+    aclose: Callable[[], Awaitable[None]]
+    # The store as each implementation uses it (the same object as ``store``).
+    _memory: MemoryRateStore
+    _redis: RedisRateStore
+
     def __init__(self, settings: Any, store: MemoryRateStore | RedisRateStore | None = None):
         cfg = getattr(settings, "ratelimit", None) or RateLimitConfig()
         self.enabled = cfg.enabled
@@ -147,13 +154,16 @@ class RateLimiter:
         if store is None:
             store = RedisRateStore(cfg.redis_url) if cfg.store == "redis" else MemoryRateStore()
         self.store = store
-        if store.is_async:
-            # Instance attributes shadow the sync methods: the chain binds these once.
-            self.on_request = self._on_request_async
-            self.on_refused = self._on_refused_async
-            self.on_done = self._on_done_async
+        if isinstance(store, RedisRateStore):
+            self._redis = store
+            # The async stages shadow the sync methods on this instance (the chain tells them
+            # apart by inspect.iscoroutinefunction); mypy cannot type a per-instance override.
+            self.on_request = self._on_request_async  # type: ignore[method-assign,assignment]
+            self.on_refused = self._on_refused_async  # type: ignore[method-assign,assignment]
+            self.on_done = self._on_done_async  # type: ignore[method-assign,assignment]
             self.aclose = store.aclose
         else:
+            self._memory = store
             self.close = store.close
 
     def apply_settings(self, settings: Any) -> tuple[str, ...]:
@@ -193,7 +203,7 @@ class RateLimiter:
         if adm is None:
             return
         name, rpm, tpm, tokens = adm
-        wait = self.store.reserve(name, rpm, tpm, tokens)
+        wait = self._memory.reserve(name, rpm, tpm, tokens)
         if wait:
             raise self._refusal(name, rpm, tpm, wait)
         if tpm:
@@ -203,14 +213,14 @@ class RateLimiter:
         # A later hook refused: give the tokens back (the request itself still counts).
         held = ctx.state.pop(STATE_KEY, None)
         if held is not None:
-            self.store.adjust(held[0], held[1], held[2])
+            self._memory.adjust(held[0], held[1], held[2])
 
     def on_done(self, ctx: Any, result: Any) -> None:
         held = ctx.state.pop(STATE_KEY, None)
         if held is not None:
             unused = held[2] - (result.prompt_tokens + result.completion_tokens)
             if unused:
-                self.store.adjust(held[0], held[1], unused)
+                self._memory.adjust(held[0], held[1], unused)
 
     # ---- Redis store: awaited ----
 
@@ -220,7 +230,7 @@ class RateLimiter:
             return
         name, rpm, tpm, tokens = adm
         try:
-            wait = await self.store.reserve(name, rpm, tpm, tokens)
+            wait = await self._redis.reserve(name, rpm, tpm, tokens)
         except Exception as exc:
             # Fail closed: a limit that silently stops limiting is worse than a refused request.
             log.warning("rate-limit store unavailable: %s", exc)
@@ -233,11 +243,11 @@ class RateLimiter:
     async def _on_refused_async(self, ctx: Any, error: HookError) -> None:
         held = ctx.state.pop(STATE_KEY, None)
         if held is not None:
-            await self.store.adjust(held[0], held[1], held[2])
+            await self._redis.adjust(held[0], held[1], held[2])
 
     async def _on_done_async(self, ctx: Any, result: Any) -> None:
         held = ctx.state.pop(STATE_KEY, None)
         if held is not None:
             unused = held[2] - (result.prompt_tokens + result.completion_tokens)
             if unused:
-                await self.store.adjust(held[0], held[1], unused)
+                await self._redis.adjust(held[0], held[1], unused)

@@ -13,12 +13,15 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as _RustTokenizer
 
 from gateway.tokenizer import Tokenizer
 from gateway.tools import template_supports_tools
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 _GIL_HELD_CHARS = 16 * 1024  # up to this many characters, ``encode`` (no thread hop) is cheaper
 
@@ -80,7 +83,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> Any:
+def _compile_template(source: str) -> Template:
     # Templates come with the checkpoint; render them sandboxed, with the options transformers
     # uses, so whitespace matches what the model was trained on.
     from jinja2.sandbox import ImmutableSandboxedEnvironment

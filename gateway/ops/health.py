@@ -16,6 +16,7 @@ import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from gateway.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.ops.readiness import Health
@@ -30,7 +31,7 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     metrics: Metrics
     health: Health
-    prompts: Callable[[], list[dict]] | None
+    prompts: Callable[[], list[dict[str, Any]]] | None
 
 
 class _Server6(_Server):
@@ -95,15 +96,15 @@ class HttpServerHandle:
     def __init__(self, server: _Server, thread: threading.Thread) -> None:
         self._server = server
         self._thread = thread
-        self.host: str = server.server_address[0]
+        self.host = str(server.server_address[0])
         self.port: int = server.server_address[1]
 
     @property
-    def prompts(self) -> Callable[[], list[dict]] | None:
+    def prompts(self) -> Callable[[], list[dict[str, Any]]] | None:
         return self._server.prompts
 
     @prompts.setter
-    def prompts(self, describe: Callable[[], list[dict]] | None) -> None:
+    def prompts(self, describe: Callable[[], list[dict[str, Any]]] | None) -> None:
         """Serve GET /prompts from ``describe`` (set once the prompts are compiled)."""
         self._server.prompts = describe
 
@@ -120,7 +121,7 @@ def start_http_server(
     port: int,
     metrics: Metrics,
     health: Health,
-    prompts: Callable[[], list[dict]] | None = None,
+    prompts: Callable[[], list[dict[str, Any]]] | None = None,
 ) -> HttpServerHandle:
     """Bind ``host:port`` and serve /metrics, /healthz and /readyz (and /prompts when
     ``prompts`` is given: it returns the JSON-ready list) on a daemon thread. Binding errors

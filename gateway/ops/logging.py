@@ -128,7 +128,9 @@ def setup_logging(
 def _log_uncaught(
     exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None
 ) -> None:
-    logging.getLogger("zerolayer").critical("uncaught exception", exc_info=(exc_type, exc, tb))
+    # A thread's hook may carry no exception object (threading.ExceptHookArgs.exc_value).
+    info = (exc_type, exc, tb) if exc is not None else (None, None, None)
+    logging.getLogger("zerolayer").critical("uncaught exception", exc_info=info)
 
 
 def installed_handler() -> logging.Handler | None:

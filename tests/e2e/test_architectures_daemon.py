@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks._support.daemon import Daemon
 from gateway.client import Client
 from tests.support.arch_models import VOCAB, reference_model, write_gguf
-from tests.support.daemon import Daemon
 from tests.support.smollm2 import reference_greedy
 
 pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tests.support.daemon import ROOT, Daemon
+from benchmarks._support.daemon import ROOT, Daemon
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
@@ -107,7 +107,7 @@ def test_daemon_child_dies_with_its_parent():
         "import sys, time\n"
         "sys.path.insert(0, '.')\n"
         "from benchmarks._report import parser\n"
-        "from tests.support.daemon import Daemon\n"
+        "from benchmarks._support.daemon import Daemon\n"
         "parser()\n"
         "with Daemon() as d:\n"
         "    print(d.proc.pid, flush=True)\n"

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from tests.support.daemon import ROOT, Daemon
-from tests.support.metrics import scrape, value
+from benchmarks._support.daemon import ROOT, Daemon
+from benchmarks._support.metrics import scrape, value
 from tests.support.ptyproc import PtyProcess
 
 DOORS = {"frames": "frames", "http": "openai"}  # --endpoint kind → the metrics' api label

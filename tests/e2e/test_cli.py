@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
+from benchmarks._support.daemon import ROOT, Daemon
 from gateway.config import BUILTIN_MODEL
 from gateway.tokenizer import ByteTokenizer
-from tests.support.daemon import ROOT, Daemon
 
 QUESTION = "What is the capital of France?"
 TERSE = "You are terse."

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from benchmarks._support.daemon import ROOT, Daemon
 from gateway import client as zc
 from gateway.protocol import ErrorCode, FinishReason
-from tests.support.daemon import ROOT, Daemon
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
+from benchmarks._support.daemon import Daemon
 from gateway.hooks.keys import add_key
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
 
 UNAUTHENTICATED, OVERLOADED = 4, 6
 

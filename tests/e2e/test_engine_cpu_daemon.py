@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway.config import BUILTIN_MODEL
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
 
 THREAD_WARNING = "torch ops are slower with two OpenMP teams"
 
@@ -21,7 +21,7 @@ def cpu(tmp_path_factory):
 
 
 def _running(d: Daemon) -> float:
-    from tests.support.metrics import scrape, value
+    from benchmarks._support.metrics import scrape, value
 
     return value(scrape(d.metrics_url), "zerolayer_num_requests_running")
 

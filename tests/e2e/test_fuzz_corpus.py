@@ -9,9 +9,9 @@ import struct
 
 import pytest
 
-from tests.support import fuzzframes as ff
+from benchmarks._support import fuzzframes as ff
+from benchmarks._support.daemon import Daemon
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
 
 ERROR_CODES = {
     "MALFORMED_FRAME": 1,

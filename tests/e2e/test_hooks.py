@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
+from benchmarks._support.daemon import Daemon
 from gateway.hooks.keys import add_key, revoke_key
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
 
 UNAUTHENTICATED, RATE_LIMITED = 4, 5
 
@@ -143,7 +143,7 @@ def test_daemon_refuses_to_start_with_a_broken_hook_module(tmp_path):
     import subprocess
     import sys
 
-    from tests.support.daemon import ROOT
+    from benchmarks._support.daemon import ROOT
 
     bad = tmp_path / "broken_hook.py"
     bad.write_text("import not_a_module_anywhere\n")

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway.codes import ErrorCode
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
 from tests.support.rawhttp import RawHttp
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -14,10 +14,10 @@ import anthropic
 import openai
 import pytest
 
+from benchmarks._support.daemon import Daemon
+from benchmarks._support.metrics import scrape, value
 from gateway.hooks.keys import add_key
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
-from tests.support.metrics import scrape, value
 
 MODEL = "synthetic"
 USER = [{"role": "user", "content": "Tell me something."}]

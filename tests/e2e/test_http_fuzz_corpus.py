@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.support import fuzzhttp as fh
-from tests.support.daemon import Daemon
+from benchmarks._support import fuzzhttp as fh
+from benchmarks._support.daemon import Daemon
 from tests.support.rawhttp import RawHttp
 
 CORPUS = fh.corpus()

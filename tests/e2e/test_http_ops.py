@@ -11,8 +11,8 @@ import urllib.request
 import openai
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway.http.routes import version
-from tests.support.daemon import Daemon
 
 MODEL = "synthetic"
 USER = [{"role": "user", "content": "Tell me something."}]

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._support.daemon import ROOT, Daemon, free_port
+from benchmarks._support.metrics import probe, scrape, value
+from benchmarks._support.redis_server import RedisServer
 from gateway.client import RateLimitedError, SyncClient
-from tests.support.daemon import ROOT, Daemon, free_port
-from tests.support.metrics import probe, scrape, value
-from tests.support.redis_server import RedisServer
 
 SERVE = [sys.executable, "-m", "gateway.cli", "serve"]
 

@@ -20,9 +20,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks._support.daemon import ROOT, Daemon, free_port
+from benchmarks._support.metrics import scrape, status, value
 from tests.support import rawclient as rc
-from tests.support.daemon import ROOT, Daemon, free_port
-from tests.support.metrics import scrape, status, value
 
 
 def test_scrape_after_requests_moves_counters_by_the_right_amounts():

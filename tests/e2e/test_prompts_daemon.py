@@ -54,9 +54,9 @@ def test_daemon_serves_registered_prompts_identically_to_inline(
 ) -> None:
     import asyncio
 
+    from benchmarks._support.daemon import Daemon
     from gateway.client import Client, ServerError
     from gateway.protocol import CACHE_PROMPT, ErrorCode
-    from tests.support.daemon import Daemon
 
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "second.txt").write_text("Answer in French.\n")
@@ -142,7 +142,7 @@ def metric(text: str, name: str) -> float:
 
 @needs_wiring
 def test_daemon_refuses_to_start_with_an_invalid_prompt_and_names_it(tmp_path: Path) -> None:
-    from tests.support.daemon import Daemon
+    from benchmarks._support.daemon import Daemon
 
     config = e2e_config(
         tmp_path,

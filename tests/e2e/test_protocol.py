@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
 
 MALFORMED, TOO_LARGE, UNSUPPORTED, UNAUTH = 1, 2, 3, 4
 OVERLOADED, INVALID, PROMPT_TOO_LONG, UNKNOWN_PROMPT = 6, 7, 8, 9

@@ -8,8 +8,8 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks._support.daemon import Daemon
 from tests.support import rawclient as rc
-from tests.support.daemon import Daemon
 
 INVALID_REQUEST, INTERNAL = 7, 15
 

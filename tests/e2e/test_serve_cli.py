@@ -15,9 +15,9 @@ import urllib.request
 
 import pytest
 
+from benchmarks._support.daemon import ROOT, Daemon, child_preexec, free_port, listening_fields
+from benchmarks._support.metrics import scrape, value
 from gateway.client import SyncClient, UnauthenticatedError
-from tests.support.daemon import ROOT, Daemon, child_preexec, free_port, listening_fields
-from tests.support.metrics import scrape, value
 from tests.support.smollm2 import SLOW_TIMEOUT_S
 
 

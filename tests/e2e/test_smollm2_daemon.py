@@ -11,10 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway.client import Client
 from gateway.models.hf_tokenizer import HFTokenizer
 from gateway.protocol import CACHE_PROMPT
-from tests.support.daemon import Daemon
 from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."

@@ -1,14 +1,14 @@
-"""A short chaos soak (tests/support/soak.py; benchmarks/soak.py runs it for longer): a few seconds
-of chaotic clients against a daemon with auth, rate limits in a real Redis and the response
-cache, then every request accounted for, no slot held, the rate-limit bucket exactly what the
-requests used, and the metrics equal to the clients' counts."""
+"""A short chaos soak (benchmarks/_support/soak.py; benchmarks/soak.py runs it for longer): a
+few seconds of chaotic clients against a daemon with auth, rate limits in a real Redis and the
+response cache, then every request accounted for, no slot held, the rate-limit bucket exactly what
+the requests used, and the metrics equal to the clients' counts."""
 
 from __future__ import annotations
 
 import asyncio
 
-from tests.support.daemon import Daemon
-from tests.support.soak import daemon_env, run_epochs, write_keys
+from benchmarks._support.daemon import Daemon
+from benchmarks._support.soak import daemon_env, run_epochs, write_keys
 
 
 def test_short_chaos_soak_accounts_for_everything(tmp_path, redis_url):

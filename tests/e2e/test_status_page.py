@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway.client import SyncClient
-from tests.support.daemon import Daemon
-from tests.support.metrics import scrape, value
+from benchmarks._support.metrics import scrape, value
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = (

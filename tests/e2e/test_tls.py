@@ -1,5 +1,6 @@
-"""TLS 1.3 and mutual TLS on the frame port, end to end: certificates made at test time
-(tests/support/certs.py), a real daemon (synthetic backend), the client library and the CLI."""
+"""TLS 1.3 and mutual TLS on the frame port, end to end: certificates made at test
+time (benchmarks/_support/certs.py), a real daemon (synthetic backend), the client library and
+the CLI."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._support.certs import CA, serial_of
+from benchmarks._support.daemon import ROOT, Daemon
 from gateway.client import Client, EndpointError, RateLimitedError, UnauthenticatedError
 from gateway.hooks.keys import add_key
 from gateway.ops.tls import ALPN_FRAME, client_context
 from tests.support import rawclient as rc
-from tests.support.certs import CA, serial_of
-from tests.support.daemon import ROOT, Daemon
 
 
 class PKI:

@@ -19,10 +19,10 @@ import anthropic
 import openai
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway.client import Client, ServerError
 from gateway.codes import ErrorCode
 from gateway.http.errors import STATUS
-from tests.support.daemon import Daemon
 
 MODEL = "synthetic"
 USER = [{"role": "user", "content": "hi"}]

@@ -1,6 +1,6 @@
-"""benchmarks/serving.py's helpers: the round-robin order and paired ratios of the interleaved
-paced scenarios, the open loop's arrival rate, and the SCHED_IDLE spinner of the cold-call
-diagnostic."""
+"""The serving benchmark's helpers (benchmarks/scenarios/, benchmarks/_support/pump.py): the
+round-robin order and paired ratios of the interleaved paced scenarios, the open loop's arrival
+rate, and the SCHED_IDLE spinner of the cold-call diagnostic."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from benchmarks import serving
-from benchmarks.serving import can_keep_busy, idle_spinner, paired_ratio, rotations
+from benchmarks.scenarios import common
+from benchmarks.scenarios.common import paired_ratio, rotations
+from benchmarks.scenarios.engine_step import can_keep_busy, idle_spinner
 
 
 def test_rotations_lead_with_each_item_in_turn():
@@ -75,7 +76,7 @@ def test_paced_pumps_serve_every_token_and_done(threaded: bool):
     burst in full: every stream gets all its tokens and its DONE."""
     import asyncio
 
-    from benchmarks.serving import Floor
+    from benchmarks._support.pump import Floor
     from gateway.bench import BenchOptions, run
 
     with Floor(2.0, threaded=threaded) as floor:
@@ -91,10 +92,10 @@ def test_paced_pumps_serve_every_token_and_done(threaded: bool):
 @pytest.mark.parametrize("skip", [None, "nothing", "hand-off to the event loop", "step metrics"])
 def test_engine_step_burst_ends_whatever_part_every_other_step_leaves_out(skip):
     """The engine-step diagnostic's burst runs to its end with a part left out of every other
-    step (outputs that end sequences are still handed over), the part's stand-in really takes
-    the engine's calls (a renamed engine method would leave nothing out), and the steady steps
+    step (outputs that end sequences are still handed over), the part really is left out (the
+    engine still makes the callback's calls), and the steady steps
     split into the two halves it compares only when asked to."""
-    from benchmarks.serving import engine_step_cost
+    from benchmarks.scenarios.engine_step import engine_step_cost
 
     r = engine_step_cost(0.0, streams=8, tokens=40, skip=skip)
     assert r["steps"] >= 40
@@ -105,7 +106,7 @@ def test_engine_step_burst_ends_whatever_part_every_other_step_leaves_out(skip):
 
 
 def test_sleep_floor_measures_a_thread_that_sleeps():
-    from benchmarks.serving import sleep_floor
+    from benchmarks.scenarios.engine_step import sleep_floor
 
     assert sleep_floor(0.001, n=5) > 0
 
@@ -116,9 +117,9 @@ def test_open_load_keeps_the_intended_share_of_slots_busy():
     class Args:
         step_ms, paced_prompt_len = 20.0, 16
 
-    load = serving.open_load(Args(), tokens=150)
+    load = common.open_load(Args(), tokens=150)
     in_flight = load["request_rate"] * 150 * Args.step_ms / 1e3
-    assert in_flight == pytest.approx(serving.OPEN_FILL * serving.PACED_STREAMS)
-    assert load["num_requests"] == serving.OPEN_REQUESTS
+    assert in_flight == pytest.approx(common.OPEN_FILL * common.PACED_STREAMS)
+    assert load["num_requests"] == common.OPEN_REQUESTS
     assert load["output_len"] == "150" and load["input_len"] == "16"
     assert "concurrency" not in load  # an open loop: arrivals are not held back by completions

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from benchmarks._support.daemon import ROOT
 from gateway.config import DEFAULT_CONFIG, SMOLLM2_MODEL, ConfigError, load_settings
-from tests.support.daemon import ROOT
 
 
 def test_default_file_gives_documented_defaults(monkeypatch):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from benchmarks._support.daemon import ROOT
 from gateway.config import Settings
-from tests.support.daemon import ROOT
 
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:

@@ -210,7 +210,7 @@ def test_redis_cache_hit_and_ttl(redis_url):  # noqa: F811
 
 
 def test_redis_cache_errors_are_misses():
-    from tests.support.redis_server import RedisServer
+    from benchmarks._support.redis_server import RedisServer
 
     server = RedisServer().start()
     try:

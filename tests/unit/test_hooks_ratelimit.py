@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import redis
 
+from benchmarks._support.redis_server import RedisServer
 from gateway.config import AuthConfig
 from gateway.hooks import (
     INTERNAL,
@@ -27,7 +28,6 @@ from gateway.hooks import (
 )
 from gateway.hooks.ratelimit import MemoryRateStore, RateLimiter
 from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
-from tests.support.redis_server import RedisServer
 
 
 class FakeClock:

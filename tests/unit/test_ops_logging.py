@@ -98,8 +98,8 @@ FIELDS = {"frame": "127.0.0.1:7070", "metrics": "127.0.0.1:9464", "model": "m", 
 
 
 def test_announce_is_written_whatever_the_level_in_both_formats() -> None:
+    from benchmarks._support.daemon import listening_fields
     from gateway.ops.logging import announce
-    from tests.support.daemon import listening_fields
 
     for json_lines in (False, True):
         out = io.StringIO()

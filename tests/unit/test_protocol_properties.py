@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks._support.fuzzframes import corpus_files, read_corpus
 from gateway import protocol as p
 from gateway.codes import DONE_REASONS, Refusal
 from gateway.engine.backend import ModelInfo
@@ -22,7 +23,6 @@ from gateway.engine.types import SamplingRow
 from gateway.inputs import InputProcessor
 from gateway.protocol import ErrorCode, FrameType, ProtocolError
 from gateway.tokenizer import ByteTokenizer
-from tests.support.fuzzframes import corpus_files, read_corpus
 
 MAX = 1 << 20
 U16 = 2**16 - 1

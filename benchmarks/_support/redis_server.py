@@ -1,9 +1,9 @@
-"""A real ``redis-server`` for tests and benchmarks: started on a free 127.0.0.1 port in a temp
+"""A real ``redis-server`` for benchmarks and tests: started on a free 127.0.0.1 port in a temp
 dir without persistence, ready once it answers PING, stopped (and its dir removed) at the end.
 
-tests/conftest.py registers the fixtures for every test module.
-``redis_server`` is one server per test session; ``redis_url`` flushes it before each test.
-Outside pytest: ``with RedisServer() as srv: srv.url``. A missing binary is an error, never a skip.
+``with RedisServer() as srv: srv.url``. A missing binary is an error, never a skip.
+tests/conftest.py makes its ``redis_server`` (one per test session) and ``redis_url`` (flushed
+before each test) fixtures of it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from benchmarks._support.daemon import free_port
 
 INSTALL_HINT = (
     "redis-server not found on PATH or at /usr/bin/redis-server; the hook tests need a real one: "
@@ -30,12 +29,6 @@ def find_redis_server() -> str:
     if not Path(path).is_file():
         raise RuntimeError(INSTALL_HINT)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pings(port: int) -> bool:
@@ -62,7 +55,7 @@ class RedisServer:
         log_path = Path(self._dir) / "redis.log"
         # A free port can be taken between our probe and redis' bind: try a few.
         for _ in range(5):
-            self.port = _free_port()
+            self.port = free_port()
             cmd = [
                 self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", self._dir,
@@ -108,15 +101,3 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    redis_server.flush()
-    return redis_server.url

@@ -21,7 +21,7 @@ HDR = struct.Struct("<IBBHI")
 REQ = struct.Struct("<IffIQIHH")
 REQUEST, TOKEN, DONE, PING, PONG, ERROR, CANCEL, HELLO, WELCOME, GOAWAY = range(1, 11)
 INTERNAL = 15
-CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "fuzz-corpus"
+CORPUS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "fuzz-corpus"
 
 U32_EDGES = (0, 1, 2, 0x7F, 0x80, 0xFF, 0x7FFF, 0x8000, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1)
 # Byte offsets of the u32/f32 fields of a binary REQUEST's fixed part (docs/protocol.md).

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks._support import fuzzframes as ff
+from benchmarks._support.daemon import Daemon
+from benchmarks._support.metrics import scrape
 from gateway.hooks.keys import add_key
-from tests.support import fuzzframes as ff
-from tests.support.daemon import Daemon
-from tests.support.metrics import scrape
 
 FINISH = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled"}
 CODE_NAMES = {

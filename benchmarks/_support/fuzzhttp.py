@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "http-fuzz-corpus"
+CORPUS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "http-fuzz-corpus"
 PATHS = (b"/v1/chat/completions", b"/v1/messages", b"/v1/completions", b"/v1/messages/count_tokens")
 MSGS = [{"role": "user", "content": "hi"}]
 SEEDS: list[dict] = [

@@ -1,4 +1,4 @@
-"""Test helper: a throw-away PKI made at test time with `cryptography` (CAs, server and client
+"""A throw-away PKI made at run time with `cryptography` (CAs, server and client
 certificates, expired and wrong-host variants), written as PEM files into a directory."""
 
 from __future__ import annotations

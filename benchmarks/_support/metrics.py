@@ -1,4 +1,4 @@
-"""Reading a daemon's metrics and health endpoints in tests."""
+"""Reading a daemon's metrics and health endpoints (benchmarks and tests)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Test helper: run a real `zerolayer serve` process on loopback and learn its port."""
+"""Benchmarks and tests: run a real `zerolayer serve` process on loopback and learn its port."""
 
 from __future__ import annotations
 
