@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._canary import DOORS, in_own_process  # noqa: E402
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
+from benchmarks._support.daemon import Daemon  # noqa: E402
 from gateway import protocol as p  # noqa: E402
-from tests.support.daemon import Daemon  # noqa: E402
 
 ATTACKERS = [f"127.0.0.{i}" for i in range(2, 10)]
 Attack = Callable[[Daemon, Callable[[], bool]], Awaitable[int]]
