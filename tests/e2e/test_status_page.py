@@ -15,8 +15,8 @@ import time
 import pytest
 
 from benchmarks._support.daemon import Daemon
-from gateway.client import SyncClient
 from benchmarks._support.metrics import scrape, value
+from gateway.client import SyncClient
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = (
