@@ -37,7 +37,7 @@ from torch import nn
 
 from kernels import qmatmul
 from kernels.architectures import DecoderConfig
-from kernels.qmatmul import QWeight
+from kernels.qmatmul import QStack, QWeight
 
 MIN_ATTENTION_BUCKET = 16
 
@@ -184,9 +184,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset, device, dtype)
         # GGUF block copies (Decoder.use_blocks): q, k and v stacked into one matmul, and o,
         # with their biases stacked alike.
-        self.qkv_blocks: QWeight | None = None
+        self.qkv_blocks: QWeight | QStack | None = None
         self.qkv_bias: torch.Tensor | None = None
-        self.o_blocks: QWeight | None = None
+        self.o_blocks: QWeight | QStack | None = None
 
     def forward(
         self,
@@ -262,9 +262,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # else SiLU
         # GGUF block copies (Decoder.use_blocks): gate and up stacked into one matmul, and down.
-        self.gate_up_blocks: QWeight | None = None
+        self.gate_up_blocks: QWeight | QStack | None = None
         self.gate_up_bias: torch.Tensor | None = None
-        self.down_blocks: QWeight | None = None
+        self.down_blocks: QWeight | QStack | None = None
 
     def forward(self, x: torch.Tensor, use_blocks: bool = False) -> torch.Tensor:
         if use_blocks and self.gate_up_blocks is not None:
@@ -397,7 +397,7 @@ class Decoder(nn.Module):
         self.register_buffer("rope_local_sin", local[1], persistent=False)
         # Forwards of at most this many tokens use the GGUF block weights; 0 until use_blocks.
         self.blocks_max_rows = 0
-        self.head_blocks: QWeight | None = None
+        self.head_blocks: QWeight | QStack | None = None
 
     @staticmethod
     def _rope_tables(
@@ -411,11 +411,12 @@ class Decoder(nn.Module):
     def use_blocks(self, weights: dict[str, QWeight]) -> int:
         """Give the matrices found in ``weights`` (GGUF blocks under this model's parameter
         names) block copies, which forwards of at most ``qmatmul.MAX_ROWS[dtype]`` tokens use
-        (q/k/v and gate/up each stacked into one matmul when all of them are there and of one
-        block type, their biases stacked alike); the dense weights stay for longer forwards.
+        (q/k/v and gate/up each stacked into one matmul when all of them are there, a
+        ``QStack`` when their block types differ, their biases stacked alike); the dense
+        weights stay for longer forwards.
         Needs the kernel built (``qmatmul.build``). Returns how many matrices got a copy."""
 
-        def stacked(prefix: str, names: tuple[str, ...]) -> QWeight | None:
+        def stacked(prefix: str, names: tuple[str, ...]) -> QWeight | QStack | None:
             keys = [f"{prefix}{name}.weight" for name in names]
             if not all(key in weights for key in keys):
                 return None

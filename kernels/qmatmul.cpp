@@ -3,6 +3,8 @@
 // Registers two ops (kernels/qmatmul.py builds and loads this file):
 //   zerolayer::qmatmul(x [M, K] float32 or bfloat16, blocks [N, K / 32 * bytes] uint8, kind)
 //     -> [M, N] in x's dtype;
+//   zerolayer::qmatmul_parts(x, [blocks_0, blocks_1, ...], [kind_0, kind_1, ...]) -> the
+//     products by the matrices stacked one under the other, each of its own kind, in one call;
 //   zerolayer::dequantize(blocks, kind, bfloat16) -> [N, K] float32, the weights qmatmul uses.
 // kind: 0 = Q4_0 (w = d * (q - 8)), 1 = Q4_1 (w = d * q + m), 2 = Q8_0 (w = d * q), blocks of 32
 // weights; 3 = Q4_K (w = d * sc * q - dmin * m), 4 = Q5_K (the same with 5-bit q), 5 = Q6_K
@@ -452,49 +454,77 @@ void rows_range(const In* x, int64_t K, const uint8_t* blocks, int64_t row_bytes
   }
 }
 
+// One matrix of a product: its blocks, its kind, and the output columns it fills.
+struct Part {
+  const uint8_t* blocks;
+  int64_t row_bytes, kind, rows, first;  // first: its first output column
+};
+
+// Output rows [n0, n1) of one part (n counted from the part's first row), in cache tiles.
 template <int KIND, bool BF16, typename In, typename Out>
-void run(const In* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t row_bytes, Out* out,
-         int64_t N) {
-  // Row chunks of at least 64 outputs per thread: the smallest matrices are not worth waking
-  // a second thread for more than that.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    // Input rows in groups of at most 8 (the accumulators of a group stay in registers), each
-    // group over a tile of output rows small enough to stay in the core's caches: the weights
-    // come from memory once, the later groups re-read them from cache.
-    for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
-      const int64_t t1 = std::min(n1, t0 + kTile);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int64_t g = std::min<int64_t>(8, M - m0);
-        const In* xg = x + m0 * K;
-        Out* og = out + m0 * N;
-        switch (g) {
+void tiles(const In* x, int64_t M, int64_t K, const Part& p, Out* out, int64_t N, int64_t n0,
+           int64_t n1) {
+  // Input rows in groups of at most 8 (the accumulators of a group stay in registers), each
+  // group over a tile of output rows small enough to stay in the core's caches: the weights
+  // come from memory once, the later groups re-read them from cache.
+  for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+    const int64_t t1 = std::min(n1, t0 + kTile);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t g = std::min<int64_t>(8, M - m0);
+      const In* xg = x + m0 * K;
+      Out* og = out + m0 * N + p.first;
+      switch (g) {
 #define ZL_CASE(G) \
-  case G: rows_range<KIND, BF16, G>(xg, K, blocks, row_bytes, og, N, t0, t1); break;
-          ZL_CASE(1) ZL_CASE(2) ZL_CASE(3) ZL_CASE(4) ZL_CASE(5) ZL_CASE(6) ZL_CASE(7) ZL_CASE(8)
+  case G: rows_range<KIND, BF16, G>(xg, K, p.blocks, p.row_bytes, og, N, t0, t1); break;
+        ZL_CASE(1) ZL_CASE(2) ZL_CASE(3) ZL_CASE(4) ZL_CASE(5) ZL_CASE(6) ZL_CASE(7) ZL_CASE(8)
 #undef ZL_CASE
-        }
       }
+    }
+  }
+}
+
+// x @ [w_0; w_1; ...].T: the parts' output rows laid side by side in one [M, N] output, split
+// between threads as one range of N (a part of another kind is another inner loop, not
+// another call or another wake of the thread team).
+template <bool BF16, typename In, typename Out>
+void run(const In* x, int64_t M, int64_t K, const std::vector<Part>& parts, Out* out, int64_t N) {
+  // Chunks of at least 64 outputs per thread: the smallest matrices are not worth waking a
+  // second thread for more than that.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (const Part& p : parts) {
+      const int64_t a = std::max(n0, p.first), b = std::min(n1, p.first + p.rows);
+      if (a >= b) continue;
+      with_kind(p.kind, [&](auto k) {
+        tiles<decltype(k)::value, BF16>(x, M, K, p, out, N, a - p.first, b - p.first);
+      });
     }
   });
 }
 
-at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "qmatmul: x [M, K] and blocks [N, bytes]");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "qmatmul: blocks uint8");
+at::Tensor qmatmul_parts(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds) {
+  TORCH_CHECK(x.dim() == 2, "qmatmul: x [M, K]");
+  TORCH_CHECK(!blocks.empty() && blocks.size() == kinds.size(), "qmatmul: one kind a part");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "qmatmul: x float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  const Layout lay = layout(kind);
-  TORCH_CHECK(K % lay.weights == 0 && blocks.size(1) == K / lay.weights * lay.bytes,
-              "qmatmul: blocks of ", blocks.size(1), " bytes a row do not hold K = ", K);
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<Part> parts;
+  int64_t N = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const at::Tensor& b = blocks[i];
+    TORCH_CHECK(b.dim() == 2 && b.scalar_type() == at::kByte && b.is_contiguous(),
+                "qmatmul: blocks [N, bytes] uint8");
+    const Layout lay = layout(kinds[i]);
+    TORCH_CHECK(K % lay.weights == 0 && b.size(1) == K / lay.weights * lay.bytes,
+                "qmatmul: blocks of ", b.size(1), " bytes a row do not hold K = ", K);
+    parts.push_back({b.data_ptr<uint8_t>(), b.size(1), kinds[i], b.size(0), N});
+    N += b.size(0);
+  }
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
 #ifdef ZL_DPBF16
   if (bf16) {
     const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    auto* op = out.data_ptr<at::BFloat16>();
-    with_kind(kind, [&](auto k) { run<decltype(k)::value, true>(xb, M, K, bp, blocks.size(1), op, N); });
+    run<true>(xb, M, K, parts, out.data_ptr<at::BFloat16>(), N);
     return out;
   }
 #endif
@@ -510,13 +540,15 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) 
     xp = xc.data_ptr<float>();
   }
   if (bf16) {
-    auto* op = out.data_ptr<at::BFloat16>();
-    with_kind(kind, [&](auto k) { run<decltype(k)::value, true>(xp, M, K, bp, blocks.size(1), op, N); });
+    run<true>(xp, M, K, parts, out.data_ptr<at::BFloat16>(), N);
   } else {
-    auto* op = out.data_ptr<float>();
-    with_kind(kind, [&](auto k) { run<decltype(k)::value, false>(xp, M, K, bp, blocks.size(1), op, N); });
+    run<false>(xp, M, K, parts, out.data_ptr<float>(), N);
   }
   return out;
+}
+
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+  return qmatmul_parts(x, {blocks}, {kind});
 }
 
 template <int KIND, bool BF16>
@@ -548,10 +580,12 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, bool bf16) {
 
 TORCH_LIBRARY(zerolayer, m) {
   m.def("qmatmul(Tensor x, Tensor blocks, int kind) -> Tensor");
+  m.def("qmatmul_parts(Tensor x, Tensor[] blocks, int[] kinds) -> Tensor");
   m.def("dequantize(Tensor blocks, int kind, bool bfloat16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zerolayer, CPU, m) {
   m.impl("qmatmul", &qmatmul);
+  m.impl("qmatmul_parts", &qmatmul_parts);
   m.impl("dequantize", &dequantize);
 }

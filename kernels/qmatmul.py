@@ -148,11 +148,14 @@ class QWeight:
         return self.blocks.shape[1] // BLOCK_BYTES[self.kind] * BLOCK_WEIGHTS[self.kind]
 
     @staticmethod
-    def stack(parts: list[QWeight]) -> QWeight | None:
-        """Weights of one input laid one under the other (one call for all their outputs);
-        None when their kinds differ."""
+    def stack(parts: list[QWeight]) -> QWeight | QStack:
+        """Weights of one input laid one under the other, one call for all their outputs: one
+        QWeight when their kinds agree, else a QStack of them (a Q4_K_M file's Q6_K v_proj
+        beside Q4_K q_proj / k_proj)."""
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("stacked weights must have one input size")
         if len({p.kind for p in parts}) != 1:
-            return None
+            return QStack(tuple(parts))
         if len(parts) == 1:
             return parts[0]
         return QWeight(torch.cat([p.blocks for p in parts]).contiguous(), parts[0].kind)
@@ -167,3 +170,27 @@ class QWeight:
         return torch.ops.zerolayer.dequantize(
             self.blocks, KINDS[self.kind], dtype == torch.bfloat16
         )
+
+
+@dataclass(frozen=True)
+class QStack:
+    """Weights of one input, each of its own kind, laid one under the other: calling it on x
+    [..., K] gives torch.cat([w(x) for w in parts], -1), computed by one kernel call that
+    walks each part's rows with its own kind's loop (``zerolayer::qmatmul_parts``)."""
+
+    parts: tuple[QWeight, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        blocks = [p.blocks for p in self.parts]
+        kinds = [KINDS[p.kind] for p in self.parts]
+        out = torch.ops.zerolayer.qmatmul_parts(rows, blocks, kinds)
+        return out.view(*x.shape[:-1], self.out_features)

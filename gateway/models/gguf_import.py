@@ -13,7 +13,8 @@ transformers does); Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate and up) stay
 its checkpoints. It writes config.json,
 generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json (special
 tokens, chat template). Matrices in a block type that ``kernels.qmatmul`` computes on (Q4_0, Q4_1,
-Q8_0) are also kept as the file's own blocks (``gateway.models.gguf_blocks``). The directory
+Q8_0, Q4_K, Q5_K, Q6_K) are also kept as the file's own blocks (``gateway.models.gguf_blocks``);
+source.json names the other matrices and their types (``dense_matrices``). The directory
 is keyed by the file's SHA-256 and this converter's version and is written into a temporary
 sibling then renamed into place, so a second start reuses it and a crash never leaves half a
 directory.
@@ -50,8 +51,10 @@ from kernels.architectures import ARCHITECTURES, BY_GGUF_ARCH, FULL, SLIDING, Ar
 log = logging.getLogger("zerolayer.models")
 
 # Bump when the output of the conversion changes, so old cache directories are not reused.
-# 2: the quantized blocks are kept too (blocks.safetensors). 3: other architectures.
-CONVERTER_VERSION = 3
+# 2: the quantized blocks are kept too (blocks.safetensors). 3: other architectures. 4: source.json
+# names the matrices kept dense only, with their types (``dense_matrices``).
+CONVERTER_VERSION = 4
+SOURCE_FILE = "source.json"
 SUPPORTED_ARCHITECTURES = tuple(BY_GGUF_ARCH)
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -450,19 +453,27 @@ def check_header(header: Header, path: Path) -> dict[str, Any]:
     return config
 
 
-def read_tensors(
-    reader: Any, path: Path, config: dict[str, Any]
-) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, np.ndarray]]]:
-    """Every tensor dequantized to float32 under its Hugging Face name, with llama.cpp's
-    changes undone (q/k rows of the llama architecture un-permuted, Gemma's norms less 1);
-    and the matrices of a type in ``BLOCK_BYTES`` as their block bytes (type name,
-    [rows, bytes]), rows un-permuted the same way. ``check_header`` has passed."""
+@dataclass
+class Tensors:
+    """What ``read_tensors`` reads: every tensor dequantized to float32 (``dense``), the
+    matrices of a type in ``BLOCK_BYTES`` also as their block bytes (``blocks``: type name,
+    [rows, bytes]), and the type of every other matrix (``dense_only``: float types, and the
+    quantized types the block kernel does not compute on), all under Hugging Face names."""
+
+    dense: dict[str, np.ndarray]
+    blocks: dict[str, tuple[str, np.ndarray]]
+    dense_only: dict[str, str]
+
+
+def read_tensors(reader: Any, path: Path, config: dict[str, Any]) -> Tensors:
+    """Every tensor under its Hugging Face name, with llama.cpp's changes undone (q/k rows of
+    the llama architecture un-permuted, in the blocks too; Gemma's norms less 1).
+    ``check_header`` has passed."""
     from gguf import quants
 
     arch = str(reader.fields["general.architecture"].contents())
     family = BY_GGUF_ARCH[arch]
-    out: dict[str, np.ndarray] = {}
-    blocks: dict[str, tuple[str, np.ndarray]] = {}
+    out = Tensors({}, {}, {})
     for tensor in reader.tensors:
         name = _hf_name(tensor.name, arch)
         assert name is not None  # check_header refused files with other tensors
@@ -484,10 +495,12 @@ def read_tensors(
             # llama.cpp's converter adds Gemma's +1 into the stored weight (its RMSNorm has no
             # offset); Hugging Face checkpoints and our decoder keep the difference from 1.
             data = data - np.float32(family.norm_offset)
-        out[name] = data
+        out.dense[name] = data
         if raw is not None:
-            blocks[name] = (kind, np.array(raw, dtype=np.uint8))
-    return out, blocks
+            out.blocks[name] = (kind, np.array(raw, dtype=np.uint8))
+        elif len(shape) == 2:
+            out.dense_only[name] = kind
+    return out
 
 
 def convert(path: Path, directory: Path) -> None:
@@ -498,16 +511,42 @@ def convert(path: Path, directory: Path) -> None:
     reader = _open(path)
     fields = _Fields(reader, path)
     tokenizer, tok_cfg = build_tokenizer(fields, path)
-    tensors, blocks = read_tensors(reader, path, config)
-    if blocks:  # a file of float matrices only keeps no blocks
-        write_blocks(directory, blocks)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tensors = read_tensors(reader, path, config)
+    if tensors.blocks:  # a file of float matrices only keeps no blocks
+        write_blocks(directory, tensors.blocks)
+    save_file(tensors.dense, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    source = {
+        "gguf": str(path),
+        "converter_version": CONVERTER_VERSION,
+        "dense_matrices": tensors.dense_only,
+    }
     tokenizer.save(str(directory / "tokenizer.json"))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
     for name, data in (
         ("config.json", config),
         ("generation_config.json", generation),
         ("tokenizer_config.json", tok_cfg),
-        ("source.json", {"gguf": str(path), "converter_version": CONVERTER_VERSION}),
+        (SOURCE_FILE, source),
     ):
         (directory / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def dense_matrices(directory: Path) -> dict[str, str]:
+    """``{hf name: GGUF type}`` of the matrices a converted directory keeps as dense weights
+    only (no blocks for the kernel); empty for a directory not converted from a GGUF."""
+    try:
+        source = json.loads((directory / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    found = source.get("dense_matrices") if isinstance(source, dict) else None
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
+def describe_dense(matrices: dict[str, str]) -> str:
+    """One line's worth: how many matrices of each type, and the first of each."""
+    by_kind: dict[str, list[str]] = {}
+    for name, kind in matrices.items():
+        by_kind.setdefault(kind, []).append(name)
+    return ", ".join(
+        f"{len(names)} {kind} (e.g. {names[0]})" for kind, names in sorted(by_kind.items())
+    )

@@ -228,15 +228,25 @@ def load_checkpoint(
 def attach_blocks(model: Decoder, cfg: DecoderConfig, directory: Path, kernel_cache: Path) -> None:
     """Block copies of the matrices whose GGUF blocks ``directory`` keeps (none for a
     checkpoint that was not converted from a GGUF), once the kernel is built under
-    ``kernel_cache``. A kernel that cannot be built leaves the dense weights only, with one
-    log line saying why."""
+    ``kernel_cache``. One log line names the matrices of types the kernel does not compute on
+    (dense only). A kernel that cannot be built leaves the dense weights only, with one log
+    line saying why."""
     from gateway.models.gguf_blocks import read_blocks
+    from gateway.models.gguf_import import dense_matrices, describe_dense
     from kernels import qmatmul
 
     try:
         blocks = read_blocks(directory)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"{directory}: cannot read its quantized blocks: {exc}") from exc
+    dense = dense_matrices(directory)
+    if dense:  # one line for the whole model, not one a tensor
+        log.info(
+            "%d of the GGUF's matrices load as dense weights only (types without a block "
+            "kernel): %s",
+            len(dense),
+            describe_dense(dense),
+        )
     if not blocks:
         return
     reason = qmatmul.build(kernel_cache)

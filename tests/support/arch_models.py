@@ -7,6 +7,7 @@ byte-level BPE one of ``tests.support.gguf_files``."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,12 +125,42 @@ CASES: dict[str, Case] = {
 }
 
 
+# A Llama with K-quant-sized matrices (every input size a multiple of the 256-weight super-block),
+# for Q4_K_M-style files (``q4_k_m``); not in CASES, whose parity runs it would only repeat.
+K_CASES: dict[str, Case] = {
+    "llama-kquant": Case(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "head_dim": 64,
+            "num_hidden_layers": 3,
+            "tie_word_embeddings": True,
+        },
+        gguf_arch="llama",
+    )
+}
+
+
+def q4_k_m(hf_name: str) -> str:
+    """A matrix's type in a Q4_K_M-style file, as llama.cpp's Q4_K_M mixes them: Q4_K, with
+    v_proj and the token embedding (here also the tied output head) Q6_K, down_proj Q6_K on
+    the first layer only (llama.cpp gives some layers' ffn_down more bits), and one matrix of a
+    type the block kernel does not compute on (o_proj after the first layer, Q5_0: dense)."""
+    if hf_name.endswith(("v_proj.weight", "embed_tokens.weight", "layers.0.mlp.down_proj.weight")):
+        return "Q6_K"
+    if hf_name.endswith("o_proj.weight") and not hf_name.startswith("model.layers.0."):
+        return "Q5_0"
+    return "Q4_K"
+
+
 def reference_model(name: str, seed: int = 0):  # noqa: ANN201 - a transformers model
     """The case's random transformers model, float32, eval mode, EOS never ending generate."""
     import torch
     import transformers
 
-    case = CASES[name]
+    case = {**CASES, **K_CASES}[name]
     torch.manual_seed(seed)
     cfg = getattr(transformers, case.config_class)(**{**BASE, **case.fields})
     model = getattr(transformers, case.model_class)(cfg).eval()
@@ -171,20 +202,28 @@ def _tokenizer():  # noqa: ANN202
     return tok
 
 
-def write_gguf(model, name: str, path: Path, matrix_type: str = "F32") -> dict[str, Any]:  # noqa: ANN001
+def write_gguf(  # noqa: ANN201
+    model,  # noqa: ANN001
+    name: str,
+    path: Path,
+    matrix_type: str | Callable[[str], str] = "F32",
+) -> dict[str, Any]:
     """Write ``model`` (of case ``name``) as a GGUF file, its matrices in ``matrix_type``
-    (F32 or a block type gguf.quants quantizes). Returns the Hugging Face state dict holding
-    the weights as the file stores them (dequantized; Gemma's norms as (w + 1) - 1 in float32),
-    for a transformers reference on exactly those weights."""
+    (F32, a block type gguf.quants quantizes or a K-quant of ``gateway.models.kquants``; or a
+    function of the Hugging Face name giving each matrix's type, e.g. ``q4_k_m``). Returns the
+    Hugging Face state dict holding the weights as the file stores them (dequantized; Gemma's
+    norms as (w + 1) - 1 in float32), for a transformers reference on exactly those weights."""
     import gguf
     import torch
 
-    case = CASES[name]
+    from gateway.models import kquants
+
+    case = {**CASES, **K_CASES}[name]
     assert case.gguf_arch is not None
     cfg = model.config
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == case.gguf_arch)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    qtype = gguf.GGMLQuantizationType[matrix_type]
+    type_of = matrix_type if callable(matrix_type) else (lambda _: matrix_type)
     tokens = vocabulary()
     w = gguf.GGUFWriter(str(path), case.gguf_arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -229,7 +268,12 @@ def write_gguf(model, name: str, path: Path, matrix_type: str = "F32") -> dict[s
             permuted = heads
         else:
             permuted = 0
-        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        qtype = gguf.GGMLQuantizationType[type_of(hf_name)]
+        if data.ndim == 2 and qtype.name in kquants.BYTES:
+            raw = kquants.quantize(data, qtype.name)
+            w.add_tensor(f"{gguf_name}.{suffix}", raw, raw_dtype=qtype)
+            data = gguf.quants.dequantize(raw, qtype).reshape(data.shape)
+        elif data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             raw = gguf.quants.quantize(data, qtype)
             w.add_tensor(f"{gguf_name}.{suffix}", raw, raw_dtype=qtype)
             data = gguf.quants.dequantize(raw, qtype).reshape(data.shape)

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch.utils import cpp_extension
 
 from gateway.config import ModelConfig
+from gateway.models import kquants
 from gateway.models.gguf_blocks import BLOCKS_FILE, read_blocks
 from gateway.models.gguf_import import ensure_converted
 from gateway.models.loader import load_model, weight_files
 from kernels import qmatmul
 from kernels.decoder import Decoder, KVCache
-from kernels.qmatmul import QWeight
-from tests.support import kquants
+from kernels.qmatmul import QStack, QWeight
 from tests.support.gguf_files import write_gguf
 
 KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -171,13 +171,31 @@ def test_stacking_needs_one_kind_and_bad_shapes_are_refused() -> None:
     assert both is not None and both.out_features == 32
     x = torch.randn(3, 64)
     assert torch.equal(both(x), torch.cat((a(x), b(x)), dim=-1))
-    assert QWeight.stack([a, c]) is None
+    assert isinstance(QWeight.stack([a, c]), QStack)  # kinds differ: parts kept apart
+    with pytest.raises(ValueError, match="one input size"):
+        QWeight.stack([a, quantized("Q4_1", 12, 96)[0]])
     with pytest.raises(ValueError, match="whole Q8_0 blocks"):
         QWeight(torch.zeros(4, 35, dtype=torch.uint8), "Q8_0")
     with pytest.raises(ValueError, match="unknown block type"):
         QWeight(torch.zeros(4, 34, dtype=torch.uint8), "Q5_0")
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         a(torch.randn(1, 64, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_mixed_kind_stack_is_the_separate_products_bit_for_bit(dtype, rows) -> None:
+    """A Q4_K_M layer's q/k/v: Q4_K, Q4_K and Q6_K parts in one call (and 32-weight kinds
+    beside them), each part computed exactly as alone: the same outputs, bit for bit."""
+    parts = [quantized("Q4_K", 96, 512, 1)[0], quantized("Q4_K", 40, 512, 2)[0]]
+    parts += [quantized("Q6_K", 40, 512, 3)[0], quantized("Q8_0", 7, 512, 4)[0]]
+    parts += [quantized("Q5_K", 3, 512, 5)[0]]
+    stack = QWeight.stack(parts)
+    assert isinstance(stack, QStack) and stack.out_features == 186 and stack.in_features == 512
+    x = torch.randn(rows, 512).to(dtype)
+    alone = torch.cat([p(x) for p in parts], dim=-1)
+    assert torch.equal(stack(x), alone)
+    assert torch.equal(stack(x.view(1, rows, 512))[0], alone)
 
 
 @pytest.mark.timeout(300)
@@ -196,7 +214,7 @@ def test_portable_build_passes_the_same_tests(tmp_path: Path) -> None:
         timeout=280,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "\n36 passed" in run.stdout, run.stdout[-500:]
+    assert "\n44 passed" in run.stdout, run.stdout[-500:]
 
 
 def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:

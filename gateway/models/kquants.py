@@ -1,10 +1,11 @@
 """A reference quantizer for llama.cpp's K-quant blocks (Q4_K, Q5_K, Q6_K) in numpy.
 
-The gguf package dequantizes these types but does not quantize them; tests and benchmarks need
-real blocks of real-shaped matrices, so this writes them: a plain per-sub-block min/max (Q4_K,
-Q5_K) or absolute-maximum (Q6_K) fit, not llama.cpp's iterative search, packed in llama.cpp's
-layout (ggml-common.h, see gateway/models/gguf_blocks.py). What a test checks against is the
-gguf package's dequantization of these bytes, never this module's idea of the weights.
+The gguf package dequantizes these types but does not quantize them; the tests and
+benchmarks/scale.py need real blocks of real-shaped matrices to write K-quant GGUF files, so this
+writes them: a plain per-sub-block min/max (Q4_K, Q5_K) or absolute-maximum (Q6_K) fit, not
+llama.cpp's iterative search, packed in llama.cpp's layout (ggml-common.h, see
+gateway/models/gguf_blocks.py). What a test checks against is the gguf package's dequantization
+of these bytes, never this module's idea of the weights. The daemon itself never quantizes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ def _f16(v: np.ndarray) -> np.ndarray:
 
 
 def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.divide(a, b, out=np.zeros_like(a), where=b != 0)
+    out = np.zeros_like(a)
+    np.divide(a, b, out=out, where=b != 0)
+    return out
 
 
 def _pack_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
