@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import ROOT, machine, machine_line, parser, publish, table  # noqa: E402
-from gateway.models import kquants  # noqa: E402
+from benchmarks._support import kquants  # noqa: E402
 
 THREADS = 2
 DTYPE = "float32"

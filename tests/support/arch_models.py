@@ -209,14 +209,14 @@ def write_gguf(  # noqa: ANN201
     matrix_type: str | Callable[[str], str] = "F32",
 ) -> dict[str, Any]:
     """Write ``model`` (of case ``name``) as a GGUF file, its matrices in ``matrix_type``
-    (F32, a block type gguf.quants quantizes or a K-quant of ``gateway.models.kquants``; or a
+    (F32, a block type gguf.quants quantizes or a K-quant of ``benchmarks._support.kquants``; or a
     function of the Hugging Face name giving each matrix's type, e.g. ``q4_k_m``). Returns the
     Hugging Face state dict holding the weights as the file stores them (dequantized; Gemma's
     norms as (w + 1) - 1 in float32), for a transformers reference on exactly those weights."""
     import gguf
     import torch
 
-    from gateway.models import kquants
+    from benchmarks._support import kquants
 
     case = {**CASES, **K_CASES}[name]
     assert case.gguf_arch is not None
