@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from gateway.config import ModelConfig
 from benchmarks._support import kquants
+from gateway.config import ModelConfig
 from gateway.models.gguf_blocks import BLOCKS_FILE, read_blocks
 from gateway.models.gguf_import import ensure_converted
 from gateway.models.loader import load_model, weight_files
