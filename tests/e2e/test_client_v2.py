@@ -9,9 +9,9 @@ import math
 
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from gateway import client as zc
 from gateway.protocol import FinishReason
-from tests.support.daemon import Daemon
 
 
 @pytest.fixture(scope="module")

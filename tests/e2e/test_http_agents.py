@@ -22,7 +22,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
-from tests.support.daemon import Daemon
+from benchmarks._support.daemon import Daemon
 from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of, reference_model
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import openai
 
-from tests.support.daemon import Daemon
-from tests.support.metrics import probe, scrape, value
+from benchmarks._support.daemon import Daemon
+from benchmarks._support.metrics import probe, scrape, value
 
 # The fields vllm-router 0.1.17 adds to a forwarded chat request (tests/unit/test_router_fields.py)
 ROUTER_FIELDS = {
