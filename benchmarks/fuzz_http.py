@@ -6,7 +6,10 @@ from attacker addresses 127.0.0.2 ... 127.0.0.33, while a canary on 127.0.0.1 ke
 Bounded by --requests and --max-seconds. Counts: requests sent, answered (a status line came
 back), closed without an answer (allowed only for bytes that are not HTTP), unanswered (nothing
 within --hang-s: a failure), 500s (a failure), the daemon's descriptors and RSS before and
-after, and whether it is alive with the canary served at the end.
+after, and whether it is alive with the canary served at the end. The bytes of every unanswered
+request are kept (the first --keep of them, in the results file) and replayed one at a time on
+the same daemon once the campaign is over, so a request the daemon never answers is told apart
+from one a loaded machine answered late.
 
     python benchmarks/fuzz_http.py [--requests 1000000] [--max-seconds 600] [--concurrency 32]
 """
@@ -59,6 +62,8 @@ async def campaign(d: Daemon, args) -> dict:  # noqa: ANN001
     sent = 0
     deadline = time.monotonic() + args.max_seconds
 
+    kept: list[bytes] = []
+
     async def worker(k: int) -> None:
         nonlocal sent
         source = f"127.0.0.{2 + k % 32}"
@@ -67,6 +72,8 @@ async def campaign(d: Daemon, args) -> dict:  # noqa: ANN001
             data = fh.mutated(rng).replace(b"host: f\r\n", b"host: f\r\nconnection: close\r\n", 1)
             r = await one(d.http_port, data, source, args.hang_s)
             counts[r] = counts.get(r, 0) + 1
+            if r in ("unanswered", "status500") and len(kept) < args.keep:
+                kept.append(data)
 
     # The canaries alone first (their unattacked TTFT), then beside the attackers.
     quiet = Canary(d.http_port, d.endpoint, args.hang_s)
@@ -78,8 +85,12 @@ async def campaign(d: Daemon, args) -> dict:  # noqa: ANN001
 
     t0 = time.monotonic()
     await asyncio.gather(attacked.run(attacking), *(worker(k) for k in range(args.concurrency)))
+    elapsed = time.monotonic() - t0
     canary = {"unattacked": quiet.summary(), "attacked": attacked.summary()}
-    return {"counts": counts, "sent": sent, "elapsed_s": time.monotonic() - t0,
+    # Replay each kept request alone: still unanswered with nothing else running is a real hang.
+    replayed = [await one(d.http_port, data, "127.0.0.2", args.hang_s) for data in kept]
+    return {"counts": counts, "sent": sent, "elapsed_s": elapsed,
+            "kept": kept, "replayed": replayed,
             "canary": canary,
             "canary_ok": sum(len(v) for v in attacked.samples.values()),
             "canary_bad": sum(attacked.failed.values())}  # fmt: skip
@@ -93,6 +104,7 @@ def main() -> None:
     ap.add_argument("--hang-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--baseline-s", type=float, default=10.0, help="canaries alone first")
+    ap.add_argument("--keep", type=int, default=100, help="unanswered requests kept and replayed")
     args = ap.parse_args()
     # Short timeouts: a lying Content-Length is answered 408 when its body timeout passes.
     env = {
@@ -126,6 +138,9 @@ def main() -> None:
         "canary_ok": res["canary_ok"],
         "canary_failed": res["canary_bad"],
         "canary_ttft": res["canary"],
+        "unanswered_kept": [data.decode("latin-1") for data in res["kept"]],
+        "unanswered_replayed": res["replayed"],
+        "load_average_1m_end": round(os.getloadavg()[0], 2),
     }
     rows = [
         ["requests (each on its own connection)", res["sent"]],
@@ -133,6 +148,11 @@ def main() -> None:
         ["closed without an answer (not HTTP)", c.get("closed", 0)],
         ["unanswered within --hang-s", c.get("unanswered", 0)],
         ["500 responses", c.get("status500", 0)],
+        [
+            "of those, replayed alone afterwards: still unanswered / 500",
+            f"{res['replayed'].count('unanswered')} / {res['replayed'].count('status500')}"
+            f" (of {len(res['replayed'])} kept)",
+        ],
         ["connect refused", c.get("refused", 0)],
         ["daemon alive at the end", alive],
         ["tracebacks in the daemon log", tracebacks],
@@ -151,7 +171,7 @@ def main() -> None:
     md = (
         f"### HTTP door fuzz\n\n{machine_line(out['machine'])}; synthetic backend; "
         f"{args.concurrency} attacker connections at a time from 32 loopback addresses, seed "
-        f"{args.seed}; run while other engineers' jobs shared the 2 cores.\n\n"
+        f"{args.seed}; 1-minute load average {out['load_average_1m_end']} at the end.\n\n"
         + table(["", "value"], rows)
     )
     publish(args, "fuzz_http", out, md)

@@ -8,6 +8,12 @@ share one compiled grammar. ``Grammars`` compiles off the event loop and off the
 (one worker thread), bounded in time, and caches by constraint; a constraint it cannot compile
 is a ``GrammarError`` naming the field and why. A ``RowMatcher`` is one sequence's state: fill
 its row of the batch's bitmask, accept a sampled token, tell when it is finished.
+
+How a JSON Schema is read (as xgrammar's strict mode, vLLM's default): an object schema that says
+nothing of ``additionalProperties`` allows only the properties it lists (write
+``"additionalProperties": true`` to allow others), and JSON is written with fixed separators
+(``", "`` and ``": "``) and no other whitespace. Without both, a small model given a schema goes
+on inventing keys or emitting newlines until ``max_tokens`` cuts its JSON short.
 """
 
 from __future__ import annotations
@@ -27,6 +33,35 @@ import numpy as np
 Kind = Literal["json_object", "json_schema", "regex", "choice"]
 COMPILE_TIMEOUT_S = 10.0
 CACHE_SIZE = 256
+# llguidance's JSON options for every schema: no free whitespace, fixed separators.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# JSON Schema keywords whose value is a schema, a map of schemas, or a list of schemas.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "additionalProperties")  # fmt: skip
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object schema that lists ``properties`` and says nothing of other
+    keys closed to them (``additionalProperties: false``); a copy, the argument is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarError(ValueError):
@@ -191,7 +226,8 @@ class Grammars:
         if constraint.kind in ("regex", "choice"):
             compiled = llg.LLMatcher.grammar_from_regex(constraint.text)
         else:
-            compiled = llg.LLMatcher.grammar_from_json_schema(constraint.text)
+            schema = closed(json.loads(constraint.text))
+            compiled = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         ok, error = _validate(llg, compiled, self.tokenizer)
         if not ok:
             raise GrammarError(constraint.field, error)

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import torch
 
-from gateway.structured import Constraint, GrammarError, Grammars, from_response_format
+from gateway.structured import Constraint, GrammarError, Grammars, closed, from_response_format
 from kernels.sampling import unpack_bitmask
 
 pytest.importorskip("llguidance")
@@ -80,7 +80,7 @@ def test_schema_instances_are_allowed_and_outputs_validate(grammars, tokenizer) 
     eos = tokenizer.eos_token_id
     for name, schema, instance in CASES[:12]:
         grammar = grammars.compile_sync(Constraint.json_schema(schema))
-        ids = tokenizer.encode(json.dumps(instance, separators=(",", ":")))
+        ids = tokenizer.encode(json.dumps(instance))  # the separators the grammar writes
         assert _walk(grammars, grammar, ids, eos), name
         jsonschema.validate(instance, schema)
 
@@ -91,10 +91,40 @@ def test_mask_refuses_what_the_schema_forbids(grammars, tokenizer) -> None:
             {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
         )
     )
-    good = tokenizer.encode('{"n":5}')
-    bad = tokenizer.encode('{"n":"five"}')
-    assert _walk(grammars, grammar, good, tokenizer.eos_token_id)
-    assert not _walk(grammars, grammar, bad, tokenizer.eos_token_id)
+    eos = tokenizer.eos_token_id
+    assert _walk(grammars, grammar, tokenizer.encode('{"n": 5}'), eos)
+    assert not _walk(grammars, grammar, tokenizer.encode('{"n": "five"}'), eos)
+    # Closed to other keys (nothing said of additionalProperties), and no free whitespace.
+    assert not _walk(grammars, grammar, tokenizer.encode('{"n": 5, "m": 6}'), eos)
+    assert not _walk(grammars, grammar, tokenizer.encode('{\n  "n": 5}'), eos)
+    assert not _walk(grammars, grammar, tokenizer.encode('{"n":5}'), eos)
+
+
+def test_a_schema_that_allows_other_keys_keeps_them(grammars, tokenizer) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": True}  # fmt: skip
+    grammar = grammars.compile_sync(Constraint.json_schema(schema))
+    assert _walk(grammars, grammar, tokenizer.encode('{"n": 5, "m": 6}'), tokenizer.eos_token_id)
+
+
+def test_closed_reaches_every_subschema_and_copies() -> None:
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {"properties": obj, "list": {"type": "array", "items": obj}},
+        "$defs": {"d": obj},
+        "anyOf": [obj, {"type": "object", "properties": {}, "patternProperties": {"^x": {}}}],
+    }
+    before = json.dumps(schema)
+    out = closed(schema)
+    assert json.dumps(schema) == before  # the request's schema is not changed
+    assert out["additionalProperties"] is False
+    assert set(out["properties"]) == {"properties", "list"}  # a property named "properties" kept
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert out["properties"]["list"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out["anyOf"][1]  # patternProperties: left open
 
 
 def test_choice_and_regex(grammars, tokenizer) -> None:
