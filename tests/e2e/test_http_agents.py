@@ -11,6 +11,7 @@ A model this small has no tool training: the forced choices (``required``, a nam
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from benchmarks._support.daemon import Daemon
+from gateway import client as zc
 from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of, reference_model
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -120,9 +122,9 @@ def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on
             )
         body = info.value.body
         assert param in body["message"], (fields, body)
-        # refused by the door's parser: OpenAI's param; by the request path (the model's
-        # vocabulary, engine.max_n, the grammar compile): the message (docs/http.md)
-        assert body["param"] in (param, None), (fields, body)
+        # OpenAI's param names it whoever refused: the door's parser, or the request path
+        # after it (the model's vocabulary, engine.max_n, the grammar compile)
+        assert body["param"] == param and info.value.param == param, (fields, body)
     ok = c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2)
     assert ok.choices[0].message.content is not None
     assert len(streams) == len(BAD_CHAT) + 1 and len(set(map(id, streams))) == 1
@@ -138,6 +140,28 @@ def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on
         assert where in ainfo.value.body["error"]["message"], (fields, ainfo.value.body)
     assert a.messages.create(model=MODEL, max_tokens=2, messages=ASK_WEATHER).content
     assert len(streams) == len(BAD_MESSAGES) + 1 and len(set(map(id, streams))) == 1
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_bad_agent_fields_on_the_frame_door_name_the_field_and_the_connection_serves_on(daemon):
+    # The frame door's ERROR carries the Refusal's message, which names the field (a frame
+    # stream is one choice: n > 1 is its own refusal, naming n).
+    async def main() -> None:
+        async with await zc.Client.connect(daemon.endpoint) as client:
+            await client.hello()
+            for kwargs, name in (
+                ({"logit_bias": {49152: 5.0}}, "logit_bias"),  # the vocabulary is 49152 ids
+                ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ):
+                with pytest.raises(zc.InvalidRequestError, match=name):
+                    await (await client.generate("x", max_tokens=2, **kwargs)).collect()
+            n = await client.generate_json({"max_tokens": 2, "prompt": "x", "n": 1000})
+            with pytest.raises(zc.InvalidRequestError, match="n > 1"):
+                await n.collect()
+            ok = await (await client.generate("Hello", max_tokens=2)).collect()
+            assert ok.completion_tokens >= 1
+
+    asyncio.run(main())
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
