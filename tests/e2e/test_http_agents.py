@@ -42,6 +42,7 @@ WEATHER = {
     },
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_INPUT = WEATHER["function"]["parameters"]
 
 
 class City(BaseModel):
@@ -140,6 +141,26 @@ def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on
         assert where in ainfo.value.body["error"]["message"], (fields, ainfo.value.body)
     assert a.messages.create(model=MODEL, max_tokens=2, messages=ASK_WEATHER).content
     assert len(streams) == len(BAD_MESSAGES) + 1 and len(set(map(id, streams))) == 1
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_tools_too_large_for_the_context_are_refused_by_the_text_bound(daemon):
+    # A tiny message with 20 kB of tool definitions: over max_context 1024 x 16 bytes, refused
+    # by the text bound before any templating or tokenizing (its message says bytes, not
+    # tokens), naming the tools and the context length, on both APIs.
+    big = {**WEATHER, "function": {**WEATHER["function"], "description": "d" * 20_000}}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai(daemon).chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, max_tokens=2, tools=[big]
+        )
+    err = info.value
+    assert err.param == "tools" and err.code == "prompt_too_long", err.body
+    assert "UTF-8 bytes" in err.message and "max_context 1024" in err.message, err.body
+    tool = {"name": "get_weather", "description": "d" * 20_000, "input_schema": WEATHER_INPUT}
+    with pytest.raises(anthropic.BadRequestError) as ainfo:
+        ant(daemon).messages.create(model=MODEL, max_tokens=2, messages=ASK_WEATHER, tools=[tool])
+    message = ainfo.value.body["error"]["message"]
+    assert message.startswith("tools:") and "max_context 1024" in message, ainfo.value.body
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
