@@ -200,6 +200,36 @@ def test_parse_with_a_pydantic_model_returns_a_validated_object(daemon):
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_a_call_naming_no_defined_tool_is_content_streamed_or_not(daemon):
+    # tool_choice auto, the answer pinned by a one-choice constraint: a Hermes block naming an
+    # undefined tool, then one naming get_weather. The first is content, the second a call
+    # with index 0 — the same answer streamed and not (docs/http.md).
+    foreign = '<tool_call>{"name": "get_wether", "arguments": {}}</tool_call>'
+    answer = (
+        foreign + '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    ask = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER], "max_tokens": 96,
+           "extra_body": {"structured_outputs": {"choice": [answer]}}}  # fmt: skip
+    c = oai(daemon)
+    whole = c.chat.completions.create(**ask).choices[0]
+    assert whole.message.content == foreign and whole.finish_reason == "tool_calls"
+    calls = whole.message.tool_calls or []
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    content, names, args, indices = "", [], "", set()
+    for chunk in c.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for t in choice.delta.tool_calls or []:
+                indices.add(t.index)
+                names += [t.function.name] if t.function and t.function.name else []
+                args += (t.function.arguments or "") if t.function else ""
+    assert content == foreign and names == ["get_weather"] and indices == {0}
+    assert json.loads(args) == {"city": "Oslo"}
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_streamed_tool_calls_forced_by_the_grammar(daemon):
     c = oai(daemon)
     chunks = list(
