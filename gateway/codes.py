@@ -99,12 +99,16 @@ class Refusal(Exception):
     path): its stream ends in ERROR and the connection goes on.
 
     ``code`` is the ErrorCode (a value outside the protocol's becomes INTERNAL, said in the
-    message); ``message`` names the field at fault; ``field`` is that field's name when there is
-    one (the HTTP door's ``error.param``); ``retry_after_ms`` the retry hint (u32 on the wire);
-    ``reason`` a machine-readable detail for APIs that carry one (OpenAI's ``error.code``; the
-    code's lower-case name when empty). Each door turns a Refusal into its wire form through one
-    table: the frame door into an ERROR frame, the HTTP door through gateway.http.errors.STATUS.
-    Hooks raise it under its documented name ``gateway.hooks.HookError``.
+    message); ``field`` is the name of the field at fault when there is one, and ``message``
+    names it (prefixed with ``"<field>: "`` when the text given does not): the HTTP door sends
+    ``field`` as OpenAI's ``error.param``, Anthropic's error and the frame door's ERROR carry it
+    in the message. ``retry_after_ms`` is the retry hint (u32 on the wire); ``reason`` a
+    machine-readable detail for APIs that carry one (OpenAI's ``error.code``; the code's
+    lower-case name when empty). The request path hands the Refusal itself to the door
+    (``Door.write_error``), whichever layer refused; each door turns it into its wire form
+    through one table: the frame door into an ERROR frame, the HTTP door through
+    gateway.http.errors.STATUS. Hooks raise it under its documented name
+    ``gateway.hooks.HookError``.
     """
 
     def __init__(
@@ -119,6 +123,8 @@ class Refusal(Exception):
         self.code = error_code(code)
         if self.code != code:
             message = f"{message} (refused with unknown error code {code!r})"
+        if field and field not in message:
+            message = f"{field}: {message}"
         self.message = message
         self.retry_after_ms = min(max(0, int(retry_after_ms)), U32_MAX)
         self.field = field

@@ -13,6 +13,8 @@ involved, so request validation is tested on its own (tests/unit/test_inputs.py)
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +30,8 @@ from gateway.tokenizer import Detokenizer, Tokenizer
 _NO_STOP_IDS: frozenset[int] = frozenset()
 
 # The cheap bound checked before any templating or tokenizing (docs/protocol.md): a prompt's text
-# may have at most ``max_context * PROMPT_BYTES_PER_TOKEN`` UTF-8 bytes. A policy, not a proof:
+# (with the tool definitions it renders) may have at most ``max_context * PROMPT_BYTES_PER_TOKEN``
+# UTF-8 bytes. A policy, not a proof:
 # a text refused by it fits the context only if its tokens average more than 16 bytes each,
 # which natural text does not (a byte-level or byte-fallback token is at least one byte, and
 # typical tokens cover 3-5).
@@ -38,7 +41,7 @@ _MIN_BODY_BYTES = 1 << 20
 
 def request_body_bound(max_context: int) -> int:
     """The largest HTTP request body by default (``http.max_body_bytes = 0``): twice the
-    prompt-text bound (JSON escapes, tool and schema definitions), never under 1 MiB. A body
+    prompt-text bound (JSON escapes and keys, a response format's schema), never under 1 MiB. A body
     costs the event loop time in proportion to its size (received, copied, decoded in one C call
     that holds the GIL), so what no request can use is refused from its Content-Length."""
     return max(_MIN_BODY_BYTES, 2 * max_context * PROMPT_BYTES_PER_TOKEN)
@@ -56,6 +59,27 @@ def _utf8_len(text: object, room: int) -> int:
     if n > room or text.isascii():
         return n
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _size(value: object, room: int) -> int:
+    """``value``'s size in the prompt, in UTF-8 bytes: a string's own (``_utf8_len``), or the
+    JSON of structured data (tool definitions, an assistant's calls), as the chat template or
+    ``tools.system_prompt`` writes it into the prompt."""
+    if value is None or isinstance(value, str):
+        return _utf8_len(value, room)
+    return _utf8_len(json.dumps(value, ensure_ascii=False), room)
+
+
+def _rendered(req: Request) -> Iterator[tuple[str, Iterable[object]]]:
+    """The parts of a text request that become its prompt, each with the field it comes from:
+    the prompt or the messages' values, the system text, the tool definitions. The response
+    format's schema is not among them: it constrains the output and is not rendered."""
+    if req.messages is not None:
+        yield "messages", (value for m in req.messages for value in m.values())
+    else:
+        yield "prompt", (req.prompt_text,)
+    yield "system", (req.system,)
+    yield "tools", (req.tools,)
 
 
 def _outside(ids: np.ndarray, vocab: int) -> bool:
@@ -167,32 +191,25 @@ class InputProcessor:
     def check_text_bound(self, req: Request) -> int:
         """Refuse (PROMPT_TOO_LONG, naming the field) a prompt whose text has more UTF-8 bytes
         than the context allows, before anything renders or tokenizes it; otherwise return the
-        text's size in bytes (0 for token ids)."""
+        text's size in bytes (0 for token ids). The text is everything the prompt renders: the
+        prompt or every message (its calls too), the system text and the tool definitions
+        (``_rendered``), one sum under one bound."""
         if req.prompt_ids is not None:
             return 0
         bound = self.info.max_context * PROMPT_BYTES_PER_TOKEN
-        if req.messages is not None:
-            field, total = "messages", 0
-            for m in req.messages:
-                for value in m.values():
-                    total += _utf8_len(value, bound - total)
-                    if total > bound:
-                        break
+        total = 0
+        for field, values in _rendered(req):
+            for value in values:
+                total += _size(value, bound - total)
                 if total > bound:
-                    break
-        else:
-            field, total = "prompt", _utf8_len(req.prompt_text or "", bound)
-        if req.system and total <= bound:
-            total += _utf8_len(req.system, bound - total)
-            field = "system" if total > bound else field
-        if total > bound:
-            raise Refusal(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"{field}: the prompt text has more than {bound} UTF-8 bytes "
-                f"(max_context {self.info.max_context} x {PROMPT_BYTES_PER_TOKEN})",
-                0,
-                field,
-            )
+                    raise Refusal(
+                        ErrorCode.PROMPT_TOO_LONG,
+                        f"{field}: the prompt text (prompt or messages, system, tools) has more "
+                        f"than {bound} UTF-8 bytes (max_context {self.info.max_context} x "
+                        f"{PROMPT_BYTES_PER_TOKEN})",
+                        0,
+                        field,
+                    )
         return total
 
     def _prompt_ids(

@@ -97,8 +97,9 @@ class Door(Protocol):
     ) -> None:
         """The stream finished (st holds the counts); timings = (queue_s, ttft_s, total_s)."""
 
-    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
-        """The stream ended in an error."""
+    def write_error(self, st: Stream, error: Refusal) -> None:
+        """The stream ended in an error: its code, message (naming the field at fault), the
+        field itself when there is one, and the retry hint."""
 
     def stream_ended(self, st: Stream) -> None:
         """After the ending was written: forget the stream (and close when draining)."""
@@ -206,7 +207,7 @@ class RequestPath:
                 return
             prep = self.inputs.prepare(req)
         except Refusal as exc:
-            self._fail_all(st, exc.code, exc.message, exc.retry_after_ms)
+            self._fail_all(st, exc)
             return
         self._prepared(st, principal, req, prep, None)
 
@@ -221,10 +222,10 @@ class RequestPath:
         for member in group:
             member.group = tuple(group)
 
-    def _fail_all(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+    def _fail_all(self, st: Stream, error: Refusal) -> None:
         """End ``st`` and the other choices of its request with the same ERROR."""
         for member in st.group or (st,):
-            self.fail(member, code, message, retry_after_ms)
+            self.fail(member, error)
 
     async def _compile(self, req: p.Request) -> Grammar | None:
         """The request's constraint compiled (off the loop and the engine thread, cached by
@@ -322,7 +323,7 @@ class RequestPath:
             except Refusal as exc:
                 if st.phase is PREPARING:
                     st.phase = NEW
-                    self._fail_all(st, exc.code, exc.message, exc.retry_after_ms)
+                    self._fail_all(st, exc)
                 return
             if st.phase is not PREPARING:
                 return
@@ -330,23 +331,24 @@ class RequestPath:
             self._prepared(st, principal, req, prep, grammar)
         except Exception:  # a bug in preparing or after it: this request alone ends
             log.exception("request path failed preparing a request")
-            self._fail_all(st, ErrorCode.INTERNAL, "internal server error")
+            self._fail_all(st, Refusal(ErrorCode.INTERNAL, "internal server error"))
         finally:
             if st.door.open:
                 st.door.flush()
 
-    def refuse(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
+    def refuse(self, st: Stream, error: Refusal) -> None:
         """A door refuses the request before opening it (stream limits, bad payload)."""
-        self.fail(st, code, message, retry_after_ms)
+        self.fail(st, error)
 
     def cancel(self, st: Stream) -> None:
         """The client cancelled (or went away): the stream ends CANCELLED now, its sequence
         leaves the engine at the next step. Nothing happens for an ended stream."""
         self._end(st, FinishReason.CANCELLED)
 
-    def fail(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int = 0) -> None:
-        """End ``st`` with an ERROR."""
-        self._end(st, _ERROR, (code, message, retry_after_ms))
+    def fail(self, st: Stream, error: Refusal) -> None:
+        """End ``st`` with an ERROR: the Refusal travels whole to the door (code, message,
+        field, retry hint), whichever layer refused."""
+        self._end(st, _ERROR, error)
 
     async def aclose(self) -> None:
         """Shutdown, after the doors drained: stop hook tasks still running (their streams have
@@ -374,7 +376,7 @@ class RequestPath:
             if st.record:
                 st.rec_ids = ids
             if finish == FINISH_ERROR:
-                error = (ErrorCode.INTERNAL, "the model backend failed", 0)
+                error = Refusal(ErrorCode.INTERNAL, "the model backend failed")
                 self._end(st, _ERROR, error, t_admit=t_admit, count=count)
             else:
                 self._end(st, FINISH_BY_VALUE[finish], t_admit=t_admit, count=count)
@@ -426,7 +428,7 @@ class RequestPath:
             self._proceed(st, cached)
         except Exception:  # a bug after the chain (replay, submit): this stream alone ends
             log.exception("request path failed after the hook chain")
-            self.fail(st, ErrorCode.INTERNAL, "internal server error")
+            self.fail(st, Refusal(ErrorCode.INTERNAL, "internal server error"))
         finally:
             if st.door.open:
                 st.door.flush()
@@ -436,7 +438,7 @@ class RequestPath:
         st.ctx = None
         if exc.code == ErrorCode.RATE_LIMITED:
             self.metrics.rate_limited()
-        self._fail_all(st, exc.code, exc.message, exc.retry_after_ms)
+        self._fail_all(st, exc)
 
     def _proceed(self, st: Stream, cached: CachedResponse | None) -> None:
         """After the hooks: the engine, or the response cache's answer."""
@@ -453,9 +455,10 @@ class RequestPath:
         try:
             self.engine.submit(st.seq)
         except EngineOverloaded as exc:
-            self._fail_all(st, ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms)
+            full = Refusal(ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms)
+            self._fail_all(st, full)
         except EngineStopped:
-            self._fail_all(st, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            self._fail_all(st, Refusal(ErrorCode.SHUTTING_DOWN, "server is shutting down"))
 
     def _replay(self, st: Stream, cached: CachedResponse) -> None:
         """Answer from the response cache: the stored stream, then DONE with cache bit 0."""
@@ -474,7 +477,7 @@ class RequestPath:
         self,
         st: Stream,
         finish: FinishReason,
-        error: tuple[ErrorCode, str, int] | None = None,
+        error: Refusal | None = None,
         *,
         t_admit: float = 0.0,
         count: int | None = None,
@@ -503,15 +506,15 @@ class RequestPath:
         if not written and error is None:
             self._abandoned(st)
         if error is not None:
-            code, message, retry_ms = error
+            code = error.code
             if written:
-                door.write_error(st, code, message, retry_ms)
+                door.write_error(st, error)
                 self.metrics.request_error(code.name, st.api)
             if self._log_requests or code == ErrorCode.INTERNAL:
                 REQUEST_LOG.warning(
                     "request refused",
                     extra={"request_id": f"{door.label}:{st.key}", "code": code.name,
-                           "detail": message},
+                           "detail": error.message},
                 )  # fmt: skip
         elif written:
             if in_engine and st.seq.reused:  # type: ignore[union-attr]

@@ -407,18 +407,22 @@ class Connection(asyncio.BufferedProtocol):
         if len(self.streams) > self.cfg.max_streams_per_connection:
             self.path.refuse(
                 st,
-                ErrorCode.TOO_MANY_STREAMS,
-                f"at most {self.cfg.max_streams_per_connection} streams per connection",
+                Refusal(
+                    ErrorCode.TOO_MANY_STREAMS,
+                    f"at most {self.cfg.max_streams_per_connection} streams per connection",
+                ),
             )
             return
         if self.slow:
-            self.path.refuse(st, ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+            self.path.refuse(
+                st, Refusal(ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+            )
             return
         try:
             req = p.parse_request(flags, payload)
             self._check_version(req)
         except Refusal as exc:
-            self.path.refuse(st, exc.code, exc.message)
+            self.path.refuse(st, exc)
             return
         assert self.principal is not None
         self.path.open(st, self.principal, req)
@@ -473,11 +477,13 @@ class Connection(asyncio.BufferedProtocol):
         )  # fmt: skip
         self.server.metrics.frames_out_done.inc()
 
-    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_after_ms: int) -> None:
-        if code == ErrorCode.UNAUTHENTICATED:  # the key was revoked by a reload
-            self.connection_error(code, message)
+    def write_error(self, st: Stream, error: Refusal) -> None:
+        # The frame's message is the Refusal's, which names the field at fault (gateway.codes).
+        if error.code == ErrorCode.UNAUTHENTICATED:  # the key was revoked by a reload
+            self.connection_error(error.code, error.message)
             return
-        self._queue_frame(p.encode_error(st.key, code, message, retry_after_ms), "ERROR")
+        frame = p.encode_error(st.key, error.code, error.message, error.retry_after_ms)
+        self._queue_frame(frame, "ERROR")
 
     def stream_ended(self, st: Stream) -> None:
         if self.streams.get(st.key) is st:
@@ -506,7 +512,7 @@ class Connection(asyncio.BufferedProtocol):
     def end_all_streams(self, code: ErrorCode, message: str) -> None:
         """ERROR on every open stream (slow consumer, drain deadline); the connection stays."""
         for st in list(self.streams.values()):
-            self.path.fail(st, code, message)
+            self.path.fail(st, Refusal(code, message))
         self.last_activity = time.monotonic()
         self.flush()
 
@@ -533,7 +539,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.closing = True  # from here on the door writes nothing
         for st in list(self.streams.values()):
-            self.path.fail(st, code, message)
+            self.path.fail(st, Refusal(code, message))
         if self.transport is not None:
             self.transport.close()
         self.server.connection_gone(self)  # counts and memory are released now, not at EOF

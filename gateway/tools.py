@@ -276,10 +276,29 @@ def _json_calls(text: str) -> list[ToolCall] | None:
     return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
 
 
+def _defines(names: frozenset[str] | None, name: str) -> bool:
+    """The one rule on a parsed call's name: with tools given (``names``), a call naming none
+    of them is no call, and its text stays content (streamed or not)."""
+    return names is None or name in names
+
+
+def _names(tools: list[Tool] | None) -> frozenset[str] | None:
+    return frozenset(t.name for t in tools) if tools else None
+
+
+def _known(found: list[ToolCall] | None, names: frozenset[str] | None) -> list[ToolCall] | None:
+    """``found`` when every call in it names a defined tool, else None (no call)."""
+    if found is None or not all(_defines(names, c.name) for c in found):
+        return None
+    return found
+
+
 def parse(text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a finished output; text that is no call stays content. With
-    ``tools``, a call naming no defined tool is left as content."""
-    names = {t.name for t in tools} if tools else None
+    ``tools``, a call naming no defined tool is left as content: a Hermes ``<tool_call>``
+    block as its own text (the other blocks stay calls, as ``CallStream`` streams them), a JSON
+    answer as the whole text."""
+    names = _names(tools)
     calls: list[ToolCall] = []
     content: list[str] = []
     rest = text
@@ -287,7 +306,7 @@ def parse(text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCal
         while HERMES_OPEN in rest:
             before, _, after = rest.partition(HERMES_OPEN)
             body, closed, rest = after.partition(HERMES_CLOSE)
-            found = _json_calls(body.strip())
+            found = _known(_json_calls(body.strip()), names)
             content.append(before)
             if found is None:
                 content.append(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""))
@@ -299,12 +318,11 @@ def parse(text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCal
         if stripped.startswith(PYTHON_TAG):
             stripped = stripped[len(PYTHON_TAG) :].strip()
         found = _json_calls(stripped) if stripped[:1] in ("{", "[") else None
+        found = _known(found, names)
         if found is None:
             content.append(rest)
         else:
             calls = found
-    if names is not None and any(c.name not in names for c in calls):
-        return text, []
     return "".join(content).strip() if calls else "".join(content), calls
 
 
@@ -339,21 +357,30 @@ Event = Content | CallStart | ArgumentsDelta | CallEnd
 
 class _Call:
     """One call's body as it grows: its start once its name is read, then its arguments' text
-    in pieces (a JSON scanner finds where the value ends), its end with the body's."""
+    in pieces (a JSON scanner finds where the value ends), its end with the body's. A name
+    outside ``names`` (the defined tools; None: any) makes it no call (``foreign``): it never
+    starts, and its stream sends its text as content."""
 
-    __slots__ = ("index", "id", "started", "sent")
+    __slots__ = ("index", "id", "started", "sent", "names", "foreign")
 
-    def __init__(self, index: int, id_prefix: str) -> None:
+    def __init__(self, index: int, id_prefix: str, names: frozenset[str] | None = None) -> None:
         self.index = index
         self.id = new_call_id(id_prefix)
         self.started = False
         self.sent = 0  # how much of the arguments value went out
+        self.names = names
+        self.foreign = False
 
     def scan(self, body: str, final: bool) -> list[Event]:
         events: list[Event] = []
+        if self.foreign:
+            return events
         if not self.started:
             name = _string_value(body, "name")
             if name is None:
+                return events
+            if not _defines(self.names, name):
+                self.foreign = True
                 return events
             events.append(CallStart(self.index, self.id, name))
             self.started = True
@@ -377,14 +404,18 @@ class CallStream:
     Outside a call, text passes through as ``Content`` except a tail that could begin
     ``<tool_call>``. Inside one, the body is scanned: once ``"name"`` is read a ``CallStart``
     goes out, and the value of ``"arguments"`` streams as ``ArgumentsDelta`` pieces as its
-    characters arrive (a JSON scanner finds where the value ends).
+    characters arrive (a JSON scanner finds where the value ends). A block that is no call —
+    it names no tool of ``tools`` (when given), or has no name by its end — is held to its end
+    and goes out as content, tags included, as ``parse`` leaves it; call indices count calls
+    only.
     """
 
-    def __init__(self, id_prefix: str = "call_") -> None:
+    def __init__(self, id_prefix: str = "call_", tools: list[Tool] | None = None) -> None:
         self._id_prefix = id_prefix
+        self._names = _names(tools)
         self._pending = ""  # outside: text held back; inside: the call body so far
         self._call: _Call | None = None  # inside a call
-        self._index = -1
+        self._calls = 0  # calls started so far: the next call's index
 
     def feed(self, delta: str) -> list[Event]:
         events: list[Event] = []
@@ -402,27 +433,36 @@ class CallStream:
                 if at:
                     events.append(Content(self._pending[:at]))
                 self._pending = self._pending[at + len(HERMES_OPEN) :]
-                self._index += 1
-                self._call = _Call(self._index, self._id_prefix)
+                self._call = _Call(self._calls, self._id_prefix, self._names)
                 continue
             end = self._pending.find(HERMES_CLOSE)
             body = self._pending if end < 0 else self._pending[:end]
             events += self._call.scan(body, final=end >= 0)
             if end < 0:
                 return events
+            events += self._ended(HERMES_OPEN + body + HERMES_CLOSE)
             self._pending = self._pending[end + len(HERMES_CLOSE) :]
-            self._call = None
 
     def close(self) -> list[Event]:
         """The end of the output: held text goes out; an unclosed call ends as it is."""
         events: list[Event] = []
         if self._call is not None:
             events += self._call.scan(self._pending, final=True)
+            events += self._ended(HERMES_OPEN + self._pending)
         elif self._pending:
             events.append(Content(self._pending))
         self._pending = ""
-        self._call = None
         return events
+
+    def _ended(self, text: str) -> list[Event]:
+        """The current block ended (its whole ``text``): counted when it was a call, else its
+        text is content."""
+        call, self._call = self._call, None
+        assert call is not None
+        if call.started:
+            self._calls += 1
+            return []
+        return [Content(text)]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -606,7 +646,7 @@ class OutputCalls:
                 return []  # not yet known
             if head[0] in "{[" or head.startswith(PYTHON_TAG):
                 return []  # held to the end: parsed whole by close
-            self._stream = CallStream(self.id_prefix)
+            self._stream = CallStream(self.id_prefix, self.tools)
             delta, self._held = self._held, ""
         return self._count(self._stream.feed(delta))
 

@@ -215,13 +215,14 @@ class ApiConnection(HttpConnection):
         st = self.st
         if st is not None:
             for choice in _choices(st):
-                self.path.fail(choice, ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+                slow = Refusal(ErrorCode.SLOW_CONSUMER, "client is not reading its output")
+                self.path.fail(choice, slow)
 
     def abort_active(self) -> None:
         st = self.st
         if st is not None:
             for choice in _choices(st):
-                self.path.fail(choice, ErrorCode.SHUTTING_DOWN, "drain deadline passed")
+                self.path.fail(choice, Refusal(ErrorCode.SHUTTING_DOWN, "drain deadline passed"))
             self.flush()
 
     # ------------------------------------------------------------------ Door: outputs
@@ -279,26 +280,19 @@ class ApiConnection(HttpConnection):
         if self.api.log_requests:
             self._log(ex.request, st.api, 200, st, reply.total(), timings)
 
-    def write_error(
-        self,
-        st: Stream,
-        code: ErrorCode,
-        message: str,
-        retry_after_ms: int,
-        field: str | None = None,
-    ) -> None:
+    def write_error(self, st: Stream, error: Refusal) -> None:
         ex = _exchange(st)
         if ex.answered:
             return
         ex.answered = True
-        err = HttpError.from_code(code, message, retry_after_ms, field)
+        err = http_error(error)  # OpenAI's param is the field the Refusal names
         if ex.started:
             self.out += stream_error_event(ex.reply.api, err)
             self.end_stream(advance=False)
         else:
             self.respond_error(err, advance=False, counted=True)
         if self.api.log_requests:
-            self._log(ex.request, st.api, err.status, st, detail=message)
+            self._log(ex.request, st.api, err.status, st, detail=error.message)
         for other in _choices(st):  # the answer is this error: the other choices stop
             if other is not st:
                 self.path.cancel(other)

@@ -11,6 +11,7 @@ A model this small has no tool training: the forced choices (``required``, a nam
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from benchmarks._support.daemon import Daemon
+from gateway import client as zc
 from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of, reference_model
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -40,6 +42,7 @@ WEATHER = {
     },
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_INPUT = WEATHER["function"]["parameters"]
 
 
 class City(BaseModel):
@@ -120,9 +123,9 @@ def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on
             )
         body = info.value.body
         assert param in body["message"], (fields, body)
-        # refused by the door's parser: OpenAI's param; by the request path (the model's
-        # vocabulary, engine.max_n, the grammar compile): the message (docs/http.md)
-        assert body["param"] in (param, None), (fields, body)
+        # OpenAI's param names it whoever refused: the door's parser, or the request path
+        # after it (the model's vocabulary, engine.max_n, the grammar compile)
+        assert body["param"] == param and info.value.param == param, (fields, body)
     ok = c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2)
     assert ok.choices[0].message.content is not None
     assert len(streams) == len(BAD_CHAT) + 1 and len(set(map(id, streams))) == 1
@@ -141,6 +144,48 @@ def test_bad_agent_fields_are_400s_naming_the_field_and_the_connection_serves_on
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_tools_too_large_for_the_context_are_refused_by_the_text_bound(daemon):
+    # A tiny message with 20 kB of tool definitions: over max_context 1024 x 16 bytes, refused
+    # by the text bound before any templating or tokenizing (its message says bytes, not
+    # tokens), naming the tools and the context length, on both APIs.
+    big = {**WEATHER, "function": {**WEATHER["function"], "description": "d" * 20_000}}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai(daemon).chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, max_tokens=2, tools=[big]
+        )
+    err = info.value
+    assert err.param == "tools" and err.code == "prompt_too_long", err.body
+    assert "UTF-8 bytes" in err.message and "max_context 1024" in err.message, err.body
+    tool = {"name": "get_weather", "description": "d" * 20_000, "input_schema": WEATHER_INPUT}
+    with pytest.raises(anthropic.BadRequestError) as ainfo:
+        ant(daemon).messages.create(model=MODEL, max_tokens=2, messages=ASK_WEATHER, tools=[tool])
+    message = ainfo.value.body["error"]["message"]
+    assert message.startswith("tools:") and "max_context 1024" in message, ainfo.value.body
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_bad_agent_fields_on_the_frame_door_name_the_field_and_the_connection_serves_on(daemon):
+    # The frame door's ERROR carries the Refusal's message, which names the field (a frame
+    # stream is one choice: n > 1 is its own refusal, naming n).
+    async def main() -> None:
+        async with await zc.Client.connect(daemon.endpoint) as client:
+            await client.hello()
+            for kwargs, name in (
+                ({"logit_bias": {49152: 5.0}}, "logit_bias"),  # the vocabulary is 49152 ids
+                ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ):
+                with pytest.raises(zc.InvalidRequestError, match=name):
+                    await (await client.generate("x", max_tokens=2, **kwargs)).collect()
+            n = await client.generate_json({"max_tokens": 2, "prompt": "x", "n": 1000})
+            with pytest.raises(zc.InvalidRequestError, match="n > 1"):
+                await n.collect()
+            ok = await (await client.generate("Hello", max_tokens=2)).collect()
+            assert ok.completion_tokens >= 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_parse_with_a_pydantic_model_returns_a_validated_object(daemon):
     c = oai(daemon)
     done = c.chat.completions.parse(
@@ -152,6 +197,36 @@ def test_parse_with_a_pydantic_model_returns_a_validated_object(daemon):
     )
     city = done.choices[0].message.parsed
     assert isinstance(city, City) and city.name and city.country
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_a_call_naming_no_defined_tool_is_content_streamed_or_not(daemon):
+    # tool_choice auto, the answer pinned by a one-choice constraint: a Hermes block naming an
+    # undefined tool, then one naming get_weather. The first is content, the second a call
+    # with index 0 — the same answer streamed and not (docs/http.md).
+    foreign = '<tool_call>{"name": "get_wether", "arguments": {}}</tool_call>'
+    answer = (
+        foreign + '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    ask = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER], "max_tokens": 96,
+           "extra_body": {"structured_outputs": {"choice": [answer]}}}  # fmt: skip
+    c = oai(daemon)
+    whole = c.chat.completions.create(**ask).choices[0]
+    assert whole.message.content == foreign and whole.finish_reason == "tool_calls"
+    calls = whole.message.tool_calls or []
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    content, names, args, indices = "", [], "", set()
+    for chunk in c.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for t in choice.delta.tool_calls or []:
+                indices.add(t.index)
+                names += [t.function.name] if t.function and t.function.name else []
+                args += (t.function.arguments or "") if t.function else ""
+    assert content == foreign and names == ["get_weather"] and indices == {0}
+    assert json.loads(args) == {"city": "Oslo"}
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)

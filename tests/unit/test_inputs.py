@@ -110,6 +110,17 @@ def test_ids_at_both_ends_of_the_vocabulary_are_accepted() -> None:
     assert prepare(prompt_ids=edge).stop_ids == frozenset()
 
 
+def _tool(description: str) -> dict:
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    return {"type": "function", "function": {"name": "f", "description": description,
+                                              "parameters": parameters}}  # fmt: skip
+
+
+def _call(arguments: dict) -> dict:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
 class _RecordingTokenizer(ByteTokenizer):
     """A tokenizer double that records every render and encode the input processor asks for."""
 
@@ -133,6 +144,9 @@ class _RecordingTokenizer(ByteTokenizer):
         ({"prompt_text": "é" * (64 * 8 + 1)}, "prompt"),  # 2 bytes a character
         ({"messages": [{"role": "user", "content": "a" * 600}] * 2}, "messages"),
         ({"prompt_text": "hi", "system": "s" * 1100}, "system"),
+        # the tool definitions are rendered into the prompt: they count (as their JSON)
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [_tool("d" * 1100)]}, "tools"),
+        ({"messages": [_call({"city": "R" * 1100})]}, "messages"),  # the history's calls too
     ],
 )
 def test_text_bound_refuses_before_the_tokenizer_runs(kw: dict, field: str) -> None:
@@ -140,7 +154,7 @@ def test_text_bound_refuses_before_the_tokenizer_runs(kw: dict, field: str) -> N
     with pytest.raises(Refusal) as err:
         InputProcessor(tok, INFO).prepare(Request(max_tokens=4, **kw))
     assert err.value.code == ErrorCode.PROMPT_TOO_LONG and err.value.field == field
-    assert "1024 UTF-8 bytes" in err.value.message
+    assert "1024 UTF-8 bytes" in err.value.message and "max_context 64" in err.value.message
     assert tok.calls == []
     with pytest.raises(Refusal):
         InputProcessor(tok, INFO).count_prompt_tokens(Request(max_tokens=4, **kw))

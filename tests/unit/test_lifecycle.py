@@ -34,6 +34,7 @@ class Door:
         self.label = "t"
         self.tokens: dict[int, list[int]] = {}
         self.endings: list[tuple[int, str, object]] = []  # (key, "done"/"error", detail)
+        self.refusals: list[Refusal] = []  # each ERROR as the door was given it
         self.ended: list[int] = []
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
@@ -43,8 +44,9 @@ class Door:
     def write_done(self, st: Stream, finish: FinishReason, timings: tuple) -> None:
         self.endings.append((st.key, "done", finish))
 
-    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_ms: int) -> None:
-        self.endings.append((st.key, "error", code))
+    def write_error(self, st: Stream, error: Refusal) -> None:
+        self.endings.append((st.key, "error", error.code))
+        self.refusals.append(error)
 
     def stream_ended(self, st: Stream) -> None:
         self.ended.append(st.key)
@@ -127,7 +129,7 @@ def test_a_request_ends_once_and_pays_prompt_and_completion() -> None:
     assert st.phase is Phase.ENDED and len(door.tokens[1]) == 5
     assert charged_prompt_tokens(st) == st.prompt_tokens > 0
     path.cancel(st)  # a second end is dropped
-    path.fail(st, ErrorCode.INTERNAL, "late")
+    path.fail(st, Refusal(ErrorCode.INTERNAL, "late"))
     assert len(door.endings) == 1 and door.ended == [1]
 
 
@@ -219,12 +221,36 @@ def test_values_the_engine_cannot_hold_are_refused_naming_the_field(field, value
         validate(request(**{field: value}))
     assert err.value.field == field and field in err.value.message
     bad = Stream(door, 1, "frames")
-    path.refuse(bad, err.value.code, err.value.message)
+    path.refuse(bad, err.value)
     good = open_stream(path, door, 2)
     run_engine(path)
     assert door.endings[0] == (1, "error", ErrorCode.INVALID_REQUEST)
     assert bad.phase is Phase.ENDED and good.phase is Phase.ENDED
     assert door.endings[1] == (2, "done", FinishReason.MAX_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"n": 9}, "n"), ({"logit_bias": {300: 1.0}}, "logit_bias")],  # max_n 8, vocabulary 300
+)
+def test_a_refusal_after_the_parser_reaches_the_door_with_its_field(fields, field) -> None:
+    # What the input processor refuses (engine.max_n, the model's vocabulary) is handed to the
+    # door as the Refusal itself: OpenAI's error.param comes from its field.
+    path, door = make_path(async_gate=False), Door()
+    open_stream(path, door, 1, request(**fields))
+    good = open_stream(path, door, 2)
+    run_engine(path)
+    assert door.refusals  # one per choice stream of the refused request, the same Refusal
+    for refusal in door.refusals:
+        assert refusal.code == ErrorCode.INVALID_REQUEST and refusal.field == field
+        assert field in refusal.message
+    assert good.phase is Phase.ENDED and door.endings[-1] == (2, "done", FinishReason.MAX_TOKENS)
+
+
+def test_a_refusal_message_names_its_field() -> None:
+    assert Refusal(ErrorCode.INVALID_REQUEST, "too big", field="n").message == "n: too big"
+    named = Refusal(ErrorCode.INVALID_REQUEST, "n must be at most 8", field="n")
+    assert named.message == "n must be at most 8"  # already named: unchanged
 
 
 def _sample(path: RequestPath, name: str, **labels: str) -> float:

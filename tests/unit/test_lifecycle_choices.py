@@ -5,7 +5,7 @@ the choices' tokens summed; the prompt charged once); a refusal ends every choic
 from __future__ import annotations
 
 from gateway import protocol as p
-from gateway.codes import ErrorCode, FinishReason
+from gateway.codes import ErrorCode, FinishReason, Refusal
 from gateway.engine.engine import StepOutput
 from gateway.hooks import Completion, Principal
 from gateway.lifecycle import RequestPath, Stream
@@ -30,9 +30,9 @@ class ChoiceDoor:
     def write_done(self, st: Stream, finish: FinishReason, timings: tuple) -> None:
         self.endings.append((st.key, st.choice, "done", finish))
 
-    def write_error(self, st: Stream, code: ErrorCode, message: str, retry_ms: int) -> None:
-        self.endings.append((st.key, st.choice, "error", code))
-        self.messages.append(message)
+    def write_error(self, st: Stream, error: Refusal) -> None:
+        self.endings.append((st.key, st.choice, "error", error.code))
+        self.messages.append(error.message)
 
     def stream_ended(self, st: Stream) -> None:
         self.ended.append(st)

@@ -202,6 +202,32 @@ def _calls_of(events: list) -> list[tuple[str, object]]:
     ]
 
 
+UNDEFINED_FIRST = (
+    'Checking. <tool_call>{"name": "get_wether", "arguments": {"city": "Rome"}}</tool_call>'
+    '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_a_call_naming_no_defined_tool_is_content_streamed_or_not(step: int) -> None:
+    # auto: the model may write any name; a block naming no defined tool is no call: its text
+    # (tags included) is content, the other blocks are calls, indexed from 0 — the same answer
+    # whether it is streamed or not.
+    content, calls = OutputCalls(TOOLS, forced=False).result(UNDEFINED_FIRST)
+    assert content == 'Checking. <tool_call>{"name": "get_wether", "arguments": {"city": "Rome"}}' \
+        "</tool_call>"  # fmt: skip
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("now", {})]
+    stream = OutputCalls(TOOLS, forced=False)
+    events = _events(stream, UNDEFINED_FIRST, step)
+    assert "".join(e.text for e in events if isinstance(e, Content)) == content
+    assert _calls_of(events) == [("now", {})] and stream.calls == 1
+    assert [e.index for e in events if isinstance(e, CallStart | CallEnd)] == [0, 0]
+    alone = OutputCalls(TOOLS, forced=False)
+    only = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert "".join(e.text for e in _events(alone, only, step)) == only and alone.calls == 0
+    assert OutputCalls(TOOLS, forced=False).result(only) == (only, [])
+
+
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_forced_json_form_streams_its_calls(step: int) -> None:
     text = (
