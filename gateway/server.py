@@ -17,8 +17,10 @@ import asyncio
 import collections
 import itertools
 import logging
+import socket
 import time
 from collections.abc import Callable
+from ssl import SSLContext
 
 import numpy as np
 
@@ -34,6 +36,7 @@ from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options, out_of_descriptors
 from gateway.ops.tls import TlsListener, peer_names
 from gateway.protocol import FrameType, ProtocolError
+from gateway.request import Request
 from gateway.wrong_door import SNIFF_BYTES
 
 log = logging.getLogger("zerolayer.server")
@@ -56,8 +59,8 @@ class Server:
         self.per_principal: collections.Counter[str] = collections.Counter()
         self.rx_excess = 0  # receive memory grown beyond read_buffer_bytes, all connections
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | TlsListener | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._server: asyncio.Server | TlsListener | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._all_closed = asyncio.Event()
         self._conn_ids = itertools.count(1)
         self._draining = False  # drain() ran
@@ -80,7 +83,7 @@ class Server:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
+    async def start(self, sock: socket.socket | None = None, ssl: SSLContext | None = None) -> None:
         """Listen on ``sock`` (or bind host:port); with ``ssl`` speak TLS only."""
         self.loop = asyncio.get_running_loop()
         if ssl is not None:  # the daemon always passes its bound socket
@@ -104,7 +107,8 @@ class Server:
     @property
     def port(self) -> int:
         assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
+        port: int = self._server.sockets[0].getsockname()[1]  # (host, port[, ...])
+        return port
 
     def next_conn_id(self) -> int:
         return next(self._conn_ids)
@@ -423,7 +427,7 @@ class Connection(asyncio.BufferedProtocol):
         assert self.principal is not None
         self.path.open(st, self.principal, req)
 
-    def _check_version(self, req: p.Request) -> None:
+    def _check_version(self, req: Request) -> None:
         """The frame door's own rules on issue #27's fields (docs/protocol.md): they need
         protocol version 2 (a version 1 client could not read a LOGPROBS frame), and n > 1 is
         the HTTP door's (a frame stream is one choice)."""
@@ -567,7 +571,7 @@ class TokenFrames:
         # The rows' ids as they are when they are the step's first rows, in order; else taken.
         self.perm = None if order == list(range(self.n)) else np.array(order, np.intp)
         self.frames = p.token1_frames(np.array(keys, np.int64))
-        view = memoryview(self.frames.reshape(-1).view(np.uint8))
+        view = self.frames.reshape(-1).view(np.uint8).data  # its memoryview
         self.spans: list[tuple[Connection, int, int, memoryview]] = []
         start = 0
         for conn, plain in by_conn.items():
@@ -575,7 +579,7 @@ class TokenFrames:
             size = p.TOKEN1_FRAME_SIZE
             self.spans.append((conn, start, end, view[start * size : end * size]))
             start = end
-        self.doors = [conn for conn in by_conn] + [st.door for _, st in self.text_rows]  # type: ignore[misc]
+        self.doors = [conn for conn in by_conn] + [st.door for _, st in self.text_rows]
 
     def write(self, step: StepOutput) -> int:
         n = 0

@@ -58,9 +58,8 @@ class HttpApi:
 
     def __init__(self, path: RequestPath, info: ModelInfo, ops: OpsPages | None = None) -> None:
         self.path = path
-        self.ops = ops or OpsPages(
-            None, None
-        )  # /health, /metrics, /version, the status page, CORS (routes.py)
+        # /health, /metrics, /version, the status page, CORS (routes.py)
+        self.ops = ops or OpsPages(None, None)
         self.model = info.name
         self.strings = TokenStrings(path.inputs.tokenizer)  # logprobs' token texts
         created = int(time.time())

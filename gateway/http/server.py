@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from email.utils import formatdate
+from ssl import SSLContext
 
 import httptools
 
@@ -29,7 +31,7 @@ from gateway.config import HttpConfig
 from gateway.http.errors import OPENAI, REASONS, HttpError, error_body, status_for
 from gateway.ops.escape import client_text
 from gateway.ops.metrics import Metrics
-from gateway.ops.sockets import apply_socket_options, out_of_descriptors
+from gateway.ops.sockets import SocketTuning, apply_socket_options, out_of_descriptors
 from gateway.ops.tls import TlsListener
 
 log = logging.getLogger("zerolayer.http")
@@ -112,15 +114,15 @@ class HttpServer:
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.date = formatdate(usegmt=True).encode()
-        self._server: asyncio.AbstractServer | TlsListener | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._server: asyncio.Server | TlsListener | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
-        self.socket_options: object = None  # ServerConfig for apply_socket_options, if any
+        self.socket_options: SocketTuning | None = None  # ServerConfig, if any
         self._ids = 0
         self.per_ip: collections.Counter[str] = collections.Counter()
         self.body_bytes = 0  # request-body bytes held by all connections (reserved or read)
 
-    async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
+    async def start(self, sock: socket.socket | None = None, ssl: SSLContext | None = None) -> None:
         """Listen (on ``sock`` when given); with ``ssl`` every connection speaks TLS only."""
         loop = asyncio.get_running_loop()
         if ssl is not None:  # the daemon always passes its bound socket
@@ -138,7 +140,8 @@ class HttpServer:
     @property
     def port(self) -> int:
         assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
+        port: int = self._server.sockets[0].getsockname()[1]  # (host, port[, ...])
+        return port
 
     async def _sweep(self) -> None:
         interval = min(1.0, self.cfg.header_timeout_s / 4, self.cfg.body_timeout_s / 4)
