@@ -348,7 +348,7 @@ def _parse_processing(
 
 
 # The keys of a JSON REQUEST (docs/protocol.md); their values follow gateway.validation.
-_JSON_KEYS = frozenset(
+JSON_KEYS = frozenset(
     {
         "max_tokens",
         "messages",
@@ -376,7 +376,7 @@ _JSON_KEYS = frozenset(
 
 def _parse_json_request(payload: memoryview) -> Request:
     obj = load_object(payload, "JSON request")
-    check_keys(obj, _JSON_KEYS)
+    check_keys(obj, JSON_KEYS)
     if "max_tokens" not in obj:
         raise invalid("max_tokens is required", "max_tokens")
     if ("messages" in obj) == ("prompt" in obj):
