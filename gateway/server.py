@@ -21,6 +21,7 @@ import socket
 import time
 from collections.abc import Callable
 from ssl import SSLContext
+from typing import cast
 
 import numpy as np
 
@@ -244,14 +245,15 @@ class Connection(asyncio.BufferedProtocol):
     # ------------------------------------------------------------------ transport callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream server's transport is a Transport (BaseProtocol's signature says Base).
+        self.transport = stream = cast(asyncio.Transport, transport)
         server = self.server
         peer = transport.get_extra_info("peername")
         self.peer_ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         sock = transport.get_extra_info("socket")
         if sock is not None:
             apply_socket_options(sock, self.cfg)
-        transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
+        stream.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)
         refusal = server.admit(self, sock) or self._certificate(transport)
         if refusal is not None:
             self.connection_error(*refusal, retry_after_ms=1000)

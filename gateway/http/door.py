@@ -95,6 +95,7 @@ def _choices(st: Stream) -> tuple[Stream, ...]:
 def _exchange(st: Stream) -> Exchange:
     """The request's Exchange, whichever of its choice streams ``st`` is (the door sets it on
     choice 0, the stream it opens; the path makes the others)."""
+    # Stream.state is each door's own; this door sets only Exchanges.
     return (st.group[0] if st.group else st).state  # type: ignore[return-value]
 
 
@@ -206,7 +207,7 @@ class ApiConnection(HttpConnection):
 
     def disconnected(self, request: Incoming) -> None:
         st = self.st
-        if st is not None and st.state is not None and st.state.request is request:  # type: ignore[attr-defined]
+        if st is not None and st.state is not None and _exchange(st).request is request:
             for choice in _choices(st):
                 self.path.cancel(choice)  # nothing is written: the door is closed
 

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from email.utils import formatdate
 from ssl import SSLContext
+from typing import cast
 
 import httptools
 
@@ -258,7 +259,8 @@ class HttpConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ transport callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream server's transport is a Transport (BaseProtocol's signature says Base).
+        self.transport = stream = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.peer_ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         sock = transport.get_extra_info("socket")
@@ -268,7 +270,7 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.server.socket_options is not None and sock is not None:
             apply_socket_options(sock, self.server.socket_options)
-        transport.set_write_buffer_limits(high=self.server.write_buffer_limit)  # type: ignore[attr-defined]
+        stream.set_write_buffer_limits(high=self.server.write_buffer_limit)
         self.deadline = time.monotonic() + self.cfg.header_timeout_s
 
     def _refuse_connection(self, reason: str) -> None:
