@@ -53,7 +53,7 @@ from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principa
 from gateway.inputs import InputProcessor, Prepared, plain
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
-from gateway.outputs import OutputProcessor, TokenWriter
+from gateway.outputs import Encoder, OutputProcessor
 from gateway.request import Request
 from gateway.structured import Grammar, GrammarError, Grammars
 from gateway.tokenizer import Detokenizer
@@ -90,7 +90,7 @@ class Door(Protocol):
         """False once the peer is gone: nothing more is written."""
 
     @property
-    def encoder(self) -> Callable[[list[Stream], list[int]], TokenWriter]:
+    def encoder(self) -> Encoder:
         """The door kind's encoder, the same for every door of that kind: ``encoder(streams,
         rows)`` writes each engine step's ids and text for ``streams`` (rows ``rows`` of an
         engine row set, on any doors of this kind); see gateway.outputs."""
@@ -375,7 +375,7 @@ class RequestPath:
         the streams the engine finished end here, then every door written to is flushed."""
         dirty: list[Door] = []
         for owner, finish, t_admit, count, ids in self.outputs.write(steps, dirty):
-            st: Stream = owner  # type: ignore[assignment]
+            st: Stream = owner  # type: ignore[assignment]  # the engine's owners are Streams
             if st.ended:  # cancelled, disconnected, ...: its engine ending is dropped
                 continue
             if st.record:
@@ -491,13 +491,14 @@ class RequestPath:
         if st.phase is ENDED:
             return
         hooks_running = st.phase is HOOKS
-        in_engine = st.phase is ENGINE and st.seq is not None and not st.from_cache
+        # Its sequence, when the engine has it (a replay from the cache has none running).
+        engine_seq = st.seq if st.phase is ENGINE and not st.from_cache else None
         st.phase = ENDED
         st.ended = True
         st.finish = finish
         self.outputs.ended(st, count)  # st.n_ids is final from here
-        if in_engine and count is None:
-            self.engine.cancel(st.seq)  # type: ignore[arg-type]
+        if engine_seq is not None and count is None:
+            self.engine.cancel(engine_seq)
         door = st.door
         now = _perf()
         queue_s = max(0.0, t_admit - st.t_recv) if t_admit else 0.0
@@ -521,7 +522,7 @@ class RequestPath:
                            "detail": message},
                 )  # fmt: skip
         elif written:
-            if in_engine and st.seq.reused:  # type: ignore[union-attr]
+            if engine_seq is not None and engine_seq.reused:
                 st.cache_bits |= p.CACHE_PROMPT  # the prefix store supplied part of its KV
             door.write_done(st, finish, (queue_s, ttft_s, total_s))
             metrics = self.metrics

@@ -566,6 +566,7 @@ class TokenFrames:
             if st.want_text or lp:
                 self.text_rows.append((i, st))
             else:
+                # Ignored: a frame encoder's streams are on Connections (Fanout groups by encoder).
                 by_conn.setdefault(st.door, []).append((i, st.key))  # type: ignore[arg-type]
         order = [i for plain in by_conn.values() for i, _ in plain]
         keys = [key for plain in by_conn.values() for _, key in plain]
@@ -603,6 +604,7 @@ class TokenFrames:
             for i, st in self.text_rows:
                 token = int(tokens[i])
                 data = text.get(i, "").encode("utf-8")
+                # The ignores here and below: a text row's door is a Connection, as above.
                 out = st.door.out  # type: ignore[attr-defined]
                 if token != NO_TOKEN:
                     out.token(st.key, (token,), data)

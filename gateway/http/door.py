@@ -367,6 +367,7 @@ class TextDeltas:
             lp = logprobs.get(i) if logprobs else None
             if lp is not None:
                 item = TokenLogprobs(int(step.tokens[i]), lp)
+                # Ignored (here, below): TextDeltas' streams are on ApiConnections (its encoder).
                 st.door.write_text(st, delta or "", item)  # type: ignore[attr-defined]
             elif delta:
                 st.door.write_text(st, delta)  # type: ignore[attr-defined]
