@@ -13,13 +13,18 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from gateway.bench import add_bench_subparser
 from gateway.client import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
 from gateway.codes import FinishReason
 from gateway.compile_check import add_compile_check_subparser
-from gateway.config import DEBUG_ENV, ConfigError, load_settings
+from gateway.config import DEBUG_ENV, ConfigError, Settings, load_settings
 from gateway.hooks.keys import add_keys_subparser, positive_int
+
+if TYPE_CHECKING:
+    import ssl
 
 # One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
 COMMANDS = """\
@@ -71,7 +76,7 @@ def _is_user_error(exc: BaseException) -> bool:
 # `zerolayer serve` / `zerolayer config` flags → the setting each one sets. A flag wins over the
 # environment and the file: it is applied as the ZEROLAYER_* variable of its setting, so a
 # SIGHUP re-read and the worker processes of server.workers see it too.
-SERVE_FLAGS: tuple[tuple[str, tuple[str, ...], dict], ...] = (
+SERVE_FLAGS: tuple[tuple[str, tuple[str, ...], dict[str, Any]], ...] = (
     ("--host", ("server.host", "http.host"), {"metavar": "ADDR", "help": "frame and HTTP address"}),
     ("--port", ("server.port",), {"type": int, "metavar": "N", "help": "frame-protocol port"}),
     ("--http-port", ("http.port",), {"type": int, "metavar": "N", "help": "OpenAI/Anthropic port"}),
@@ -135,7 +140,7 @@ def flag_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _settings(args: argparse.Namespace):  # noqa: ANN202 - Settings
+def _settings(args: argparse.Namespace) -> Settings:
     os.environ.update(flag_environment(args))
     return load_settings(args.config)
 
@@ -158,10 +163,10 @@ def terminal_safe(text: str) -> str:
     )
 
 
-def generate_request(args: argparse.Namespace) -> dict:
+def generate_request(args: argparse.Namespace) -> dict[str, Any]:
     """The JSON REQUEST ``generate`` sends: chat ``messages`` (the server applies the model's
     chat template), or with ``--raw`` the ``prompt`` text as it is."""
-    request: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    request: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.raw:
         request["prompt"] = args.prompt
     else:
@@ -182,7 +187,7 @@ def _finish_name(reason: int) -> str:
         return str(reason)
 
 
-def _tls(args: argparse.Namespace):  # noqa: ANN202 - ssl.SSLContext | None
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
     """The client TLS context for a ``tls://`` (or ``https://``) endpoint from
     --tls-ca/--tls-cert/--tls-key."""
     https = args.endpoint.startswith("https://")
@@ -279,10 +284,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _size(n: int | None) -> str:
     if n is None:
         return "-"
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     return str(n)
 
 
@@ -437,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
-        return args.func(args)
+        command: Callable[[argparse.Namespace], int] = args.func  # set by each subparser
+        return command(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

@@ -19,9 +19,9 @@ import codecs
 import contextlib
 import os
 import ssl as _ssl
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
@@ -32,14 +32,20 @@ from gateway.ops.tls import client_context
 from gateway.protocol import FrameType
 from gateway.wrong_door import sniff
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11; annotations only
+
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7070"
 DEFAULT_TIMEOUT_S = 10.0  # connect, and HELLO until WELCOME
 
+_T = TypeVar("_T")
+
 
 class ServerError(Exception):
-    """An ERROR frame. ``code`` is the protocol ErrorCode; ``stream`` 0 means the connection."""
+    """An ERROR frame. ``code`` is the protocol ErrorCode (an int the client does not know
+    stays an int); ``stream`` 0 means the connection."""
 
-    code: ErrorCode = ErrorCode.INTERNAL
+    code: ErrorCode | int = ErrorCode.INTERNAL
 
     def __init__(self, code: int, message: str, retry_after_ms: int = 0, stream: int = 0) -> None:
         try:
@@ -47,7 +53,7 @@ class ServerError(Exception):
         except ValueError:
             name = f"code {code}"
         super().__init__(f"{name}: {message}")
-        self.code = code  # type: ignore[assignment]
+        self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
         self.stream = stream
@@ -292,7 +298,7 @@ class Client:
             raise ValueError(
                 f"endpoint must look like tcp://HOST:PORT or tls://HOST:PORT, got {endpoint!r}"
             )
-        tls: dict = {}
+        tls: dict[str, Any] = {}
         if url.scheme == "tls":
             tls = {
                 "ssl": ssl or client_context(),
@@ -359,58 +365,35 @@ class Client:
         prompt: str | list[int] | np.ndarray,
         max_tokens: int,
         *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        prompt_id: int = 0,
-        stop_ids: list[int] | tuple[int, ...] = (),
         text: bool = True,
-        cache: bool = True,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        min_tokens: int = 0,
-        logit_bias: dict[int, float] | None = None,
+        **options: Unpack[p.RequestOptions],
     ) -> Stream:
         """Send a binary REQUEST; a str prompt goes as UTF-8 text, a list as token ids.
-        ``cache=False`` bypasses the server's response cache (a fresh run of the model).
-        ``logprobs`` (with ``top_logprobs`` alternatives) fills ``Result.logprobs``; it and the
-        logits processing fields need protocol version 2 (``hello``, the default)."""
-        if self.closed_error is not None:
-            raise ConnectionClosed(str(self.closed_error))
-        stream = self._new_stream()
-        frame = p.encode_request(
-            stream.stream_id,
-            prompt,
-            max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            prompt_id=prompt_id,
-            stop_ids=stop_ids,
-            text_deltas=text,
-            cache=cache,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
-            min_tokens=min_tokens,
-            logit_bias=logit_bias,
+        ``options`` are the codec's (``protocol.RequestOptions``: temperature, top_p, top_k,
+        seed, prompt_id, stop_ids, cache, logprobs, top_logprobs, the penalties, min_tokens,
+        logit_bias). ``cache=False`` bypasses the server's response cache (a fresh run of the
+        model). ``logprobs`` (with ``top_logprobs`` alternatives) fills ``Result.logprobs``; it
+        and the logits processing fields need protocol version 2 (``hello``, the default)."""
+        return await self._start(
+            lambda sid: p.encode_request(sid, prompt, max_tokens, text_deltas=text, **options)
         )
-        await self._send(frame)
-        return stream
 
-    async def generate_json(self, request: dict) -> Stream:
+    async def generate_json(self, request: dict[str, Any]) -> Stream:
         """Send a JSON REQUEST (chat ``messages`` or raw ``prompt``); text deltas always on."""
+        return await self._start(lambda sid: p.encode_json_request(sid, request))
+
+    async def _start(self, encode: Callable[[int], bytes]) -> Stream:
+        """A new stream whose REQUEST is ``encode(stream_id)``, sent. When encoding raises (a
+        value the codec cannot write), no stream stays registered."""
         if self.closed_error is not None:
             raise ConnectionClosed(str(self.closed_error))
         stream = self._new_stream()
-        await self._send(p.encode_json_request(stream.stream_id, request))
+        try:
+            frame = encode(stream.stream_id)
+        except BaseException:
+            del self._streams[stream.stream_id]
+            raise
+        await self._send(frame)
         return stream
 
     async def send_raw(self, data: bytes) -> None:
@@ -474,8 +457,8 @@ class Client:
             stream = self._streams.get(sid)
             if stream is not None:  # for the ids of the TOKEN frame just before it
                 token, top_ids, top = p.parse_logprobs(payload)
-                ids = stream._last_ids[-len(token) :] if len(token) else []
-                for j, (tid, lp) in enumerate(zip(ids, token.tolist(), strict=True)):
+                last = stream._last_ids[-len(token) :] if len(token) else []
+                for j, (tid, lp) in enumerate(zip(last, token.tolist(), strict=True)):
                     pairs = list(zip(top_ids[j].tolist(), top[j].tolist(), strict=True))
                     stream.logprobs.append(TokenLogprob(tid, lp, pairs))
         elif ftype == FrameType.DONE:
@@ -557,8 +540,8 @@ class SyncClient:
     def goaway(self) -> tuple[int, str] | None:
         return self._client.goaway
 
-    def _run(self, coro):  # noqa: ANN001, ANN202 - any coroutine, its result
-        return self._loop.run_until_complete(coro)
+    def _run(self, awaitable: Awaitable[_T]) -> _T:
+        return self._loop.run_until_complete(awaitable)
 
     def hello(
         self, api_key: str | bytes = b"", *, timeout: float | None = DEFAULT_TIMEOUT_S
@@ -569,22 +552,34 @@ class SyncClient:
         return self._run(self._client.ping(data))
 
     def generate(
-        self, prompt: str | list[int] | np.ndarray, max_tokens: int, **kwargs: Any
+        self,
+        prompt: str | list[int] | np.ndarray,
+        max_tokens: int,
+        *,
+        text: bool = True,
+        **options: Unpack[p.RequestOptions],
     ) -> Result:
         """Client.generate (same arguments), waited for: the Result with ids and text."""
-        return self._run(self._collect(self._client.generate(prompt, max_tokens, **kwargs)))
+        started = self._client.generate(prompt, max_tokens, text=text, **options)
+        return self._run(self._collect(started))
 
-    def generate_json(self, request: dict) -> Result:
+    def generate_json(self, request: dict[str, Any]) -> Result:
         """Client.generate_json, waited for: the Result with ids and text."""
         return self._run(self._collect(self._client.generate_json(request)))
 
     def stream(
-        self, prompt: str | list[int] | np.ndarray, max_tokens: int, **kwargs: Any
+        self,
+        prompt: str | list[int] | np.ndarray,
+        max_tokens: int,
+        *,
+        text: bool = True,
+        **options: Unpack[p.RequestOptions],
     ) -> Generator[TokenEvent, None, Result | None]:
         """Yield TokenEvents of Client.generate as they arrive."""
-        return self._events(self._run(self._client.generate(prompt, max_tokens, **kwargs)))
+        started = self._client.generate(prompt, max_tokens, text=text, **options)
+        return self._events(self._run(started))
 
-    def stream_json(self, request: dict) -> Generator[TokenEvent, None, Result | None]:
+    def stream_json(self, request: dict[str, Any]) -> Generator[TokenEvent, None, Result | None]:
         """Yield TokenEvents of Client.generate_json as they arrive."""
         return self._events(self._run(self._client.generate_json(request)))
 
@@ -592,7 +587,7 @@ class SyncClient:
         self._run(self._client.send_raw(data))
 
     @staticmethod
-    async def _collect(started) -> Result:  # noqa: ANN001 - the awaitable of a Stream
+    async def _collect(started: Awaitable[Stream]) -> Result:
         stream = await started
         return await stream.collect()
 

@@ -145,8 +145,12 @@ def required_stores(settings: Settings) -> list[StorePing]:
     return [StorePing(f"ratelimit.redis_url {rl.redis_url}", client.ping)]
 
 
-def _wrong_door(first: bytes, **ports: int | None) -> bytes | None:
-    reply = wrong_door.answer(first, **ports)  # type: ignore[arg-type]
+def _wrong_door(
+    first: bytes, *, max_frame_bytes: int, http_port: int | None, metrics_port: int | None
+) -> bytes | None:
+    reply = wrong_door.answer(
+        first, max_frame_bytes=max_frame_bytes, http_port=http_port, metrics_port=metrics_port
+    )
     if reply is not None:
         # TLS has no room for a sentence: the operator reads it here.
         log.info(

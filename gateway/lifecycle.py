@@ -1,8 +1,8 @@
 """The one request path, shared by every door: a stream's life from accepted to ended.
 
 A door (the frame server's Connection, the HTTP front end) parses its own wire format into a
-``protocol.Request`` and hands it to ``RequestPath.open``; from there the path is the same for
-every door: validate and tokenize (gateway.inputs) → hook chain (auth, rate limit, response
+``Request`` (gateway.request) and hands it to ``RequestPath.open``; from there the path is the
+same for every door: validate and tokenize (gateway.inputs) → hook chain (auth, rate limit, response
 cache; sync or async) → engine, or a replay of a cached answer. A door only writes: the path
 calls its ``Door`` methods with the DONE record or the ERROR, and the output processor writes
 the engine's tokens through the door's own encoder (``Door.encoder``).
@@ -32,8 +32,8 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,7 +53,8 @@ from gateway.hooks import CachedResponse, Chain, Completion, HookError, Principa
 from gateway.inputs import InputProcessor, Prepared, plain
 from gateway.ops.logging import REQUEST_LOG
 from gateway.ops.metrics import Metrics
-from gateway.outputs import OutputProcessor, TokenWriter
+from gateway.outputs import Encoder, OutputProcessor
+from gateway.request import Request
 from gateway.structured import Grammar, GrammarError, Grammars
 from gateway.tokenizer import Detokenizer
 from kernels.sampling import child_seed
@@ -80,14 +81,19 @@ _ERROR = FinishReason.ERROR
 class Door(Protocol):
     """What the request path needs from a door. All calls happen on the event loop."""
 
-    open: bool  # False once the peer is gone: nothing more is written
     dirty: bool  # has unwritten output; the output processor flushes it after a delivery
     label: str  # names the door in logs ("7" for frame connection 7)
 
-    # The door kind's encoder, the same for every door of that kind: ``encoder(streams,
-    # rows)`` writes each engine step's ids and text for ``streams`` (rows ``rows`` of an
-    # engine row set, on any doors of this kind); see gateway.outputs.
-    encoder: Callable[[list[Stream], list[int]], TokenWriter]
+    # Read-only here (a door may derive them), so a door may name its own writer type.
+    @property
+    def open(self) -> bool:
+        """False once the peer is gone: nothing more is written."""
+
+    @property
+    def encoder(self) -> Encoder:
+        """The door kind's encoder, the same for every door of that kind: ``encoder(streams,
+        rows)`` writes each engine step's ids and text for ``streams`` (rows ``rows`` of an
+        engine row set, on any doors of this kind); see gateway.outputs."""
 
     def write_cached(self, st: Stream, ids: list[int], text: str) -> int:
         """A whole answer replayed from the response cache; returns TOKEN frames written."""
@@ -167,7 +173,7 @@ class RequestPath:
         inputs: InputProcessor,
         chain: Chain,
         metrics: Metrics,
-        tokenizer_decode=None,  # noqa: ANN001 - Callable[[list[int]], str]
+        tokenizer_decode: Callable[[list[int]], str] | None = None,
         grammars: Grammars | None = None,
     ) -> None:
         self.engine = engine
@@ -179,7 +185,8 @@ class RequestPath:
         self._decode = tokenizer_decode or inputs.tokenizer.decode
         self.outputs = OutputProcessor(metrics)
         self.draining = False
-        self.hook_tasks: set[asyncio.Task] = set()  # async hooks and off-loop preparing in flight
+        # Async hooks and off-loop preparing in flight.
+        self.hook_tasks: set[asyncio.Task[None]] = set()
         self._per_request_hooks = chain.per_request
         self._records = chain.records
         self._log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
@@ -190,7 +197,7 @@ class RequestPath:
         """A door's credentials → the principal; raises HookError (UNAUTHENTICATED)."""
         return self.chain.on_hello(key)
 
-    def open(self, st: Stream, principal: Principal, req: p.Request) -> None:
+    def open(self, st: Stream, principal: Principal, req: Request) -> None:
         """Run ``req`` for ``st`` (already known to its door). Never raises for anything the
         request contains: every outcome reaches the door through its methods. With ``req.n`` >
         1, ``st`` is choice 0 of n streams made here (docs/architecture.md, "n choices")."""
@@ -227,7 +234,7 @@ class RequestPath:
         for member in st.group or (st,):
             self.fail(member, error)
 
-    async def _compile(self, req: p.Request) -> Grammar | None:
+    async def _compile(self, req: Request) -> Grammar | None:
         """The request's constraint compiled (off the loop and the engine thread, cached by
         constraint); a Refusal naming the field when it cannot be."""
         constraint = req.constraint
@@ -250,7 +257,7 @@ class RequestPath:
         self,
         st: Stream,
         principal: Principal,
-        req: p.Request,
+        req: Request,
         prep: Prepared,
         grammar: Grammar | None,
     ) -> None:
@@ -300,13 +307,13 @@ class RequestPath:
             return
         self._proceed(st, cached)
 
-    def _track(self, coro) -> None:  # noqa: ANN001 - a coroutine of this path's
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.hook_tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self.hook_tasks.discard)
 
     async def _prepare_async(
-        self, st: Stream, principal: Principal, req: p.Request, large: bool
+        self, st: Stream, principal: Principal, req: Request, large: bool
     ) -> None:
         """A constraint compiled, and a large input prepared on the offload pool. A stream that
         ended meanwhile (CANCEL, disconnect, drain) has already been answered once: the result
@@ -370,7 +377,7 @@ class RequestPath:
         the streams the engine finished end here, then every door written to is flushed."""
         dirty: list[Door] = []
         for owner, finish, t_admit, count, ids in self.outputs.write(steps, dirty):
-            st: Stream = owner  # type: ignore[assignment]
+            st: Stream = owner  # type: ignore[assignment]  # the engine's owners are Streams
             if st.ended:  # cancelled, disconnected, ...: its engine ending is dropped
                 continue
             if st.record:
@@ -389,7 +396,7 @@ class RequestPath:
 
     # ---- the path ---------------------------------------------------------------------------
 
-    def _context(self, st: Stream, principal: Principal, req: p.Request) -> RequestContext:
+    def _context(self, st: Stream, principal: Principal, req: Request) -> RequestContext:
         seq = st.seq
         assert seq is not None and st.full_ids is not None
         return RequestContext(
@@ -487,13 +494,14 @@ class RequestPath:
         if st.phase is ENDED:
             return
         hooks_running = st.phase is HOOKS
-        in_engine = st.phase is ENGINE and st.seq is not None and not st.from_cache
+        # Its sequence, when the engine has it (a replay from the cache has none running).
+        engine_seq = st.seq if st.phase is ENGINE and not st.from_cache else None
         st.phase = ENDED
         st.ended = True
         st.finish = finish
         self.outputs.ended(st, count)  # st.n_ids is final from here
-        if in_engine and count is None:
-            self.engine.cancel(st.seq)  # type: ignore[arg-type]
+        if engine_seq is not None and count is None:
+            self.engine.cancel(engine_seq)
         door = st.door
         now = _perf()
         queue_s = max(0.0, t_admit - st.t_recv) if t_admit else 0.0
@@ -517,7 +525,7 @@ class RequestPath:
                            "detail": error.message},
                 )  # fmt: skip
         elif written:
-            if in_engine and st.seq.reused:  # type: ignore[union-attr]
+            if engine_seq is not None and engine_seq.reused:
                 st.cache_bits |= p.CACHE_PROMPT  # the prefix store supplied part of its KV
             door.write_done(st, finish, (queue_s, ttft_s, total_s))
             metrics = self.metrics

@@ -18,6 +18,7 @@ per step (the ids come whole with the engine's ending).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -40,6 +41,10 @@ class TokenWriter(Protocol):
         """Write this step's tokens and text for the writer's rows; returns TOKEN frames."""
 
 
+# A door kind's encoder (``Door.encoder``): its streams in a row set and their rows → a writer.
+Encoder = Callable[[list["Stream"], list[int]], TokenWriter]
+
+
 class Fanout:
     """One engine row set's rows by door kind, each kind's writer, the doors written to, the
     rows whose text is recorded for the response cache, and the streams (live when it was
@@ -50,9 +55,9 @@ class Fanout:
     def __init__(self, owners: list[Stream]) -> None:
         self.owners = owners
         self.stale = False  # one of its streams ended: the next step builds a new one
-        by_encoder: dict[object, tuple[list[Stream], list[int]]] = {}
+        by_encoder: dict[Encoder, tuple[list[Stream], list[int]]] = {}
         self.row_of: dict[Stream, int] = {}
-        self.recording: list[tuple[int, Stream]] = []
+        self.recording: list[tuple[int, list[str]]] = []  # (row, its stream's rec_text)
         for i, st in enumerate(owners):
             if st.ended:
                 continue
@@ -63,9 +68,9 @@ class Fanout:
                 by_encoder[encoder] = group = ([], [])
             group[0].append(st)
             group[1].append(i)
-            if st.rec_text is not None:
-                self.recording.append((i, st))
-        self.writers = [encoder(streams, rows) for encoder, (streams, rows) in by_encoder.items()]  # type: ignore[operator]
+            if st.rec_text is not None:  # set before the engine, never replaced after
+                self.recording.append((i, st.rec_text))
+        self.writers = [encoder(streams, rows) for encoder, (streams, rows) in by_encoder.items()]
         self.doors = list(dict.fromkeys(door for w in self.writers for door in w.doors))
 
 
@@ -94,6 +99,7 @@ class OutputProcessor:
     def _write_rows(self, step: StepOutput, dirty: list[Door]) -> int:
         fan = self._fanout
         if fan is None or fan.stale or fan.owners is not step.owners:
+            # The engine's owners are this path's Streams (RequestPath submits them).
             self._fanout = fan = Fanout(step.owners)  # type: ignore[arg-type]
         self._counts = step.counts
         n_frames = 0
@@ -105,15 +111,15 @@ class OutputProcessor:
                 dirty.append(door)
         if step.joined:
             now = _perf()
-            owners = step.owners
+            owners = fan.owners  # step.owners, as Streams
             for i in step.joined:
                 st = owners[i]
-                if not st.t_first:  # type: ignore[attr-defined]
-                    st.t_first = now  # type: ignore[attr-defined]
+                if not st.t_first:
+                    st.t_first = now
         if fan.recording:
             text = step.text
-            for i, st in fan.recording:
-                st.rec_text.append(text.get(i, ""))  # type: ignore[union-attr]
+            for i, rec_text in fan.recording:
+                rec_text.append(text.get(i, ""))
         return n_frames
 
     def ended(self, st: Stream, count: int | None) -> None:
@@ -121,8 +127,8 @@ class OutputProcessor:
         None: the tokens its door was given so far), and no later step writes to it."""
         fan = self._fanout
         row = fan.row_of.get(st) if fan is not None else None
-        if row is not None:
-            fan.stale = True  # type: ignore[union-attr]
+        if fan is not None and row is not None:
+            fan.stale = True
         if st.from_cache:  # counted by replay
             return
         if count is None:

@@ -16,8 +16,12 @@ import json
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11; annotations only
 
 from gateway.codes import ErrorCode, FinishReason, Refusal, invalid  # noqa: F401 - re-exported
 from gateway.request import NO_STOP_IDS, Request  # noqa: F401 - Request: re-exported
@@ -344,7 +348,7 @@ def _parse_processing(
 
 
 # The keys of a JSON REQUEST (docs/protocol.md); their values follow gateway.validation.
-_JSON_KEYS = frozenset(
+JSON_KEYS = frozenset(
     {
         "max_tokens",
         "messages",
@@ -372,7 +376,7 @@ _JSON_KEYS = frozenset(
 
 def _parse_json_request(payload: memoryview) -> Request:
     obj = load_object(payload, "JSON request")
-    check_keys(obj, _JSON_KEYS)
+    check_keys(obj, JSON_KEYS)
     if "max_tokens" not in obj:
         raise invalid("max_tokens is required", "max_tokens")
     if ("messages" in obj) == ("prompt" in obj):
@@ -518,31 +522,59 @@ def encode_frame(ftype: int, stream: int, payload: bytes = b"", flags: int = 0) 
     return HEADER.pack(len(payload), ftype, flags, 0, stream) + payload
 
 
+class RequestOptions(TypedDict, total=False):
+    """The optional fields of a binary REQUEST: ``encode_request``'s keywords (its body gives
+    each one's default), which ``Client.generate`` passes through as they are."""
+
+    temperature: float  # default 0.0: greedy
+    top_p: float  # 1.0
+    top_k: int  # 0: off
+    seed: int | None  # None: unseeded
+    prompt_id: int  # 0: none
+    stop_ids: list[int] | tuple[int, ...]  # ()
+    cache: bool  # True; False bypasses the response cache
+    # version 2
+    logprobs: bool  # False
+    top_logprobs: int  # 0
+    presence_penalty: float  # 0.0
+    frequency_penalty: float  # 0.0
+    repetition_penalty: float  # 1.0
+    min_tokens: int  # 0
+    logit_bias: dict[int, float] | None  # None
+
+
+_REQUEST_OPTIONS = RequestOptions.__optional_keys__
+
+
 def encode_request(
     stream: int,
     prompt: str | bytes | list[int] | np.ndarray,
     max_tokens: int,
     *,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    prompt_id: int = 0,
-    stop_ids: list[int] | tuple[int, ...] = (),
     text_deltas: bool = False,
-    cache: bool = True,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
-    min_tokens: int = 0,
-    logit_bias: dict[int, float] | None = None,
+    **fields: Unpack[RequestOptions],
 ) -> bytes:
     """A binary REQUEST. A str/bytes prompt is sent as UTF-8 text, a list/array as int32 ids;
-    ``cache=False`` bypasses the response cache. Version 2: ``logprobs`` (option bit 4, with
-    ``top_logprobs`` in bits 8-12) and the processing block (bit 5), written when any of its
-    fields is not its default."""
+    ``fields`` are RequestOptions (a keyword outside them is a TypeError). Version 2:
+    ``logprobs`` (option bit 4, with ``top_logprobs`` in bits 8-12) and the processing block
+    (bit 5), written when any of its fields is not its default."""
+    unknown = fields.keys() - _REQUEST_OPTIONS
+    if unknown:
+        raise TypeError(f"encode_request() got unexpected keyword arguments {sorted(unknown)}")
+    temperature = fields.get("temperature", 0.0)
+    top_p = fields.get("top_p", 1.0)
+    top_k = fields.get("top_k", 0)
+    seed = fields.get("seed")
+    prompt_id = fields.get("prompt_id", 0)
+    stop_ids = fields.get("stop_ids", ())
+    cache = fields.get("cache", True)
+    logprobs = fields.get("logprobs", False)
+    top_logprobs = fields.get("top_logprobs", 0)
+    presence_penalty = fields.get("presence_penalty", 0.0)
+    frequency_penalty = fields.get("frequency_penalty", 0.0)
+    repetition_penalty = fields.get("repetition_penalty", 1.0)
+    min_tokens = fields.get("min_tokens", 0)
+    logit_bias = fields.get("logit_bias")
     options = OPT_TEXT_DELTAS if text_deltas else 0
     if not cache:
         options |= OPT_NO_CACHE

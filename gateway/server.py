@@ -17,8 +17,11 @@ import asyncio
 import collections
 import itertools
 import logging
+import socket
 import time
 from collections.abc import Callable
+from ssl import SSLContext
+from typing import cast
 
 import numpy as np
 
@@ -34,6 +37,7 @@ from gateway.ops.metrics import Metrics
 from gateway.ops.sockets import apply_socket_options, out_of_descriptors
 from gateway.ops.tls import TlsListener, peer_names
 from gateway.protocol import FrameType, ProtocolError
+from gateway.request import Request
 from gateway.wrong_door import SNIFF_BYTES
 
 log = logging.getLogger("zerolayer.server")
@@ -56,8 +60,8 @@ class Server:
         self.per_principal: collections.Counter[str] = collections.Counter()
         self.rx_excess = 0  # receive memory grown beyond read_buffer_bytes, all connections
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | TlsListener | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._server: asyncio.Server | TlsListener | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._all_closed = asyncio.Event()
         self._conn_ids = itertools.count(1)
         self._draining = False  # drain() ran
@@ -80,7 +84,7 @@ class Server:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
+    async def start(self, sock: socket.socket | None = None, ssl: SSLContext | None = None) -> None:
         """Listen on ``sock`` (or bind host:port); with ``ssl`` speak TLS only."""
         self.loop = asyncio.get_running_loop()
         if ssl is not None:  # the daemon always passes its bound socket
@@ -104,7 +108,8 @@ class Server:
     @property
     def port(self) -> int:
         assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
+        port: int = self._server.sockets[0].getsockname()[1]  # (host, port[, ...])
+        return port
 
     def next_conn_id(self) -> int:
         return next(self._conn_ids)
@@ -240,14 +245,15 @@ class Connection(asyncio.BufferedProtocol):
     # ------------------------------------------------------------------ transport callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream server's transport is a Transport (BaseProtocol's signature says Base).
+        self.transport = stream = cast(asyncio.Transport, transport)
         server = self.server
         peer = transport.get_extra_info("peername")
         self.peer_ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         sock = transport.get_extra_info("socket")
         if sock is not None:
             apply_socket_options(sock, self.cfg)
-        transport.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)  # type: ignore[attr-defined]
+        stream.set_write_buffer_limits(high=self.cfg.write_buffer_limit_bytes)
         refusal = server.admit(self, sock) or self._certificate(transport)
         if refusal is not None:
             self.connection_error(*refusal, retry_after_ms=1000)
@@ -427,7 +433,7 @@ class Connection(asyncio.BufferedProtocol):
         assert self.principal is not None
         self.path.open(st, self.principal, req)
 
-    def _check_version(self, req: p.Request) -> None:
+    def _check_version(self, req: Request) -> None:
         """The frame door's own rules on issue #27's fields (docs/protocol.md): they need
         protocol version 2 (a version 1 client could not read a LOGPROBS frame), and n > 1 is
         the HTTP door's (a frame stream is one choice)."""
@@ -566,6 +572,7 @@ class TokenFrames:
             if st.want_text or lp:
                 self.text_rows.append((i, st))
             else:
+                # Ignored: a frame encoder's streams are on Connections (Fanout groups by encoder).
                 by_conn.setdefault(st.door, []).append((i, st.key))  # type: ignore[arg-type]
         order = [i for plain in by_conn.values() for i, _ in plain]
         keys = [key for plain in by_conn.values() for _, key in plain]
@@ -573,7 +580,7 @@ class TokenFrames:
         # The rows' ids as they are when they are the step's first rows, in order; else taken.
         self.perm = None if order == list(range(self.n)) else np.array(order, np.intp)
         self.frames = p.token1_frames(np.array(keys, np.int64))
-        view = memoryview(self.frames.reshape(-1).view(np.uint8))
+        view = self.frames.reshape(-1).view(np.uint8).data  # its memoryview
         self.spans: list[tuple[Connection, int, int, memoryview]] = []
         start = 0
         for conn, plain in by_conn.items():
@@ -581,7 +588,7 @@ class TokenFrames:
             size = p.TOKEN1_FRAME_SIZE
             self.spans.append((conn, start, end, view[start * size : end * size]))
             start = end
-        self.doors = [conn for conn in by_conn] + [st.door for _, st in self.text_rows]  # type: ignore[misc]
+        self.doors = [conn for conn in by_conn] + [st.door for _, st in self.text_rows]
 
     def write(self, step: StepOutput) -> int:
         n = 0
@@ -603,6 +610,7 @@ class TokenFrames:
             for i, st in self.text_rows:
                 token = int(tokens[i])
                 data = text.get(i, "").encode("utf-8")
+                # The ignores here and below: a text row's door is a Connection, as above.
                 out = st.door.out  # type: ignore[attr-defined]
                 if token != NO_TOKEN:
                     out.token(st.key, (token,), data)

@@ -17,6 +17,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+from gateway import protocol
+
 HDR = struct.Struct("<IBBHI")
 REQ = struct.Struct("<IffIQIHH")
 REQUEST, TOKEN, DONE, PING, PONG, ERROR, CANCEL, HELLO, WELCOME, GOAWAY = range(1, 11)
@@ -107,19 +109,9 @@ EDGE_JSON = (
     {"a": 1},
     "\u0000",
 )
-JSON_KEYS = (
-    "max_tokens",
-    "messages",
-    "prompt",
-    "system",
-    "prompt_id",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop_sequences",
-    "bogus",
-)
+# The JSON REQUEST's keys as the protocol defines them, sorted (a frozenset's order changes
+# with the hash seed; a campaign must not), plus one it does not know.
+JSON_KEYS = (*sorted(protocol.JSON_KEYS), "bogus")
 
 
 def mutate_bytes(rng: random.Random, data: bytes) -> bytes:

@@ -159,7 +159,7 @@ class FrameTarget:
         hello = p.encode_hello(self._api_key, self._version)
         for _ in range(self._n):
             try:
-                _, conn = await asyncio.wait_for(
+                transport, conn = await asyncio.wait_for(
                     loop.create_connection(
                         lambda: _Conn(self._clock),
                         self.endpoint.host,
@@ -170,7 +170,7 @@ class FrameTarget:
                 )
             except (OSError, asyncio.TimeoutError) as exc:
                 raise TargetError(f"cannot connect to {self.endpoint}: {exc}") from None
-            conn.transport.write(hello)  # type: ignore[union-attr]
+            transport.write(hello)  # the same transport conn holds
             self._conns.append(conn)
             try:
                 self.welcome = await asyncio.wait_for(asyncio.shield(conn.welcome), timeout)

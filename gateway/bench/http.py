@@ -28,6 +28,7 @@ import asyncio
 import json
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from gateway.bench.endpoint import Endpoint
 from gateway.bench.frames import TargetError
@@ -46,8 +47,9 @@ def error_message(body: bytes) -> str:
     try:
         obj = json.loads(body)
         err = obj.get("error") if isinstance(obj, dict) else None
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
+        message = err.get("message") if isinstance(err, dict) else None
+        if isinstance(message, str):
+            return message
         if isinstance(err, str):
             return err
     except ValueError:
@@ -55,18 +57,18 @@ def error_message(body: bytes) -> str:
     return body[:200].decode("utf-8", "replace").strip()
 
 
-def _messages(item: WorkItem) -> list[dict]:
+def _messages(item: WorkItem) -> list[dict[str, Any]]:
     if item.messages is not None:
         return item.messages
     return [{"role": "user", "content": item.prompt or ""}]
 
 
-def build_body(protocol: str, item: WorkItem, model: str, ignore_eos: bool) -> dict:
+def build_body(protocol: str, item: WorkItem, model: str, ignore_eos: bool) -> dict[str, Any]:
     """The JSON body of one streamed request in ``protocol``."""
     if item.prompt_ids is not None:
         raise ValueError("HTTP requests carry text: token-id prompts are for tcp:// only")
     if protocol == "anthropic":
-        body: dict = {"model": model, "max_tokens": item.max_tokens, "stream": True}
+        body: dict[str, Any] = {"model": model, "max_tokens": item.max_tokens, "stream": True}
         body["messages"] = _messages(item)
         if item.system is not None:
             body["system"] = item.system
@@ -299,7 +301,7 @@ class HttpTarget:
         self._idle.clear()
         return await self._connect()
 
-    async def open(self, timeout: float = 10.0) -> dict:
+    async def open(self, timeout: float = 10.0) -> dict[str, Any]:
         """Check the server answers; without ``model``, take the first of GET /v1/models."""
         if self.model is None:
             path = self.endpoint.path.rsplit("/v1/", 1)[0] + "/v1/models"
@@ -319,7 +321,9 @@ class HttpTarget:
         self._release(reader, writer, headers)
         return status, body
 
-    def _release(self, reader, writer, headers: dict[str, str]) -> None:
+    def _release(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: dict[str, str]
+    ) -> None:
         if headers.get("connection", "").lower() == "close" or reader.at_eof():
             writer.close()
         else:
@@ -368,11 +372,14 @@ class HttpTarget:
             if not rec.t_end:
                 rec.t_end = self._clock()
 
-    async def _read_events(self, reader, headers: dict[str, str], state: SseState) -> bool:
+    async def _read_events(
+        self, reader: asyncio.StreamReader, headers: dict[str, str], state: SseState
+    ) -> bool:
         """Feed the body's SSE events to ``state``; False when it stopped reading early (a body
         still open ``FINISH_GRACE_S`` after a finish_reason): the connection is not reusable."""
         pending = b""
-        event, data = "", []
+        event = ""
+        data: list[str] = []  # the current event's data lines
         pieces = aiter(read_body(reader, headers))
         while not state.finished:
             try:

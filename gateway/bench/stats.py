@@ -107,9 +107,9 @@ def first_errors(records: list[RequestRecord]) -> list[str]:
     """The first few distinct "kind: message" lines of failed requests, in order of sending."""
     out: list[str] = []
     for r in sorted((r for r in records if r.error), key=lambda r: r.t_send):
-        line = f"{r.error}: {r.message}" if r.message else r.error
+        line = f"{r.error}: {r.message}" if r.message else str(r.error)
         if line not in out:
-            out.append(line)  # type: ignore[arg-type]
+            out.append(line)
             if len(out) == FIRST_ERRORS:
                 break
     return out

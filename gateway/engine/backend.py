@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -58,20 +59,25 @@ class Backend(ABC):
         """Release devices and threads at shutdown."""
 
 
-class PrefixKV(ABC):
+# A backend's copy of a KV range: opaque to everyone else, who only hands it back.
+KVHandle = TypeVar("KVHandle")
+
+
+class PrefixKV(ABC, Generic[KVHandle]):
     """The optional capability of a backend that can save ranges of a slot's KV and load them
-    into another slot (the prefix store's needs). A backend has it by inheriting it."""
+    into another slot (the prefix store's needs). A backend has it by inheriting it, naming its
+    handle type: ``PrefixKV[KVRange]``."""
 
     @abstractmethod
-    def save_kv(self, slot: int, start: int, end: int) -> object:
+    def save_kv(self, slot: int, start: int, end: int) -> KVHandle:
         """A copy of the KV of positions ``start .. end - 1`` of ``slot`` (an opaque handle that
         stays valid after the slot is reused)."""
 
     @abstractmethod
-    def load_kv(self, handle: object, slot: int, start: int) -> None:
+    def load_kv(self, handle: KVHandle, slot: int, start: int) -> None:
         """Copy a saved range into ``slot`` from position ``start`` on (the positions it was
         saved from: KV holds position information)."""
 
     @abstractmethod
-    def kv_nbytes(self, handle: object) -> int:
+    def kv_nbytes(self, handle: KVHandle) -> int:
         """Memory held by a saved range."""

@@ -76,7 +76,7 @@ def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int)
     return groups
 
 
-class CpuBackend(Backend, PrefixKV):
+class CpuBackend(Backend, PrefixKV[KVRange]):
     def __init__(
         self,
         loaded: LoadedModel,

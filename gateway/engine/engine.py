@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -68,6 +69,9 @@ _QUIET = frozenset((BY_EOS, BY_STOP_ID, BY_GRAMMAR_REFUSED))
 
 # Called from the engine thread once per step that produced anything.
 Deliver = Callable[[StepOutput], None]
+
+# What a batched backend call takes: the step's prompt chunks or its decode batch.
+_Work = TypeVar("_Work")
 
 
 class EngineOverloaded(Exception):
@@ -434,7 +438,13 @@ class Engine:
         return prefilled, decoded, failed
 
     @staticmethod
-    def _retry_rows(call, work, seqs, one, failed: set[int]) -> np.ndarray:  # noqa: ANN001
+    def _retry_rows(
+        call: Callable[[_Work], np.ndarray],
+        work: _Work,
+        seqs: list[Sequence],
+        one: Callable[[_Work, int], _Work],
+        failed: set[int],
+    ) -> np.ndarray:
         """A batched ``call(work)`` raised: run each row alone so that only the rows that fail
         by themselves are lost (their sequences' ids go to ``failed``, their tokens are -1)."""
         log.exception("a batched backend call failed; retrying its %d rows one by one", len(seqs))
@@ -524,7 +534,7 @@ class Engine:
         rows = self._rows
         seqs = rows.decoding_seqs
         adv = rows.advance(sampled)
-        ends = {i: _REASONS[r] for i, r in zip(adv.ended, adv.reasons, strict=True)}
+        ends: dict[int, int] = {i: _REASONS[r] for i, r in zip(adv.ended, adv.reasons, strict=True)}
         quiet = [i for i, r in zip(adv.ended, adv.reasons, strict=True) if r in _QUIET]
         text: dict[int, str] = {}
         if rows.text_rows:

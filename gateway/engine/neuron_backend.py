@@ -153,7 +153,12 @@ def _read_checkpoint(path: str) -> tuple[Path, dict[str, Any]]:
 
 
 def _architecture(config: dict[str, Any], checkpoint: Path) -> str:
-    names = config.get("architectures") or []
+    raw = config.get("architectures") or []
+    if not isinstance(raw, list) or not all(isinstance(name, str) for name in raw):
+        raise NeuronBackendError(
+            f"{checkpoint}/config.json: architectures must be a list of class names, not {raw!r}"
+        )
+    names: list[str] = raw
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return name

@@ -83,7 +83,9 @@ class PrefixStore:
         if block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
         self.backend = backend
-        self._kv: PrefixKV = backend  # the same object, typed as what saves and loads KV
+        # The same object, typed as what saves and loads KV; its handles are opaque here and
+        # go back only to it.
+        self._kv: PrefixKV[object] = backend
         self.capacity_bytes = capacity_bytes
         self.block_tokens = block_tokens
         self._metrics = metrics

@@ -68,7 +68,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x + _GOLDEN
     x = (x ^ (x >> _U64(30))) * _M1
     x = (x ^ (x >> _U64(27))) * _M2
-    return x ^ (x >> _U64(31))
+    out: np.ndarray = x ^ (x >> _U64(31))  # numpy types uint64 ``^`` as Any
+    return out
 
 
 _FOLD = 0x100000001B3  # odd, so invertible mod 2**64
@@ -92,10 +93,11 @@ def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
     h = digests ^ (positions.astype(_U64) * _POS)
     h *= _M1
     h >>= _U64(58)
-    return _ALPHABET[h]
+    tokens: np.ndarray = _ALPHABET[h]  # numpy types fancy indexing as Any
+    return tokens
 
 
-class SyntheticBackend(Backend, PrefixKV):
+class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
     def __init__(
         self,
         num_slots: int,
@@ -211,7 +213,8 @@ class SyntheticBackend(Backend, PrefixKV):
         width = ids.shape[1]  # at most max_context: the tables' length - 1
         up, down = self._up, self._down
         acc = np.cumsum(_mix(ids) * down[:width], axis=1, dtype=_U64)
-        return acc * up[:width] + digests[:, None] * up[1 : width + 1]
+        folded: np.ndarray = acc * up[:width] + digests[:, None] * up[1 : width + 1]
+        return folded
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         tokens = self._decode(batch)
@@ -253,7 +256,8 @@ class SyntheticBackend(Backend, PrefixKV):
         self._digest[slot] = 0
 
     def save_kv(self, slot: int, start: int, end: int) -> np.ndarray:
-        return self._kv[slot, start:end].copy()
+        saved: np.ndarray = self._kv[slot, start:end].copy()  # numpy types indexing as Any
+        return saved
 
     def load_kv(self, handle: np.ndarray, slot: int, start: int) -> None:
         self._forget_block()

@@ -158,6 +158,8 @@ class RateLimiter:
             self._redis = store
             # The async stages shadow the sync methods on this instance (the chain tells them
             # apart by inspect.iscoroutinefunction); mypy cannot type a per-instance override.
+            # The ignores below (three): with a Redis store the hook is async, its methods
+            # swapped once here for their coroutine forms (Chain awaits them: is_async).
             self.on_request = self._on_request_async  # type: ignore[method-assign,assignment]
             self.on_refused = self._on_refused_async  # type: ignore[method-assign,assignment]
             self.on_done = self._on_done_async  # type: ignore[method-assign,assignment]

@@ -58,9 +58,8 @@ class HttpApi:
 
     def __init__(self, path: RequestPath, info: ModelInfo, ops: OpsPages | None = None) -> None:
         self.path = path
-        self.ops = ops or OpsPages(
-            None, None
-        )  # /health, /metrics, /version, the status page, CORS (routes.py)
+        # /health, /metrics, /version, the status page, CORS (routes.py)
+        self.ops = ops or OpsPages(None, None)
         self.model = info.name
         self.strings = TokenStrings(path.inputs.tokenizer)  # logprobs' token texts
         created = int(time.time())
@@ -96,6 +95,7 @@ def _choices(st: Stream) -> tuple[Stream, ...]:
 def _exchange(st: Stream) -> Exchange:
     """The request's Exchange, whichever of its choice streams ``st`` is (the door sets it on
     choice 0, the stream it opens; the path makes the others)."""
+    # Stream.state is each door's own; this door sets only Exchanges.
     return (st.group[0] if st.group else st).state  # type: ignore[return-value]
 
 
@@ -207,7 +207,7 @@ class ApiConnection(HttpConnection):
 
     def disconnected(self, request: Incoming) -> None:
         st = self.st
-        if st is not None and st.state is not None and st.state.request is request:  # type: ignore[attr-defined]
+        if st is not None and st.state is not None and _exchange(st).request is request:
             for choice in _choices(st):
                 self.path.cancel(choice)  # nothing is written: the door is closed
 
@@ -361,6 +361,7 @@ class TextDeltas:
             lp = logprobs.get(i) if logprobs else None
             if lp is not None:
                 item = TokenLogprobs(int(step.tokens[i]), lp)
+                # Ignored (here, below): TextDeltas' streams are on ApiConnections (its encoder).
                 st.door.write_text(st, delta or "", item)  # type: ignore[attr-defined]
             elif delta:
                 st.door.write_text(st, delta)  # type: ignore[attr-defined]

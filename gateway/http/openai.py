@@ -363,9 +363,11 @@ class _OpenAIReply(Reply):
 
     api = OPENAI
     object_name = ""
+    chunk_object = ""  # a streamed chunk's "object"
     id_prefix = ""
-    _pre: list[bytes]  # a token chunk's bytes before its text, by choice (set by each endpoint)
-    _post: bytes  # and after it
+    # A token chunk's bytes before its JSON-encoded text (``% choice``), and after it.
+    token_open = b""
+    token_close = b""
 
     def __init__(
         self,
@@ -382,9 +384,15 @@ class _OpenAIReply(Reply):
         self.include_usage = include_usage
         # Every chunk starts with the same bytes up to its choice; only the delta text varies.
         self._head = (
-            f'data: {{"id":"{self.id}","object":"{self.object_name}.chunk",'
+            f'data: {{"id":"{self.id}","object":"{self.chunk_object}",'
             f'"created":{self.created},"model":{encode_basestring(model)},"choices":'
         ).encode()
+        self._pre = [self._head + self.token_open % i for i in range(req.n)]  # by choice
+        self._post = self.token_close
+        self._setup()
+
+    def _setup(self) -> None:
+        """An endpoint's own state, after the shared part is set up (none by default)."""
 
     def token(self, out: bytearray, choice: int, text: str) -> None:
         out += self._pre[choice]
@@ -438,20 +446,10 @@ class ChatReply(_OpenAIReply):
 
     __slots__ = ()
     object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
-
-    def __init__(
-        self,
-        req: Request,
-        stream: bool,
-        model: str,
-        include_usage: bool,
-        tools: ToolUse | None = None,
-        strings: TokenStrings | None = None,
-    ) -> None:
-        super().__init__(req, stream, model, include_usage, tools, strings)
-        self._pre = [self._head + b'[{"index":%d,"delta":{"content":' % i for i in range(req.n)]
-        self._post = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+    token_open = b'[{"index":%d,"delta":{"content":'
+    token_close = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
     def start(self, out: bytearray, prompt_tokens: int) -> None:
         for i in range(self.req.n):
@@ -529,26 +527,17 @@ class CompletionReply(_OpenAIReply):
 
     __slots__ = ("_logprobs",)
     object_name = "text_completion"
+    chunk_object = "text_completion"  # as OpenAI streams completions (no ".chunk")
     id_prefix = "cmpl-"
+    token_open = b'[{"index":%d,"text":'
+    token_close = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
-    def __init__(
-        self,
-        req: Request,
-        stream: bool,
-        model: str,
-        include_usage: bool,
-        tools: ToolUse | None = None,
-        strings: TokenStrings | None = None,
-    ) -> None:
-        super().__init__(req, stream, model, include_usage, tools, strings)
-        # OpenAI streams completions with object "text_completion" (no ".chunk").
-        self._head = self._head.replace(b'text_completion.chunk"', b'text_completion"', 1)
-        self._pre = [self._head + b'[{"index":%d,"text":' % i for i in range(req.n)]
-        self._post = b',"logprobs":null,"finish_reason":null}]}\n\n'
+    def _setup(self) -> None:
         self._logprobs: list[CompletionLogprobs] = []
-        if req.logprobs:
+        if self.req.logprobs:
+            strings = self.strings
             assert strings is not None
-            self._logprobs = [CompletionLogprobs(strings) for _ in range(req.n)]
+            self._logprobs = [CompletionLogprobs(strings) for _ in range(self.req.n)]
 
     def collect(self, choice: int, text: str, lp: TokenLogprobs | None) -> None:
         super().collect(choice, text, lp)

@@ -138,11 +138,15 @@ def version() -> str:
 class OpsPages:
     """The operator's endpoints on the API port and the CORS rules (module docstring).
 
-    ``health`` is the daemon's ``gateway.ops.readiness.Health`` (``ready()``: None or why not),
-    ``metrics`` its ``gateway.ops.metrics.Metrics`` (``render()``: Prometheus text)."""
+    ``health`` is the daemon's ``gateway.ops.readiness.Health`` (``ready()``: None or why not;
+    None: always ready), ``metrics`` its ``gateway.ops.metrics.Metrics`` (``render()``:
+    Prometheus text; None: /metrics is 404)."""
 
     def __init__(
-        self, health: Health, metrics: Metrics, cors_origins: tuple[str, ...] | list[str] = ()
+        self,
+        health: Health | None,
+        metrics: Metrics | None,
+        cors_origins: tuple[str, ...] | list[str] = (),
     ) -> None:
         self.health = health
         self.metrics = metrics

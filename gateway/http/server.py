@@ -17,10 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from email.utils import formatdate
+from ssl import SSLContext
+from typing import cast
 
 import httptools
 
@@ -29,7 +32,7 @@ from gateway.config import HttpConfig
 from gateway.http.errors import OPENAI, REASONS, HttpError, error_body, status_for
 from gateway.ops.escape import client_text
 from gateway.ops.metrics import Metrics
-from gateway.ops.sockets import apply_socket_options, out_of_descriptors
+from gateway.ops.sockets import SocketTuning, apply_socket_options, out_of_descriptors
 from gateway.ops.tls import TlsListener
 
 log = logging.getLogger("zerolayer.http")
@@ -112,15 +115,15 @@ class HttpServer:
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.date = formatdate(usegmt=True).encode()
-        self._server: asyncio.AbstractServer | TlsListener | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._server: asyncio.Server | TlsListener | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
-        self.socket_options: object = None  # ServerConfig for apply_socket_options, if any
+        self.socket_options: SocketTuning | None = None  # ServerConfig, if any
         self._ids = 0
         self.per_ip: collections.Counter[str] = collections.Counter()
         self.body_bytes = 0  # request-body bytes held by all connections (reserved or read)
 
-    async def start(self, sock=None, ssl=None) -> None:  # noqa: ANN001 - socket, SSLContext
+    async def start(self, sock: socket.socket | None = None, ssl: SSLContext | None = None) -> None:
         """Listen (on ``sock`` when given); with ``ssl`` every connection speaks TLS only."""
         loop = asyncio.get_running_loop()
         if ssl is not None:  # the daemon always passes its bound socket
@@ -138,7 +141,8 @@ class HttpServer:
     @property
     def port(self) -> int:
         assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
+        port: int = self._server.sockets[0].getsockname()[1]  # (host, port[, ...])
+        return port
 
     async def _sweep(self) -> None:
         interval = min(1.0, self.cfg.header_timeout_s / 4, self.cfg.body_timeout_s / 4)
@@ -255,7 +259,8 @@ class HttpConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ transport callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream server's transport is a Transport (BaseProtocol's signature says Base).
+        self.transport = stream = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.peer_ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         sock = transport.get_extra_info("socket")
@@ -265,7 +270,7 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.server.socket_options is not None and sock is not None:
             apply_socket_options(sock, self.server.socket_options)
-        transport.set_write_buffer_limits(high=self.server.write_buffer_limit)  # type: ignore[attr-defined]
+        stream.set_write_buffer_limits(high=self.server.write_buffer_limit)
         self.deadline = time.monotonic() + self.cfg.header_timeout_s
 
     def _refuse_connection(self, reason: str) -> None:

@@ -93,6 +93,7 @@ def _surrogates_escaped(line: str) -> str:
     return line.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# The ignore below: StreamHandler is generic in typeshed only; Python 3.10 cannot subscript it.
 class _OurHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Marks the handler setup_logging installed, so a second call replaces it."""
 

@@ -9,6 +9,7 @@ so the number of series is fixed by this file. docs/metrics.md lists every metri
 from __future__ import annotations
 
 import bisect
+import builtins
 import itertools
 import time
 from collections.abc import Iterator
@@ -60,6 +61,10 @@ QUEUE_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+# A pre-resolved child's key: its label values, where a protocol enum's int (or its upper-case
+# name) may stand for one (the aliases Metrics sets up).
+LabelKey = tuple[str | int, ...]
 
 
 class Tally:
@@ -268,12 +273,13 @@ class Metrics:
         r.register(tallies)
 
         # Pre-resolved children: the hot path never calls .labels().
-        self._success, self._success_family = dict(success), success
-        self._errors, self._errors_family = dict(errors), errors
+        self._success: dict[LabelKey, Tally] = {k: v for k, v in success.items()}
+        self._errors: dict[LabelKey, Tally] = {k: v for k, v in errors.items()}
+        self._success_family, self._errors_family = success, errors
         self._prompt_tokens = {api: prompt_tokens[(api,)] for api in APIS}
         self._generation_tokens = {api: generation_tokens[(api,)] for api in APIS}
         self._busy = {phase: busy[(phase,)] for phase in PHASES}
-        self._frames = dict(frames)
+        self._frames: dict[LabelKey, Tally] = {k: v for k, v in frames.items()}
         self._bytes = {d: nbytes[(d,)] for d in DIRECTIONS}
         # Aliases so a caller can pass the protocol enums (IntEnum hashes as its int) or their
         # upper-case names without converting: FinishReason.EOS, "EOS", "eos" are one child.
@@ -413,6 +419,6 @@ class Metrics:
 
     # -- exposition -----------------------------------------------------------------------
 
-    def render(self) -> bytes:
+    def render(self) -> builtins.bytes:  # plain ``bytes`` here names the method above
         """The registry in Prometheus text format (what GET /metrics returns)."""
         return generate_latest(self.registry)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+import struct
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 import gateway.client as zc
+from gateway import protocol as p
 from gateway.codes import ErrorCode
 
 
@@ -97,3 +99,37 @@ def test_nothing_listening_and_bad_endpoints() -> None:
                 await zc.Client.connect(bad)
 
     asyncio.run(body())
+
+
+def test_a_request_the_codec_cannot_write_leaves_no_stream_behind() -> None:
+    """``generate`` passes its options to the codec as they are; a keyword the codec does not
+    know, or a value it cannot write, raises before anything is sent, and the stream it had
+    taken is not left registered (once it was: a stream that never ends)."""
+    received = bytearray()
+    peer_done = asyncio.Event()
+
+    async def recorder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            received.extend(data)
+        writer.close()
+        peer_done.set()
+
+    async def body(endpoint: str) -> None:
+        client = await zc.Client.connect(endpoint, timeout=5)
+        async with client:
+            with pytest.raises(TypeError, match="temprature"):
+                await client.generate("hi", 4, temprature=0.5)
+            with pytest.raises(struct.error):
+                await client.generate("hi", 2**40)  # max_tokens is a u32 on the wire
+            with pytest.raises(TypeError):
+                await client.generate_json({"prompt": "hi", "max_tokens": 4, "x": object()})
+            assert client._streams == {}
+            stream = await client.generate("hi", 4, temperature=0.5, top_k=3, text=False)
+            assert list(client._streams) == [stream.stream_id]
+            expected = p.encode_request(
+                stream.stream_id, "hi", 4, temperature=0.5, top_k=3, text_deltas=False
+            )
+        await peer_done.wait()  # the client closed: the peer has read everything
+        assert bytes(received) == expected
+
+    asyncio.run(_with_peer(recorder, body))

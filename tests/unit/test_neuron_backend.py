@@ -330,6 +330,11 @@ def test_bad_checkpoints_are_clear_errors(fake_tnx: Recorder, tmp_path: Path) ->
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(NeuronBackendError, match="not supported by the neuron backend"):
         make(tmp_path)
+    # Not a list of names: an unhashable entry once escaped as a bare TypeError.
+    for architectures in ([["LlamaForCausalLM"]], 7, "LlamaForCausalLM"):
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
+        with pytest.raises(NeuronBackendError, match="architectures must be a list"):
+            make(tmp_path)
 
 
 def test_bad_neuron_settings_are_clear_errors(fake_tnx: Recorder, checkpoint: Path) -> None:

@@ -418,8 +418,8 @@ EDGE_VALUES = st.sampled_from(
     [10**400, -(10**400), 2**64, 2**64 - 1, 2**32, -1, 0, 1, 0.0, 1.5, float("nan"), float("inf")]
     + ["", "x", [], [""], {}, True, None, [{"role": "user", "content": 1}]]
 )
-REQUEST_KEYS = ["max_tokens", "messages", "prompt", "system", "prompt_id", "temperature", "top_p"]
-REQUEST_KEYS += ["top_k", "seed", "stop_sequences", "role", "content"]
+# The protocol's JSON REQUEST keys (sorted: hypothesis needs a stable order), and a message's.
+REQUEST_KEYS = [*sorted(p.JSON_KEYS), "role", "content"]
 
 
 def parse_json_fuzzed(body: bytes) -> None:
