@@ -169,7 +169,7 @@ def main() -> None:
             f"({q['n']} and {a['n']} requests)",
         ])  # fmt: skip
     md = (
-        f"### HTTP door fuzz\n\n{machine_line(out['machine'])}; synthetic backend; "
+        f"### HTTP door fuzz\n\n{machine_line(out['machine']).rstrip('.')}; synthetic backend; "
         f"{args.concurrency} attacker connections at a time from 32 loopback addresses, seed "
         f"{args.seed}; 1-minute load average {out['load_average_1m_end']} at the end.\n\n"
         + table(["", "value"], rows)
