@@ -11,9 +11,10 @@ its row of the batch's bitmask, accept a sampled token, tell when it is finished
 
 How a JSON Schema is read (as xgrammar's strict mode, vLLM's default): an object schema that says
 nothing of ``additionalProperties`` allows only the properties it lists (write
-``"additionalProperties": true`` to allow others), and JSON is written with fixed separators
-(``", "`` and ``": "``) and no other whitespace. Without both, a small model given a schema goes
-on inventing keys or emitting newlines until ``max_tokens`` cuts its JSON short.
+``"additionalProperties": true`` to allow others; members of an ``allOf`` stay open), and JSON
+is written with fixed separators (``", "`` and ``": "``) and no other whitespace. Without both,
+a small model given a schema goes on inventing keys or emitting newlines until ``max_tokens``
+cuts its JSON short.
 """
 
 from __future__ import annotations
@@ -40,16 +41,20 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
               "propertyNames", "unevaluatedItems", "additionalProperties")  # fmt: skip
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")  # allOf: see closed
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def closed(schema: Any) -> Any:
+def closed(schema: Any, close: bool = True) -> Any:
     """``schema`` with every object schema that lists ``properties`` and says nothing of other
-    keys closed to them (``additionalProperties: false``); a copy, the argument is not changed."""
+    keys closed to them (``additionalProperties: false``); a copy, the argument is not changed.
+    The members of an ``allOf`` are not closed themselves (each adds properties to the others';
+    closed, no instance could satisfy two of them), their subschemas are."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(sub, close=False) for sub in out["allOf"]]
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), dict):
             out[key] = closed(out[key])
@@ -59,7 +64,7 @@ def closed(schema: Any) -> Any:
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [closed(sub) for sub in out[key]]
-    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
 

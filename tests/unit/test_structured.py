@@ -125,6 +125,17 @@ def test_closed_reaches_every_subschema_and_copies() -> None:
     assert out["$defs"]["d"]["additionalProperties"] is False
     assert out["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in out["anyOf"][1]  # patternProperties: left open
+    both = closed({"allOf": [{"properties": {"a": obj}}, {"properties": {"b": {}}}]})
+    assert [sorted(m) for m in both["allOf"]] == [["properties"], ["properties"]]
+    assert both["allOf"][0]["properties"]["a"]["additionalProperties"] is False
+
+
+def test_an_allof_of_objects_stays_satisfiable(grammars, tokenizer) -> None:
+    a = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    schema = {"allOf": [a, b]}
+    grammar = grammars.compile_sync(Constraint.json_schema(schema))
+    assert _walk(grammars, grammar, tokenizer.encode('{"a": "x", "b": 2}'), tokenizer.eos_token_id)
 
 
 def test_choice_and_regex(grammars, tokenizer) -> None:
