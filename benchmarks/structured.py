@@ -48,7 +48,9 @@ PROMPTS = (
     "Reply with JSON only.",
     "Fill in realistic values.",
 )
-ENDLESS = {"type": "array", "items": {"type": "string"}}  # no row completes it early
+# No row completes it inside max_tokens (each string takes 3 tokens at least); without minItems,
+# rows answered [] and ended after two tokens.
+ENDLESS = {"type": "array", "items": {"type": "string"}, "minItems": 64}
 
 
 def _free_port() -> int:

@@ -294,3 +294,25 @@ def test_the_request_path_refuses_a_constraint_naming_the_field(grammars) -> Non
     endings, messages = asyncio.run(main(False, Constraint.regex("[a-z]+")))
     assert endings == [(1, 0, "error", ErrorCode.INVALID_REQUEST)]
     assert messages[0].startswith("structured_outputs.regex: ") and "tokenizer.json" in messages[0]
+
+
+def test_filling_a_mask_does_not_import_torch_dynamo(model_dir, tokenizer) -> None:
+    """llguidance.torch imports torch._dynamo (seconds): were a row's mask filled through it, the
+    first constrained step would stall every row of the engine for that long."""
+    import subprocess
+    import sys
+
+    path = str(model_dir / "tokenizer.json")
+    code = f"""
+import sys, torch
+from gateway.structured import Constraint, Grammars
+g = Grammars({path!r}, {tokenizer.eos_token_id}, {tokenizer.vocab_size})
+m = g.compile_now(Constraint.json_object()).matcher()
+mask = g.bitmask(1)
+m.fill(mask, 0)
+assert mask.any(), "an empty mask"
+print("torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
