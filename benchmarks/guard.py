@@ -27,10 +27,12 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,36 +120,169 @@ def paced(args, roots: dict[str, Path]) -> dict:
     return out
 
 
+PY_SPY = os.environ.get("PY_SPY", "py-spy")  # the sampling profiler of the native split
+SPY_HZ = 1000  # py-spy --gil: only the thread holding the GIL, so few samples per run
+SPY_RUNS = 2  # native open-loop runs under py-spy, per server
+LOOP_C = "event loop (uvloop's C code)"
+
+
+def in_flight(report: dict) -> dict[str, float]:
+    """A run's requests in flight (sent, not yet ended): the peak, and the mean over the run
+    (Little's law: the sum of the requests' lifetimes over the run's duration)."""
+    return {
+        "max": report["max_concurrent_requests"],
+        "mean": sum(report["e2els"]) / report["duration"],
+    }
+
+
+OWN = {"gateway", "benchmarks"}  # our code; other leaves are charged to it as "X from Y"
+
+
+def area(frame: str) -> tuple[str, bool]:
+    """The area of one py-spy frame ``func (path:line)`` and whether it is our own code."""
+    path = frame.rpartition(" (")[2].rpartition(":")[0]
+    mod = path.removesuffix(".py").replace("/", ".")
+    if mod.startswith("gateway.engine.synthetic"):
+        return "synthetic backend", True
+    for own in ("gateway.engine", "gateway.outputs", "gateway.lifecycle", "gateway.ops"):
+        if mod.startswith(own):
+            return own, True
+    if mod.startswith(("gateway.server", "gateway.protocol", "gateway.framebuf")):
+        return "gateway.server + frames", True
+    if mod.startswith("benchmarks"):
+        return "pump", True
+    if mod.startswith("gateway"):
+        return "gateway (other)", True
+    if mod.startswith(("asyncio", "uvloop", "selectors")):
+        return "asyncio/uvloop", False
+    if mod.startswith(("threading", "queue")):
+        return "threading", False
+    if mod.startswith("numpy"):
+        return "numpy", False
+    return "other", False
+
+
+def spy_split(raw: str) -> dict:
+    """py-spy's raw stacks (``frame;frame;...;leaf count``, the GIL holder's) as shares of
+    the samples: by the leaf's area (a leaf outside our code named with the innermost area of
+    ours that called it, e.g. "numpy from gateway.engine") and by the leaf's module."""
+    areas: dict[str, int] = {}
+    modules: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        frames, count = stack.split(";"), int(n)
+        total += count
+        leaf, own = area(frames[-1])
+        if frames[-1].startswith("Runner.run (") or any(
+            f.startswith("run.<locals>.wrapper (uvloop/") for f in frames
+        ):  # no Python callback running: the loop's C code (its main coroutine is parked)
+            leaf, own = LOOP_C, True
+        if not own:
+            caller = next((a for a, o in map(area, reversed(frames)) if o), None)
+            leaf = f"{leaf} from {caller}" if caller else leaf
+        areas[leaf] = areas.get(leaf, 0) + count
+        mod = frames[-1].rpartition(" (")[2].rpartition(":")[0]
+        modules[mod] = modules.get(mod, 0) + count
+    if not total:
+        raise SystemExit("py-spy recorded no samples")
+    share = {"areas": areas, "modules": modules}
+    return {"samples": total} | {
+        k: dict(sorted(((a, c / total) for a, c in v.items()), key=lambda kv: -kv[1]))
+        for k, v in share.items()
+    }
+
+
+def spied(endpoint: str, pid: int, load: dict, warmup: dict) -> tuple[dict, dict]:
+    """The native run of ``load`` with py-spy sampling the server (after a warm-up of
+    ``warmup``): the run's in-flight figures and the split of its samples."""
+    srv.measure(endpoint, pid, warmup, warmup=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "spy.raw"
+        spy = subprocess.Popen(
+            [PY_SPY, "record", "--gil", "-r", str(SPY_HZ), "-f", "raw", "-o", str(raw),
+             "-p", str(pid)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            time.sleep(1.0)  # attached before the first request
+            reports = [srv.measure(endpoint, pid, load) for _ in range(SPY_RUNS)]
+        finally:
+            spy.send_signal(signal.SIGINT)
+            _, err = spy.communicate(timeout=60)
+        if not raw.exists():
+            raise SystemExit(f"py-spy wrote no profile: {err}")
+        flights = [in_flight(r) for r in reports]
+        return max(flights, key=lambda f: f["max"]), spy_split(raw.read_text())
+
+
 def instructions(args, roots: dict[str, Path]) -> dict:
-    loads = v1({"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)})
-    out: dict = {"loads": loads, "runs": args.instr_runs, "per_request": {}}
+    """Instructions per request under callgrind, the load slowed ``args.instr_slow`` times
+    (step time times it, the open loop's arrival rate divided by it) so that the instrumented
+    server keeps up with the open loop's arrivals as it does natively; the in-flight figures of
+    every run say whether it did. Beside it, the native open loop under py-spy: where each
+    server's time goes, by area, applied to its instruction count per request."""
+    native = v1({"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)})
+    slow = argparse.Namespace(**{**vars(args), "step_ms": args.step_ms * args.instr_slow})
+    loads = v1({"burst": srv.paced_load(slow, srv.PACED_TOKENS), "open": srv.open_load(slow)})
+    out: dict = {
+        "loads": loads,
+        "slowdown": args.instr_slow,
+        "step_ms": slow.step_ms,
+        "runs": args.instr_runs,
+        "per_request": {},
+        "in_flight": {},
+        "native": {"load": native["open"], "step_ms": args.step_ms, "hz": SPY_HZ},
+        "split": {},
+        "native_in_flight": {},
+    }
+
+    def server(name: str, env_args, wrapper: list[str] | None = None):
+        if name == "pump":
+            return Floor(env_args.step_ms, wrapper or ())
+        return Daemon(srv.paced_env(env_args), wrapper=wrapper, root=roots[name])
+
+    for name in ("pump", *TREES):  # the native split first: no valgrind anywhere yet
+        with server(name, args) as s:
+            flight, split = spied(s.endpoint, s.proc.pid, native["open"], native["burst"])
+        out["native_in_flight"][name], out["split"][name] = flight, split
+        print(f"native open {name}: in flight {flight}, {split['samples']} samples",
+              file=sys.stderr)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         wrapper = srv.callgrind_wrapper(tmp)
 
-        def count(endpoint: str, pid: int) -> dict[str, float]:
+        def count(name: str, endpoint: str, pid: int) -> dict[str, float]:
             srv.measure(endpoint, pid, loads["burst"], warmup=True)
-            got = {}
-            for name, load in loads.items():
+            got, flights = {}, {}
+            for load_name, load in loads.items():
                 subprocess.run(["callgrind_control", "-z", str(pid)], check=True,
                                capture_output=True)  # fmt: skip
-                for _ in range(args.instr_runs):
-                    srv.measure(endpoint, pid, load, warmup=True)
+                runs = [srv.measure(endpoint, pid, load, warmup=True)
+                        for _ in range(args.instr_runs)]  # fmt: skip
                 subprocess.run(["callgrind_control", "-d", str(pid)], check=True,
                                capture_output=True)  # fmt: skip
                 requests = args.instr_runs * load["num_requests"]
-                got[name] = srv.callgrind_total(tmp, pid) / requests
-                print(f"instructions {name}: {got[name]:,.0f} / request", file=sys.stderr)
+                got[load_name] = srv.callgrind_total(tmp, pid) / requests
+                flights[load_name] = max((in_flight(r) for r in runs), key=lambda f: f["max"])
+                print(f"instructions {name} {load_name}: {got[load_name]:,.0f} / request, "
+                      f"in flight {flights[load_name]}", file=sys.stderr)  # fmt: skip
+            out["in_flight"][name] = flights
             return got
 
-        with Floor(args.step_ms, wrapper) as floor:
-            out["per_request"]["pump"] = count(floor.endpoint, floor.proc.pid)
-        for t in TREES:
-            with Daemon(srv.paced_env(args), wrapper=wrapper, root=roots[t]) as d:
-                out["per_request"][t] = count(d.endpoint, d.proc.pid)
-                d.terminate()
+        for name in ("pump", *TREES):
+            with server(name, slow, wrapper) as s:
+                out["per_request"][name] = count(name, s.endpoint, s.proc.pid)
+                if isinstance(s, Daemon):
+                    s.terminate()
     per = out["per_request"]
     out["new_vs_base"] = {n: per["new"][n] / per["base"][n] for n in loads}
     out["vs_pump"] = {t: {n: per[t][n] / per["pump"][n] for n in loads} for t in TREES}
+    out["split_per_request"] = {
+        name: {a: share * per[name]["open"] for a, share in out["split"][name]["areas"].items()}
+        for name in out["split"]
+    }
     return out
 
 
@@ -186,6 +321,61 @@ def med(xs: list[float]) -> float:
 
 
 LOADED = 1.0  # a 1-minute load average above this (2 cores): CPU-time figures inconclusive
+
+
+SPLIT_ROW = 0.01  # the split table's rows: areas with at least this share in some server
+
+
+def instructions_md(i: dict) -> str:
+    """The instructions part's conditions (the slowed load, requests in flight) and its split."""
+    if "split" not in i:  # a results file from before the split
+        return ""
+    names = ("pump", *TREES)
+    fl = i["in_flight"]
+    nat = i["native_in_flight"]
+    lines = [
+        f"\nUnder callgrind the load is slowed {i['slowdown']:g} times (step "
+        f"{i['step_ms']:g} ms, the open loop {i['loads']['open']['request_rate']:.2f} "
+        "requests/s) so that each server keeps up with the open loop's arrivals as natively. "
+        "Requests in flight, peak (mean), open loop: under callgrind "
+        + ", ".join(f"{n} {fl[n]['open']['max']} ({fl[n]['open']['mean']:.0f})" for n in names)
+        + f"; natively (step {i['native']['step_ms']:g} ms, "
+        f"{i['native']['load']['request_rate']:.1f}/s) "
+        + ", ".join(f"{n} {nat[n]['max']} ({nat[n]['mean']:.0f})" for n in names)
+        + ". Burst, under callgrind: "
+        + ", ".join(f"{n} {fl[n]['burst']['max']}" for n in names)
+        + ".",
+        "\nWhere the open loop's instructions go: py-spy samples of each server under the native "
+        f"open loop ({SPY_RUNS} runs each, {i['native']['hz']} Hz, `--gil`: only the thread "
+        "holding the GIL, so waits and sleeps are not counted: "
+        + ", ".join(f"{n} {i['split'][n]['samples']}" for n in names)
+        + " samples), grouped by the running Python function's module (a leaf outside our "
+        "code, e.g. numpy or the event loop, named with the innermost module of ours that "
+        f'called it; "{LOOP_C}": no Python callback running, uvloop\'s socket reads and '
+        "writes, timers and scheduling); each share times the server's callgrind "
+        "instructions per request. "
+        "Shares are of sampled time, not of instructions: a split, not a second count.\n",
+    ]
+    per = i["split_per_request"]
+    areas = sorted(
+        {a for n in names for a, v in i["split"][n]["areas"].items() if v >= SPLIT_ROW},
+        key=lambda a: -per["new"].get(a, 0.0),
+    )
+    rows = []
+    for a in areas:
+        vals = [per[n].get(a, 0.0) for n in names]
+        rows.append([a, *(f"{v / 1e3:,.0f}k ({i['split'][n]['areas'].get(a, 0.0):.0%})"
+                          for n, v in zip(names, vals, strict=True)),
+                     f"{(vals[2] - vals[0]) / 1e3:+,.0f}k"])  # fmt: skip
+    rest = [sum(v for a, v in per[n].items() if a not in areas) for n in names]
+    rows.append(["the rest (areas under 1% everywhere)", *(f"{v / 1e3:,.0f}k" for v in rest),
+                 f"{(rest[2] - rest[0]) / 1e3:+,.0f}k"])  # fmt: skip
+    total = [i["per_request"][n]["open"] for n in names]
+    rows.append(["**total**", *(f"**{v / 1e3:,.0f}k**" for v in total),
+                 f"**{(total[2] - total[0]) / 1e3:+,.0f}k**"])  # fmt: skip
+    head = ["open loop, instructions / request", *names, "new - pump"]
+    lines.append(table(head, rows))
+    return "\n".join(lines)
 
 
 def markdown(r: dict) -> str:
@@ -255,6 +445,8 @@ def markdown(r: dict) -> str:
             + ", ".join(fl)
             + "."
         )
+    if "instructions" in r:
+        lines.append(instructions_md(r["instructions"]))
     if "engine" in r:
         e = r["engine"]
         lines.append(
@@ -272,6 +464,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--flat-rounds", type=int, default=10, help="flat: requests = 64 x this")
     ap.add_argument("--instr-runs", type=int, default=1)
+    ap.add_argument("--instr-slow", type=float, default=10.0,
+                    help="instructions: step time x this, open arrival rate / this")  # fmt: skip
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--prefill-us-per-token", type=float, default=0.0)
     ap.add_argument("--paced-prompt-len", type=int, default=16)
@@ -288,10 +482,11 @@ def main() -> None:
     for part in args.parts.split(","):  # each part its own results file and docs section
         results = {**head, "machine": machine(), part: PARTS[part](args, roots)}
         results["load_average_end"] = os.getloadavg()[0]
+        last = RESULTS / f"guard-{part}.last.json"  # the figures survive a print-only run
+        last.write_text(json.dumps(results, indent=2) + "\n")
         publish(args, f"guard-{part}", results, markdown(results))
-        if not args.write:  # the figures survive a print-only run
-            last = RESULTS / f"guard-{part}.last.json"
-            last.write_text(json.dumps(results, indent=2) + "\n")
+        if args.write:
+            last.unlink()
 
 
 if __name__ == "__main__":
