@@ -11,11 +11,16 @@ both; a figure is the median over rounds, a ratio the median of the per-round ra
   and paced-open loads, synthetic step time ``--step-ms``), with the no-logic pump beside them.
 - **instructions**: user-space instructions per request under callgrind, paced burst and open
   loop, for the pump, base and new (one warm-up, then ``--instr-runs`` runs per load between a
-  counter reset and a dump).
+  counter reset and a dump), the load slowed ``--instr-slow`` times so that the instrumented
+  servers keep up with the open loop; every run's requests in flight recorded.
+- **split**: each server under the native open loop sampled by py-spy (``PY_SPY``: its path),
+  the running samples grouped by module; its section applies the shares to the instructions
+  part's counts.
 - **engine**: benchmarks/engine.py's daemon half (``--size``, default smollm2: the real default
   model) at 1, 8 and 32 streams: output tokens/s.
 
-    python benchmarks/guard.py --base DIR [--parts flat,paced,instructions,engine] [--write]
+    python benchmarks/guard.py --base DIR [--parts flat,paced,instructions,split,engine]
+        [--write] [--redraw: the sections again from the results files]
 
 Results: ``benchmarks/results/guard-<part>.json`` and the ``guard-<part>`` sections of
 docs/benchmarks.md, each stamped with the two commits.
@@ -121,8 +126,18 @@ def paced(args, roots: dict[str, Path]) -> dict:
 
 
 PY_SPY = os.environ.get("PY_SPY", "py-spy")  # the sampling profiler of the native split
-SPY_HZ = 1000  # py-spy --gil: only the thread holding the GIL, so few samples per run
+SPY_HZ = 250  # py-spy --native (each sample unwinds C stacks too)
 SPY_RUNS = 2  # native open-loop runs under py-spy, per server
+# A stack whose innermost C function is one of these is a thread waiting (for the GIL, a
+# lock, the next step, a socket), not running: the split leaves it out.
+WAITS = (
+    "epoll_wait", "epoll_pwait", "clock_nanosleep", "nanosleep", "select", "poll", "ppoll",
+    "futex_wait", "__futex_abstimed_wait_common", "pthread_cond_wait", "pthread_cond_timedwait",
+    "do_futex_wait", "sem_wait", "sem_timedwait", "__lll_lock_wait", "syscall",
+    "PyThread_acquire_lock_timed",
+)  # fmt: skip
+# (unnamed libc addresses under one of them, e.g. pthread_cond_timedwait's futex wait in the
+# GIL's take_gil after a sleep, are the same wait: the innermost named function decides)
 LOOP_C = "event loop (uvloop's C code)"
 
 
@@ -149,7 +164,7 @@ def area(frame: str) -> tuple[str, bool]:
             return own, True
     if mod.startswith(("gateway.server", "gateway.protocol", "gateway.framebuf")):
         return "gateway.server + frames", True
-    if mod.startswith("benchmarks"):
+    if mod.startswith(("benchmarks", "_support")):  # py-spy may shorten the pump's path
         return "pump", True
     if mod.startswith("gateway"):
         return "gateway (other)", True
@@ -162,18 +177,33 @@ def area(frame: str) -> tuple[str, bool]:
     return "other", False
 
 
+def python_frame(frame: str) -> bool:
+    """Whether a py-spy frame ``func (where)`` is Python's (a .py file or a frozen module)."""
+    where = frame.rpartition(" (")[2]
+    return ".py:" in where or where.startswith("<frozen")
+
+
 def spy_split(raw: str) -> dict:
-    """py-spy's raw stacks (``frame;frame;...;leaf count``, the GIL holder's) as shares of
-    the samples: by the leaf's area (a leaf outside our code named with the innermost area of
-    ours that called it, e.g. "numpy from gateway.engine") and by the leaf's module."""
+    """py-spy's raw stacks (``frame;frame;...;leaf count``, C frames among them) as shares of
+    the running samples (a stack whose innermost C function is a wait, ``WAITS``, left out):
+    by the innermost Python frame's area (one outside our code named with the innermost area
+    of ours that called it, e.g. "numpy from gateway.engine") and by its module."""
     areas: dict[str, int] = {}
     modules: dict[str, int] = {}
-    total = 0
+    total = waiting = 0
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack:
             continue
-        frames, count = stack.split(";"), int(n)
+        every, count = stack.split(";"), int(n)
+        names = [f.partition(" (")[0].strip() for f in every]
+        named = next((f for f in reversed(names) if not f.startswith("0x")), "")
+        if named in WAITS:
+            waiting += count
+            continue
+        frames = [f for f in every if python_frame(f)]
+        if not frames:
+            continue
         total += count
         leaf, own = area(frames[-1])
         if frames[-1].startswith("Runner.run (") or any(
@@ -189,21 +219,22 @@ def spy_split(raw: str) -> dict:
     if not total:
         raise SystemExit("py-spy recorded no samples")
     share = {"areas": areas, "modules": modules}
-    return {"samples": total} | {
+    return {"samples": total, "waiting_samples": waiting} | {
         k: dict(sorted(((a, c / total) for a, c in v.items()), key=lambda kv: -kv[1]))
         for k, v in share.items()
     }
 
 
-def spied(endpoint: str, pid: int, load: dict, warmup: dict) -> tuple[dict, dict]:
-    """The native run of ``load`` with py-spy sampling the server (after a warm-up of
-    ``warmup``): the run's in-flight figures and the split of its samples."""
+def spied(endpoint: str, pid: int, load: dict, warmup: dict) -> dict:
+    """``SPY_RUNS`` native runs of ``load`` with py-spy sampling the server (after a warm-up of
+    ``warmup``): the in-flight figures of the run with the highest peak, the server's CPU per
+    token, the seconds of CPU the running samples stand for, and the split of the samples."""
     srv.measure(endpoint, pid, warmup, warmup=True)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "spy.raw"
         spy = subprocess.Popen(
-            [PY_SPY, "record", "--gil", "-r", str(SPY_HZ), "-f", "raw", "-o", str(raw),
-             "-p", str(pid)],
+            [PY_SPY, "record", "--native", "-r", str(SPY_HZ), "-f", "raw",
+             "-o", str(raw), "-p", str(pid)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
@@ -214,17 +245,22 @@ def spied(endpoint: str, pid: int, load: dict, warmup: dict) -> tuple[dict, dict
             _, err = spy.communicate(timeout=60)
         if not raw.exists():
             raise SystemExit(f"py-spy wrote no profile: {err}")
-        flights = [in_flight(r) for r in reports]
-        return max(flights, key=lambda f: f["max"]), spy_split(raw.read_text())
+        split = spy_split(raw.read_text())
+    tokens = sum(r["total_output_tokens"] for r in reports)
+    return {
+        "in_flight": max((in_flight(r) for r in reports), key=lambda f: f["max"]),
+        "cpu_us_per_token": [r["server_cpu_us_per_token"] for r in reports],
+        "cpu_s": sum(r["server_cpu_us_per_token"] for r in reports) * tokens / len(reports) / 1e6,
+        "sampled_cpu_s": split["samples"] / SPY_HZ,
+        "split": split,
+    }
 
 
 def instructions(args, roots: dict[str, Path]) -> dict:
     """Instructions per request under callgrind, the load slowed ``args.instr_slow`` times
     (step time times it, the open loop's arrival rate divided by it) so that the instrumented
     server keeps up with the open loop's arrivals as it does natively; the in-flight figures of
-    every run say whether it did. Beside it, the native open loop under py-spy: where each
-    server's time goes, by area, applied to its instruction count per request."""
-    native = v1({"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)})
+    every run say whether it did (the native ones: the split part's)."""
     slow = argparse.Namespace(**{**vars(args), "step_ms": args.step_ms * args.instr_slow})
     loads = v1({"burst": srv.paced_load(slow, srv.PACED_TOKENS), "open": srv.open_load(slow)})
     out: dict = {
@@ -234,22 +270,7 @@ def instructions(args, roots: dict[str, Path]) -> dict:
         "runs": args.instr_runs,
         "per_request": {},
         "in_flight": {},
-        "native": {"load": native["open"], "step_ms": args.step_ms, "hz": SPY_HZ},
-        "split": {},
-        "native_in_flight": {},
     }
-
-    def server(name: str, env_args, wrapper: list[str] | None = None):
-        if name == "pump":
-            return Floor(env_args.step_ms, wrapper or ())
-        return Daemon(srv.paced_env(env_args), wrapper=wrapper, root=roots[name])
-
-    for name in ("pump", *TREES):  # the native split first: no valgrind anywhere yet
-        with server(name, args) as s:
-            flight, split = spied(s.endpoint, s.proc.pid, native["open"], native["burst"])
-        out["native_in_flight"][name], out["split"][name] = flight, split
-        print(f"native open {name}: in flight {flight}, {split['samples']} samples",
-              file=sys.stderr)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         wrapper = srv.callgrind_wrapper(tmp)
 
@@ -272,17 +293,35 @@ def instructions(args, roots: dict[str, Path]) -> dict:
             return got
 
         for name in ("pump", *TREES):
-            with server(name, slow, wrapper) as s:
+            with server(roots, name, slow, wrapper) as s:
                 out["per_request"][name] = count(name, s.endpoint, s.proc.pid)
                 if isinstance(s, Daemon):
                     s.terminate()
     per = out["per_request"]
     out["new_vs_base"] = {n: per["new"][n] / per["base"][n] for n in loads}
     out["vs_pump"] = {t: {n: per[t][n] / per["pump"][n] for n in loads} for t in TREES}
-    out["split_per_request"] = {
-        name: {a: share * per[name]["open"] for a, share in out["split"][name]["areas"].items()}
-        for name in out["split"]
-    }
+    return out
+
+
+def server(roots: dict[str, Path], name: str, env_args, wrapper: list[str] | None = None):
+    """The pump ("pump") or a daemon of tree ``name``, paced by ``env_args.step_ms``."""
+    if name == "pump":
+        return Floor(env_args.step_ms, wrapper or ())
+    return Daemon(srv.paced_env(env_args), wrapper=wrapper, root=roots[name])
+
+
+def split(args, roots: dict[str, Path]) -> dict:
+    """Where each server's time goes under the native open loop: py-spy's samples (``spied``)
+    grouped by area; the markdown applies the shares to the instructions part's counts."""
+    loads = v1({"burst": srv.paced_load(args, srv.PACED_TOKENS), "open": srv.open_load(args)})
+    out: dict = {"load": loads["open"], "step_ms": args.step_ms, "hz": SPY_HZ, "runs": SPY_RUNS}
+    for name in ("pump", *TREES):
+        with server(roots, name, args) as s:
+            out[name] = spied(s.endpoint, s.proc.pid, loads["open"], loads["burst"])
+        got = out[name]
+        print(f"split {name}: in flight {got['in_flight']}, {got['split']['samples']} running "
+              f"samples ({got['sampled_cpu_s']:.2f} s) for {got['cpu_s']:.2f} s of CPU",
+              file=sys.stderr)  # fmt: skip
     return out
 
 
@@ -313,7 +352,9 @@ def engine(args, roots: dict[str, Path]) -> dict:
     }
 
 
-PARTS = {"flat": flat, "paced": paced, "instructions": instructions, "engine": engine}
+PARTS = {
+    "flat": flat, "paced": paced, "instructions": instructions, "split": split, "engine": engine,
+}  # fmt: skip
 
 
 def med(xs: list[float]) -> float:
@@ -324,61 +365,97 @@ LOADED = 1.0  # a 1-minute load average above this (2 cores): CPU-time figures i
 
 
 SPLIT_ROW = 0.01  # the split table's rows: areas with at least this share in some server
+NAMES = ("pump", *TREES)
 
 
 def instructions_md(i: dict) -> str:
-    """The instructions part's conditions (the slowed load, requests in flight) and its split."""
-    if "split" not in i:  # a results file from before the split
+    """The instructions part's conditions: the slowed load and the requests in flight."""
+    if "in_flight" not in i:  # a results file from before the slowed load
         return ""
-    names = ("pump", *TREES)
     fl = i["in_flight"]
-    nat = i["native_in_flight"]
-    lines = [
+    return (
         f"\nUnder callgrind the load is slowed {i['slowdown']:g} times (step "
         f"{i['step_ms']:g} ms, the open loop {i['loads']['open']['request_rate']:.2f} "
         "requests/s) so that each server keeps up with the open loop's arrivals as natively. "
-        "Requests in flight, peak (mean), open loop: under callgrind "
-        + ", ".join(f"{n} {fl[n]['open']['max']} ({fl[n]['open']['mean']:.0f})" for n in names)
-        + f"; natively (step {i['native']['step_ms']:g} ms, "
-        f"{i['native']['load']['request_rate']:.1f}/s) "
-        + ", ".join(f"{n} {nat[n]['max']} ({nat[n]['mean']:.0f})" for n in names)
-        + ". Burst, under callgrind: "
-        + ", ".join(f"{n} {fl[n]['burst']['max']}" for n in names)
-        + ".",
-        "\nWhere the open loop's instructions go: py-spy samples of each server under the native "
-        f"open loop ({SPY_RUNS} runs each, {i['native']['hz']} Hz, `--gil`: only the thread "
-        "holding the GIL, so waits and sleeps are not counted: "
-        + ", ".join(f"{n} {i['split'][n]['samples']}" for n in names)
-        + " samples), grouped by the running Python function's module (a leaf outside our "
-        "code, e.g. numpy or the event loop, named with the innermost module of ours that "
-        f'called it; "{LOOP_C}": no Python callback running, uvloop\'s socket reads and '
-        "writes, timers and scheduling); each share times the server's callgrind "
-        "instructions per request. "
-        "Shares are of sampled time, not of instructions: a split, not a second count.\n",
-    ]
-    per = i["split_per_request"]
-    areas = sorted(
-        {a for n in names for a, v in i["split"][n]["areas"].items() if v >= SPLIT_ROW},
-        key=lambda a: -per["new"].get(a, 0.0),
+        "Requests in flight under callgrind, peak (mean over the run), open loop: "
+        + ", ".join(f"{n} {fl[n]['open']['max']} ({fl[n]['open']['mean']:.0f})" for n in NAMES)
+        + "; burst: "
+        + ", ".join(f"{n} {fl[n]['burst']['max']} ({fl[n]['burst']['mean']:.0f})" for n in NAMES)
+        + "."
     )
-    rows = []
-    for a in areas:
-        vals = [per[n].get(a, 0.0) for n in names]
-        rows.append([a, *(f"{v / 1e3:,.0f}k ({i['split'][n]['areas'].get(a, 0.0):.0%})"
-                          for n, v in zip(names, vals, strict=True)),
-                     f"{(vals[2] - vals[0]) / 1e3:+,.0f}k"])  # fmt: skip
-    rest = [sum(v for a, v in per[n].items() if a not in areas) for n in names]
-    rows.append(["the rest (areas under 1% everywhere)", *(f"{v / 1e3:,.0f}k" for v in rest),
-                 f"{(rest[2] - rest[0]) / 1e3:+,.0f}k"])  # fmt: skip
-    total = [i["per_request"][n]["open"] for n in names]
-    rows.append(["**total**", *(f"**{v / 1e3:,.0f}k**" for v in total),
-                 f"**{(total[2] - total[0]) / 1e3:+,.0f}k**"])  # fmt: skip
-    head = ["open loop, instructions / request", *names, "new - pump"]
-    lines.append(table(head, rows))
+
+
+def split_md(r: dict) -> str:
+    """The split part's section: the native conditions, and the open loop's instructions per
+    request by area (each server's sample shares times its count in guard-instructions.json)."""
+    sp = r["split"]
+    path = RESULTS / "guard-instructions.json"
+    counts = json.loads(path.read_text()) if path.exists() else None
+    lines = [
+        "## Guard (split): where the open loop's instructions go\n",
+        f"`python benchmarks/guard.py --base <checkout of {r['commits']['base']}> --parts split` "
+        f"at {r['commits']['new']}: each server under the native open loop (step "
+        f"{sp['step_ms']:g} ms, {sp['load']['request_rate']:.1f} requests/s, "
+        f"{sp['load']['num_requests']} requests, {sp['runs']} runs each) sampled by py-spy "
+        f"(`--native`, {sp['hz']} Hz, every thread). Samples whose innermost C function is a "
+        "wait (epoll, sleep, futex: for the GIL, a lock or the next step) are left out; the "
+        "rest are grouped by the innermost Python frame's module (one outside our code, e.g. "
+        "numpy or the event loop's Python, named with the innermost module of ours that called "
+        'it; "event loop (uvloop\'s C code)": no Python callback running, uvloop reading and '
+        "writing sockets, timers, scheduling). The 1-minute load average was "
+        f"{r['machine'].get('load_average_1m')} when it started, "
+        f"{r.get('load_average_end', float('nan')):.2f} when it ended.",
+        "\nRunning samples against the server's measured CPU time (user + system) over the "
+        "same runs: "
+        + ", ".join(
+            f"{n} {sp[n]['sampled_cpu_s']:.2f} s sampled / {sp[n]['cpu_s']:.2f} s CPU "
+            f"({statistics.median(sp[n]['cpu_us_per_token']):.2f} µs/token)"
+            for n in NAMES
+        )
+        + ". Requests in flight natively, peak (mean over the run): "
+        + ", ".join(
+            f"{n} {sp[n]['in_flight']['max']} ({sp[n]['in_flight']['mean']:.0f})" for n in NAMES
+        )
+        + ".",
+    ]
+    share = {n: sp[n]["split"]["areas"] for n in NAMES}
+    if counts is None:
+        per = {n: dict.fromkeys(share[n], 0.0) for n in NAMES}
+        unit, scale = "share", None
+    else:
+        total = {n: counts["instructions"]["per_request"][n]["open"] for n in NAMES}
+        per = {n: {a: v * total[n] for a, v in share[n].items()} for n in NAMES}
+        unit, scale = "instructions / request", 1e3
+        lines.append(
+            "\nEach share times the server's open-loop instructions per request in "
+            f"guard-instructions.json (at {counts['commits']['new']}): shares are of sampled "
+            "native time, kernel time in system calls included, so the rows are an estimate "
+            "of where the count goes, not a second count."
+        )
+    areas = sorted(
+        {a for n in NAMES for a, v in share[n].items() if v >= SPLIT_ROW},
+        key=lambda a: -share["new"].get(a, 0.0),
+    )
+
+    def cell(n: str, a: str) -> str:
+        v = share[n].get(a, 0.0)
+        return f"{per[n].get(a, 0.0) / scale:,.0f}k ({v:.0%})" if scale else f"{v:.1%}"
+
+    rows = [[a, *(cell(n, a) for n in NAMES)] for a in areas]
+    rest = {n: sum(v for a, v in share[n].items() if a not in areas) for n in NAMES}
+    rows.append(["the rest (each under 1%)",
+                 *(f"{rest[n] * total[n] / 1e3:,.0f}k ({rest[n]:.0%})" if scale
+                   else f"{rest[n]:.1%}" for n in NAMES)])  # fmt: skip
+    if scale:
+        rows.append(["**total**", *(f"**{total[n] / 1e3:,.0f}k**" for n in NAMES)])
+    lines.append("")
+    lines.append(table([f"open loop, {unit}", *NAMES], rows))
     return "\n".join(lines)
 
 
 def markdown(r: dict) -> str:
+    if "split" in r and "instructions" not in r:
+        return split_md(r)
     base, new = r["commits"]["base"], r["commits"]["new"]
     load = r["machine"].get("load_average_1m")
     loaded = load is None or load > LOADED
@@ -462,6 +539,8 @@ def main() -> None:
     ap.add_argument("--base", required=True, type=Path, help="the baseline checkout")
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--redraw", action="store_true",
+                    help="remake the parts' doc sections from their results files")  # fmt: skip
     ap.add_argument("--flat-rounds", type=int, default=10, help="flat: requests = 64 x this")
     ap.add_argument("--instr-runs", type=int, default=1)
     ap.add_argument("--instr-slow", type=float, default=10.0,
@@ -480,6 +559,10 @@ def main() -> None:
         "rounds": args.rounds,
     }
     for part in args.parts.split(","):  # each part its own results file and docs section
+        if args.redraw:
+            kept = json.loads((RESULTS / f"guard-{part}.json").read_text())
+            publish(args, f"guard-{part}", None, markdown(kept))
+            continue
         results = {**head, "machine": machine(), part: PARTS[part](args, roots)}
         results["load_average_end"] = os.getloadavg()[0]
         last = RESULTS / f"guard-{part}.last.json"  # the figures survive a print-only run
