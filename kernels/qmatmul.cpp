@@ -21,9 +21,11 @@
 // Tensor.to(torch.bfloat16) rounds the dense weights). Products are summed in float32 and the
 // output rounded to x's dtype once: the dense path's weights, summed in another order.
 //
-// Two implementations of the same arithmetic, chosen at build time: AVX-512 (when compiled with
-// -mavx512f -mavx512bw -mf16c; bfloat16 products by vdpbf16ps with -mavx512bf16) and plain C++
-// the compiler vectorises for other CPUs.
+// Three implementations of the same arithmetic, chosen at build time: AVX-512 (when compiled
+// with -mavx512f -mavx512bw -mf16c; bfloat16 products by vdpbf16ps with -mavx512bf16), AVX2
+// (-mavx2 -mfma -mf16c: a chunk as four 8-float vectors; bfloat16 input widened to float32)
+// and plain C++ for other CPUs (e.g. aarch64). The plain C++ is not vectorised well: built for
+// AVX2 it was 1.9-6.3x slower than the AVX2 code on SmolLM2's shapes (docs/models.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,10 +40,14 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
-#include <immintrin.h>
 #define ZL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ZL_AVX2 1
+#endif
+#if defined(ZL_AVX512) || defined(ZL_AVX2)
+#include <immintrin.h>
 // How many groups of R rows ahead to prefetch (2 measured a little faster than 1 or 4 on
-// whole SmolLM2 decode steps).
+// whole SmolLM2 decode steps, AVX-512).
 #define ZL_AHEAD 2
 #endif
 
@@ -196,6 +202,25 @@ inline void dequant_block(const uint8_t* row, int64_t b, float* w) {
   }
 }
 
+#if defined(ZL_AVX512) || defined(ZL_AVX2)
+
+inline float half_fast(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The R rows a dot product reads (R * row_bytes bytes from row0) are R short streams that the
+// hardware prefetcher barely learns before they end: at block b of nb, fetch slice b of the
+// rows ZL_AHEAD groups further on (contiguous after these).
+inline void prefetch_slice(const uint8_t* row0, int64_t group, int64_t nb, int64_t b) {
+  const uint8_t* ahead = row0 + ZL_AHEAD * group;
+  for (int64_t off = (b * group / nb) & ~int64_t(63); off < (b + 1) * group / nb; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
+}
+
+#endif
+
 #ifdef ZL_AVX512
 
 inline __m512 round_bf16(__m512 v) {
@@ -203,12 +228,6 @@ inline __m512 round_bf16(__m512 v) {
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-
-inline float half_fast(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
 }
 
 // A block's weights as two vectors (elements 0..15, 16..31). 4-bit types: a 16-entry table of
@@ -294,15 +313,6 @@ inline void dequant_block(const uint8_t* row, int64_t b, __m512& w0, __m512& w1)
     w0 = _mm512_permutexvar_ps(bytes, table);
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   }
-}
-
-// The R rows a dot product reads (R * row_bytes bytes from row0) are R short streams that the
-// hardware prefetcher barely learns before they end: at block b of nb, fetch slice b of the
-// rows ZL_AHEAD groups further on (contiguous after these).
-inline void prefetch_slice(const uint8_t* row0, int64_t group, int64_t nb, int64_t b) {
-  const uint8_t* ahead = row0 + ZL_AHEAD * group;
-  for (int64_t off = (b * group / nb) & ~int64_t(63); off < (b + 1) * group / nb; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
 }
 
 // R output rows n..n+R-1 for all M input rows; R * M * 2 accumulators stay in registers.
@@ -394,6 +404,120 @@ inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint8_t* row0, int
 }
 #define ZL_DPBF16 1
 #endif
+
+#elif defined(ZL_AVX2)
+
+inline __m256 round_bf16(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// A chunk's 32 quants as int8 (elements 0..15 in lo, 16..31 in hi) into four vectors of 8
+// floats, element order (exact).
+inline void to_floats(__m128i lo, __m128i hi, __m256 v[4]) {
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+// A chunk's weights as four vectors (elements 0..7, ..., 24..31): the quants as floats, then
+// d * q (+ m), a * q - o, with the one rounding of the scalar code. Bytes are shifted in
+// 16-bit lanes and masked, so no bits cross from a neighbouring byte.
+template <int KIND, bool BF16>
+inline void dequant_block(const uint8_t* row, int64_t b, __m256 w[4]) {
+  const uint8_t* p = chunk_block<KIND>(row, b);
+  const int c = static_cast<int>(b % kChunks<KIND>);
+  const __m128i nib = _mm_set1_epi8(15);
+  if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    float a, o;
+    k4_scale(p, c, a, o);
+    const uint8_t* ql = p + (KIND == kQ4_K ? 16 : 48) + 32 * (c / 2);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (c & 1));
+    __m128i lo = _mm_and_si128(_mm_srl_epi16(load16(ql), shift), nib);
+    __m128i hi = _mm_and_si128(_mm_srl_epi16(load16(ql + 16), shift), nib);
+    if constexpr (KIND == kQ5_K) {
+      const __m128i hshift = _mm_cvtsi32_si128(c), one = _mm_set1_epi8(1);
+      const uint8_t* qh = p + 16;
+      lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(load16(qh), hshift), one), 4));
+      hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(load16(qh + 16), hshift), one), 4));
+    }
+    to_floats(lo, hi, w);
+    const __m256 va = _mm256_set1_ps(a), vo = _mm256_set1_ps(o);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmsub_ps(va, w[i], vo);
+  } else if constexpr (KIND == kQ6_K) {
+    const Q6Chunk k = q6_chunk(p, c);
+    const __m128i ls = _mm_cvtsi32_si128(k.lshift), hs = _mm_cvtsi32_si128(k.hshift);
+    const __m128i three = _mm_set1_epi8(3), bias = _mm_set1_epi8(32);
+    __m128i q[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m128i l = _mm_and_si128(_mm_srl_epi16(load16(k.ql + 16 * h), ls), nib);
+      const __m128i u = _mm_and_si128(_mm_srl_epi16(load16(k.qh + 16 * h), hs), three);
+      q[h] = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(u, 4)), bias);  // q - 32
+    }
+    to_floats(q[0], q[1], w);
+    const __m256 a0 = _mm256_set1_ps(k.a0), a1 = _mm256_set1_ps(k.a1);
+    w[0] = _mm256_mul_ps(a0, w[0]);
+    w[1] = _mm256_mul_ps(a0, w[1]);
+    w[2] = _mm256_mul_ps(a1, w[2]);
+    w[3] = _mm256_mul_ps(a1, w[3]);
+  } else {
+    const __m256 d = _mm256_set1_ps(half_fast(p));
+    if constexpr (KIND == kQ8_0) {
+      to_floats(load16(p + 2), load16(p + 18), w);
+    } else {
+      const __m128i q = load16(p + (KIND == kQ4_1 ? 4 : 2));
+      __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+      if constexpr (KIND == kQ4_0) {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+        hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+      }
+      to_floats(lo, hi, w);
+    }
+    if constexpr (KIND == kQ4_1) {
+      const __m256 m = _mm256_set1_ps(half_fast(p + 2));
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, w[i], m);
+    } else {
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, w[i]);
+    }
+  }
+  if constexpr (BF16) {
+    for (int i = 0; i < 4; ++i) w[i] = round_bf16(w[i]);
+  }
+}
+
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// R output rows n..n+R-1 for all M input rows; one accumulator each (16 registers: the four
+// weight vectors and R * M <= 8 sums), x read from cache by the FMAs.
+template <int KIND, bool BF16, int M, int R>
+inline void dot_rows(const float* x, int64_t K, const uint8_t* row0, int64_t row_bytes, float* acc_out) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const int64_t nb = K / kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_slice(row0, R * row_bytes, nb, b);
+    const float* xb = x + b * kBlock;
+    for (int r = 0; r < R; ++r) {
+      __m256 w[4];
+      dequant_block<KIND, BF16>(row0 + r * row_bytes, b, w);
+      for (int m = 0; m < M; ++m)
+        for (int i = 0; i < 4; ++i)
+          acc[r][m] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + m * K + 8 * i), acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc_out[r * M + m] = reduce_add(acc[r][m]);
+}
 
 #else  // portable
 

@@ -36,10 +36,11 @@ KERNEL_ROWS = 16  # input rows the tests feed at once (the kernel takes any numb
 # Input rows up to which models use the kernel, per dtype. Whole SmolLM2 decode steps on the
 # 2-core machine of docs/benchmarks.md (medians of 15 steps, in process, 1-minute load 2.7-3.2),
 # block kernel vs dense: float32 53.9 vs 117.5 ms at 32 rows, 105.9 vs 175.2 at 64; bfloat16
-# 27.0 vs 33.6 ms at 16 rows, 48.6 vs 45.6 at 32.
+# 27.0 vs 33.6 ms at 16 rows, 48.6 vs 45.6 at 32. These are AVX-512 figures; with the AVX2
+# code float32 crossed over between 16 and 32 rows (docs/models.md), measured under load.
 MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
-# Instruction sets per torch's CPU capability; the AVX-512 code needs F16C too (every AVX-512
-# CPU has it). Others get the portable C++ the compiler vectorises.
+# Instruction sets per torch's CPU capability, each with its own code in qmatmul.cpp; the
+# AVX-512 code needs F16C too (every AVX-512 CPU has it). Others get the portable C++.
 ARCH_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],

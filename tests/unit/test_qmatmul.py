@@ -36,7 +36,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
     reason = qmatmul.build(tmp_path_factory.mktemp("kernels"))
     assert reason is None, reason
-    # The instruction set the build is for (the portable test below runs these with AVX2).
+    # The instruction set the build is for (a test below runs these on the other builds).
     arch = qmatmul.build_flags()[2:]
     assert arch[: len(arch) - ("-mavx512bf16" in arch)] == qmatmul.ARCH_FLAGS.get(
         torch.backends.cpu.get_cpu_capability(), []
@@ -199,11 +199,15 @@ def test_mixed_kind_stack_is_the_separate_products_bit_for_bit(dtype, rows) -> N
 
 
 @pytest.mark.timeout(300)
-def test_portable_build_passes_the_same_tests(tmp_path: Path) -> None:
-    # This machine's build is the AVX-512 one; a CPU without AVX-512 gets the plain C++ path
-    # (here compiled for AVX2, as torch would detect on such a CPU). One kernel library per
-    # process, so the kernel tests above run again in a child process that sees an AVX2 CPU.
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_other_builds_pass_the_same_tests(capability: str, tmp_path: Path) -> None:
+    # The builds this machine does not load: the AVX2 code (on an AVX-512 machine) and the
+    # plain C++ path (no instruction-set flags, as for a CPU torch detects neither on, such
+    # as aarch64). One kernel library per process, so the kernel tests above run again in a
+    # child process that torch tells it has that CPU.
+    if capability == torch.backends.cpu.get_cpu_capability().lower():
+        pytest.skip(f"the {capability} build is this process's (the tests above)")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
         + ["-k", "bit_for_bit or summation_order or computed_alone or real_shaped"]
