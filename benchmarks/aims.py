@@ -189,6 +189,39 @@ def guard_engine(r: dict) -> Iterator[Row]:
     )
 
 
+def fuzz_http(r: dict) -> Iterator[Row]:
+    c = r["counts"]
+    bad = c.get("unanswered", 0) + c.get("status500", 0)
+    yield (
+        "HTTP door fuzz: 10⁶ requests, 0 unanswered, 0 descriptors leaked",
+        f"{r['requests']:,} requests: {c.get('unanswered', 0)} unanswered, "
+        f"{c.get('status500', 0)} 500s; descriptors {r['fds_before']} → {r['fds_after']}; canary "
+        f"{r['canary_ok']:,} ok / {r['canary_failed']} failed",
+        r["requests"] >= 1_000_000 and not bad and r["fds_after"] <= r["fds_before"]
+        and r["alive"] and not r["canary_failed"],
+    )  # fmt: skip
+
+
+def structured(r: dict) -> Iterator[Row]:
+    v, t, f = r["validity"], r["throughput"], r["first_token"]
+    yield (
+        "structured output: outputs that parse and validate against their schema (aim 100%)",
+        f"{v['valid']}/{v['requests']} ({v['share_valid']:.0%}) at max_tokens {v['max_tokens']}",
+        v["share_valid"] >= 1.0,
+    )
+    yield (
+        f"structured output: tokens/s at {t['streams']} streams, every row constrained vs none "
+        "(aim ≥ 0.9x)",
+        f"{t['ratio_median']:.2f}x (median of paired rounds)",
+        t["ratio_median"] >= 0.9,
+    )
+    yield (
+        "structured output: first token with a cold vs a cached grammar",
+        f"{f['cold_ms']:.0f} vs {f['cached_ms']:.0f} ms (no constraint {f['none_ms']:.0f} ms)",
+        None,
+    )
+
+
 SOURCES: list[tuple[str, Callable[[dict], Iterator[Row]]]] = [
     ("serving", flat),
     ("serving-paced", paced),
@@ -206,6 +239,8 @@ SOURCES: list[tuple[str, Callable[[dict], Iterator[Row]]]] = [
     ("guard-flat", guard_cpu("flat")),
     ("guard-paced", guard_cpu("paced")),
     ("guard-engine", guard_engine),
+    ("fuzz_http", fuzz_http),
+    ("structured", structured),
 ]
 
 

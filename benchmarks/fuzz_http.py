@@ -112,6 +112,7 @@ def main() -> None:
         "HTTP__HEADER_TIMEOUT_S": "2",
         "HTTP__BODY_TIMEOUT_S": "2",
     }
+    started = machine()  # the commit and load when the run begins, not when it ends
     with Daemon(env) as d:
         import uvloop
 
@@ -124,7 +125,7 @@ def main() -> None:
         tracebacks = d.log.count("Traceback")
     c = res["counts"]
     out = {
-        "machine": machine(),
+        "machine": started,
         "args": {k: v for k, v in vars(args).items() if k != "write"},
         "requests": res["sent"],
         "counts": c,
