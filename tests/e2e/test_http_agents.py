@@ -278,10 +278,11 @@ def test_logprobs_in_the_sdk_types_equal_transformers(daemon, smollm2_dir: Path)
             top = torch.topk(lp, 5)
             best = int(top.indices[0])
             assert tok.token_bytes(best) == bytes(t.bytes)
-            # Q4_1 blocks computed in this daemon's kernels vs transformers' dequantized float32
-            assert abs(t.logprob - float(top.values[0])) < 0.05
+            # The same weights in float32 (Q4_1 blocks dequantized in the kernel, transformers'
+            # dequantized tensors): only the order of sums differs
+            assert abs(t.logprob - float(top.values[0])) < 2e-3
             ours = [alt.logprob for alt in t.top_logprobs]
-            assert max(abs(a - float(b)) for a, b in zip(ours, top.values, strict=True)) < 0.05
+            assert max(abs(a - float(b)) for a, b in zip(ours, top.values, strict=True)) < 2e-3
             ids.append(best)
 
 
