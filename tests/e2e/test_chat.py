@@ -96,7 +96,10 @@ def test_ctrl_c_stops_the_answer_on_the_server_and_the_session_goes_on(door):
             chat.expect("unknown command /max")
             chat.send("/reset\r")
             chat.expect("(conversation cleared)")
-            chat.send(b"\x04")  # Ctrl-D at the prompt leaves
+            # Ctrl-D at the prompt leaves; typed ahead of it, the terminal (cooked until readline
+            # takes it) drops a lone ^D and the chat waits on: so wait for the prompt first
+            chat.expect(">>> ")
+            chat.send(b"\x04")
             assert chat.wait() == 0
         finally:
             chat.kill()
