@@ -26,7 +26,12 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gateway.structured import Constraint
+
+if TYPE_CHECKING:
+    from gateway.request import Request
 
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -613,6 +618,20 @@ class ToolUse:
     def schema(self) -> dict[str, Any] | None:
         """What the grammar must force, when the choice forces a call."""
         return forced_schema(self.tools, self.choice, self.parallel)
+
+    def apply(self, req: Request) -> None:
+        """The one rule from the choice to the request, for both doors: unless ``none``, the
+        definitions go to the chat template; a forced choice becomes the request's constraint,
+        which cannot be combined with another one (a ``ToolError`` naming that one's field)."""
+        if self.choice.mode == "none":
+            return
+        req.tools = template_tools(self.tools)
+        schema = self.schema()
+        if schema is None:
+            return
+        if req.constraint is not None:
+            raise ToolError(req.constraint.field, "cannot be combined with a forced tool_choice")
+        req.constraint = Constraint.json_schema(schema, "tools")
 
 
 class OutputCalls:

@@ -24,7 +24,6 @@ from gateway.http.fields import check_model, field_errors, refuse_unless
 from gateway.http.logprobs import TokenLogprobs
 from gateway.http.reply import ChoiceOut, Reply, dumps, encode_basestring, new_id
 from gateway.request import Request
-from gateway.structured import Constraint
 from gateway.tools import ArgumentsDelta, CallStart, Content, Event, ToolUse
 from gateway.validation import (
     JsonObject,
@@ -160,13 +159,8 @@ def _tools(obj: JsonObject, req: Request) -> ToolUse | None:
         parallel = not get_bool(value, "disable_parallel_tool_use")
     with field_errors():
         choice = tools.choice_from_anthropic(value, defined)
-    use = ToolUse(defined, choice, parallel)
-    if choice.mode == "none":
-        return use
-    req.tools = tools.template_tools(defined)
-    schema = use.schema()
-    if schema is not None:
-        req.constraint = Constraint.json_schema(schema, "tools")
+        use = ToolUse(defined, choice, parallel)
+        use.apply(req)
     return use
 
 

@@ -284,16 +284,8 @@ def _tools(obj: JsonObject, req: Request) -> ToolUse | None:
     with field_errors():
         defined = tools.tools_from_openai(obj["tools"])
         choice = tools.choice_from_openai(obj.get("tool_choice"), defined)
-    use = ToolUse(defined, choice, parallel)
-    if choice.mode == "none":
-        return use
-    req.tools = tools.template_tools(defined)
-    schema = use.schema()
-    if schema is not None:
-        if req.constraint is not None:
-            raise invalid("a forced tool_choice cannot be combined with " + req.constraint.field,
-                          req.constraint.field)  # fmt: skip
-        req.constraint = Constraint.json_schema(schema, "tools")
+        use = ToolUse(defined, choice, parallel)
+        use.apply(req)
     return use
 
 
