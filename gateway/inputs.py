@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway import tools
+from gateway import offload, tools
 from gateway.codes import ErrorCode, Refusal, invalid
 from gateway.engine.backend import ModelInfo
 from gateway.engine.types import SamplingRow
@@ -211,6 +211,12 @@ class InputProcessor:
                         field,
                     )
         return total
+
+    def offloaded(self, req: Request) -> bool:
+        """``check_text_bound``, then whether ``req``'s input is big enough to be templated and
+        tokenized on the offload pool (gateway.offload) rather than inline: the one rule for a
+        request and for a token count alike."""
+        return self.check_text_bound(req) > offload.INLINE_BYTES
 
     def _prompt_ids(
         self, req: Request, compiled: CompiledPrompt | None, system: str | None

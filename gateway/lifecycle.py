@@ -207,7 +207,7 @@ class RequestPath:
         try:
             if self.draining:
                 raise Refusal(ErrorCode.SHUTTING_DOWN, "server is draining")
-            large = self.inputs.check_text_bound(req) > offload.INLINE_BYTES
+            large = self.inputs.offloaded(req)
             if large or req.constraint is not None:
                 st.phase = PREPARING  # the stream is open (its id taken) while it is prepared
                 self._track(self._prepare_async(st, principal, req, large))

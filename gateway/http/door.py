@@ -182,7 +182,7 @@ class ApiConnection(HttpConnection):
     def _count_tokens(self, body: bytes) -> None:
         req = anthropic.parse_count_tokens(body, self.api.model)
         inputs = self.path.inputs
-        if inputs.check_text_bound(req) <= offload.INLINE_BYTES:  # a Refusal: handle maps it
+        if not inputs.offloaded(req):  # a Refusal: handle maps it
             self.respond(200, anthropic.count_tokens_body(inputs.count_prompt_tokens(req)))
             return
         # A large conversation is templated and tokenized off the loop, as a request's is
