@@ -277,8 +277,8 @@ def _json_calls(text: str) -> list[ToolCall] | None:
     except ValueError:
         return None
     items = obj if isinstance(obj, list) else [obj]
-    calls = [_as_call(o) for o in items]
-    return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+    calls = [call for call in map(_as_call, items) if call is not None]
+    return calls if calls and len(calls) == len(items) else None
 
 
 def _defines(names: frozenset[str] | None, name: str) -> bool:
