@@ -1,7 +1,11 @@
 """Shared pytest fixtures. Helpers live in tests/support, and those benchmarks share with tests
 (the daemon launcher, redis-server, certificates, fuzz inputs, the soak) in benchmarks/_support;
 unit tests in tests/unit run without starting a daemon, tests/e2e start real daemon processes
-(and redis-server) on loopback."""
+(and redis-server) on loopback.
+
+What is expensive to make and not the point of the tests using it is made once per session: the
+converted SmolLM2, transformers' reference model on the same file, and the GGUF block kernel
+(one build, which the daemons' data dirs link to: ``share_kernels``)."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,27 +30,49 @@ def redis_url(redis_server: RedisServer) -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct converted once per session into a fresh cache (the daemon tests
-    pass its model.data_dir, so their daemons reuse it)."""
-    from gateway.models.bundled import smollm2_gguf
-    from gateway.models.gguf_import import ensure_converted
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF block kernel built (and loaded in this process) once per session: the
+    ``kernels`` directory of a data dir, which ``share_kernels`` links the daemons' data dirs
+    to, so a daemon loads this build instead of compiling its own. A build that fails is not
+    reported here: the daemons then say why, as they would without this."""
+    from kernels import qmatmul
 
-    return ensure_converted(smollm2_gguf(), str(tmp_path_factory.mktemp("models")))
+    directory = tmp_path_factory.mktemp("kernels")
+    qmatmul.build(directory)
+    return directory
 
 
 @pytest.fixture(scope="session")
-def smollm2_reference():
-    """``reference(ids, max_new_tokens)``: transformers' greedy ids for a prompt, from its model
-    loaded once from the same GGUF file; each answer computed once per session."""
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory, kernel_cache: Path) -> Path:
+    """SmolLM2-135M-Instruct converted once per session into a fresh cache (the daemon tests
+    pass its model.data_dir, so their daemons reuse it, and the session's kernel build)."""
+    from gateway.models.bundled import smollm2_gguf
+    from gateway.models.gguf_import import ensure_converted
+    from tests.support.datadirs import share_kernels
+
+    data_dir = share_kernels(tmp_path_factory.mktemp("models"), kernel_cache)
+    return ensure_converted(smollm2_gguf(), str(data_dir))
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference_model():
+    """transformers' model loaded once per session from the same GGUF file (minutes on a crowded
+    2-core machine): read only, never trained or changed by a test."""
+    from tests.support.smollm2 import reference_model
+
+    return reference_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_reference_model):
+    """``reference(ids, max_new_tokens)``: transformers' greedy ids for a prompt, from the
+    session's reference model; each answer computed once per session."""
     from functools import cache
 
-    from tests.support.smollm2 import reference_greedy, reference_model
-
-    model = reference_model()
+    from tests.support.smollm2 import reference_greedy
 
     @cache
     def greedy(ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        return reference_greedy(model, list(ids), max_new_tokens)
+        return reference_greedy(smollm2_reference_model, list(ids), max_new_tokens)
 
     return lambda ids, max_new_tokens: greedy(tuple(ids), max_new_tokens)

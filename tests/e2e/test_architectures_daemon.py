@@ -14,6 +14,7 @@ import torch
 from benchmarks._support.daemon import Daemon
 from gateway.client import Client
 from tests.support.arch_models import VOCAB, reference_model, write_gguf
+from tests.support.datadirs import share_kernels
 from tests.support.smollm2 import reference_greedy
 
 pytest.importorskip("transformers")
@@ -23,9 +24,9 @@ EOS = 2  # the GGUF vocabulary's end of text (tests.support.gguf_files)
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One data dir for the module: the block kernel is built once."""
-    return tmp_path_factory.mktemp("data")
+def data_dir(tmp_path_factory: pytest.TempPathFactory, kernel_cache: Path) -> Path:
+    """One data dir for the module, on the session's block kernel build."""
+    return share_kernels(tmp_path_factory.mktemp("data"), kernel_cache)
 
 
 @pytest.mark.timeout(600)

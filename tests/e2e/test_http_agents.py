@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from benchmarks._support.daemon import Daemon
 from gateway import client as zc
-from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of, reference_model
+from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {
@@ -252,7 +252,9 @@ def test_streamed_tool_calls_forced_by_the_grammar(daemon):
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
-def test_logprobs_in_the_sdk_types_equal_transformers(daemon, smollm2_dir: Path):
+def test_logprobs_in_the_sdk_types_equal_transformers(
+    daemon, smollm2_dir: Path, smollm2_reference_model
+):
     from gateway.models.hf_tokenizer import HFTokenizer
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -271,7 +273,7 @@ def test_logprobs_in_the_sdk_types_equal_transformers(daemon, smollm2_dir: Path)
     # greedy row's logprobs are the model's own distribution, T = 1: kernels/sampling.py).
     tok = HFTokenizer(smollm2_dir)
     ids = tok.encode_prompt(tok.render_chat(question, None)).tolist()
-    model = reference_model()
+    model = smollm2_reference_model
     with torch.inference_mode():
         for t in content:
             lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
