@@ -12,13 +12,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from benchmarks._support.daemon import ROOT, Daemon, child_preexec, free_port, listening_fields
 from benchmarks._support.metrics import scrape, value
 from gateway.client import SyncClient, UnauthenticatedError
-from tests.support.smollm2 import SLOW_TIMEOUT_S
+from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of
 
 
 def _serve(*argv: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
@@ -53,10 +54,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
-def test_serve_a_named_model_on_the_ports_given():
+def test_serve_a_named_model_on_the_ports_given(smollm2_dir: Path):
+    # The session's data dir (its conversion and kernel build), not the user's ~/.cache: what
+    # is tested here is the command line, not a first conversion (tests/unit/test_gguf_import.py).
     frame, api = free_port(), free_port()
+    env = {"ZEROLAYER_MODEL__DATA_DIR": data_dir_of(smollm2_dir)}
     proc, fields = _serve("@smollm2", "--port", str(frame), "--http-port", str(api),
-                          "--metrics-port", "0", "--max-context", "512")  # fmt: skip
+                          "--metrics-port", "0", "--max-context", "512", env=env)  # fmt: skip
     try:
         assert fields["frame"].endswith(f":{frame}") and fields["http"].endswith(f":{api}")
         with urllib.request.urlopen(f"http://127.0.0.1:{api}/health", timeout=30) as r:

@@ -20,6 +20,7 @@ from gateway.engine.types import PrefillChunk, SamplingRow
 from gateway.tokenizer import ByteTokenizer, Tokenizer
 from tests.support.checkpoint import checkpoint_backend
 from tests.support.engine_run import run_engine
+from tests.support.smollm2 import data_dir_of
 
 B = BLOCK_TOKENS
 TOK = ByteTokenizer()
@@ -259,12 +260,13 @@ def test_identical_outputs_with_and_without_reuse_on_synthetic() -> None:
 
 
 @pytest.fixture(scope="module")
-def builtin(tmp_path_factory: pytest.TempPathFactory):
+def builtin(smollm2_dir: Path):
+    """The default model (SmolLM2 since model.path defaults to it), on the session's
+    conversion."""
     from gateway.engine.cpu_backend import create_cpu_backend
 
     engine_cfg = EngineConfig(max_batch_size=2, max_context=512, prefill_chunk=24)
-    data_dir = tmp_path_factory.mktemp("builtin")
-    return create_cpu_backend(ModelConfig(data_dir=str(data_dir)), engine_cfg)
+    return create_cpu_backend(ModelConfig(data_dir=data_dir_of(smollm2_dir)), engine_cfg)
 
 
 def test_identical_outputs_with_and_without_reuse_on_the_builtin_model(builtin) -> None:
