@@ -5,14 +5,24 @@ unit tests in tests/unit run without starting a daemon, tests/e2e start real dae
 
 What is expensive to make and not the point of the tests using it is made once per session: the
 converted SmolLM2, transformers' reference model on the same file, and the GGUF block kernel
-(one build, which the daemons' data dirs link to: ``share_kernels``)."""
+(one build, which the daemons' data dirs link to: ``share_kernels``).
 
+torch runs on one thread in the test process and, by the environment they inherit, in the
+daemons and child processes it starts (unless OMP_NUM_THREADS is set already): on the shared
+2-core machine a second OpenMP thread waits for a free core at every op, so a model's tiny ops
+take a scheduler slice each (tests/unit/test_prefix_store.py's builtin-model test, under the
+same load: 170 s on two threads, 7.6 s on one). The block kernel's own tests split their work
+across threads on purpose (tests/unit/test_qmatmul.py sets them back)."""
+
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from benchmarks._support.redis_server import RedisServer
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: see above
 
 
 @pytest.fixture(scope="session")

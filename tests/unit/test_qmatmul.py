@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -30,6 +31,17 @@ from tests.support.gguf_files import write_gguf
 KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 K_KINDS = ["Q4_K", "Q5_K", "Q6_K"]  # super-blocks of 256 weights
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def threads() -> Iterator[None]:
+    """Every core, as a daemon has by default: the kernel splits a product's output rows across
+    threads (64 at least a thread), which one thread (the suite's, tests/conftest.py) never
+    does."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", autouse=True)
