@@ -149,7 +149,8 @@ def main() -> None:
         out["by_dtype"][name] = {"weight_bytes": nbytes, "rows": per_rows}
     md = (
         f"### Roofline: the machine's limits for decoding {model.name}\n\n"
-        f"{machine_line(out['machine'])}; torch {torch.__version__}, {args.threads} threads. "
+        f"{machine_line(out['machine']).removesuffix('.')}; torch {torch.__version__}, "
+        f"{args.threads} threads. "
         f"Read bandwidth {bw:.1f} GB/s (sum of a 1 GiB float32 tensor, best of 5); "
         f"{params / 1e6:.1f}M weight parameters per decode step. GEMM: the best of "
         f"{args.reps} runs of each weight's product, summed over a step. The limit ignores "
