@@ -222,6 +222,61 @@ def structured(r: dict) -> Iterator[Row]:
     )
 
 
+def peers(r: dict) -> Iterator[Row]:
+    """Issue 28's aims, each on the best round of each server."""
+    servers = r["servers"]
+    ours = servers.get("ZeroLayer")
+    vllm = next((s for name, s in servers.items() if name.startswith("vLLM")), None)
+    llama = next((s for name, s in servers.items() if name.startswith("llama.cpp")), None)
+    if ours is None:
+        return
+
+    def best(s: dict, n: int, key: str = "output_tokens_per_s") -> float:
+        runs = s["decode"].get(str(n), [])
+        return max((x[key] for x in runs), default=float("nan"))
+
+    def low(s: dict, n: int, key: str) -> float:
+        return min((x[key] for x in s["decode"].get(str(n), [])), default=float("nan"))
+
+    if vllm is not None:
+        ratio = best(ours, 32) / best(vllm, 32)
+        ttft, vttft = low(ours, 32, "p99_ttft_ms"), low(vllm, 32, "p99_ttft_ms")
+        yield (
+            "SmolLM2, 32 streams: output tokens/s ≥ 1.3x vLLM CPU's, TTFT P99 ≤ vLLM's",
+            f"{ratio:.2f}x ({best(ours, 32):.0f} vs {best(vllm, 32):.0f} tok/s); TTFT P99 "
+            f"{ttft:.0f} vs {vttft:.0f} ms",
+            ratio >= 1.3 and ttft <= vttft,
+        )
+        ratio8 = best(ours, 8) / best(vllm, 8)
+        yield (
+            "SmolLM2, 8 streams: output tokens/s ≥ 1.2x vLLM CPU's",
+            f"{ratio8:.2f}x ({best(ours, 8):.0f} vs {best(vllm, 8):.0f} tok/s)",
+            ratio8 >= 1.2,
+        )
+        rss, vrss = ours["peak_rss_mib"], vllm["peak_rss_mib"]
+        yield (
+            "SmolLM2, 32 slots x 2,048 positions: peak RSS ≤ vLLM's",
+            f"{rss:,.0f} vs {vrss:,.0f} MiB",
+            rss <= vrss,
+        )
+    if llama is not None:
+        tpot, ltpot = low(ours, 1, "median_tpot_ms"), low(llama, 1, "median_tpot_ms")
+        yield (
+            "SmolLM2, 1 stream: TPOT ≤ llama.cpp's",
+            f"{tpot:.1f} vs {ltpot:.1f} ms",
+            tpot <= ltpot,
+        )
+    modes = {name: s for name, s in servers.items() if name.startswith("ZeroLayer")}
+    if len(modes) > 1:
+        streams = sorted(int(n) for n in ours["decode"])
+        fastest = {n: max(modes, key=lambda m: best(modes[m], n)) for n in streams}
+        yield (
+            "SmolLM2: the default configuration is the fastest mode at every batch size",
+            "; ".join(f"{n}: {m}" for n, m in fastest.items()),
+            all(m == "ZeroLayer" for m in fastest.values()),
+        )
+
+
 SOURCES: list[tuple[str, Callable[[dict], Iterator[Row]]]] = [
     ("serving", flat),
     ("serving-paced", paced),
@@ -241,6 +296,7 @@ SOURCES: list[tuple[str, Callable[[dict], Iterator[Row]]]] = [
     ("guard-engine", guard_engine),
     ("fuzz_http", fuzz_http),
     ("structured", structured),
+    ("peers", peers),
 ]
 
 

@@ -91,6 +91,11 @@ class Entry:
     decode: dict[str, list[dict]] = field(default_factory=dict)
     prefill: dict[str, dict] = field(default_factory=dict)
 
+    @property
+    def slug(self) -> str:
+        """The label as a file name: each server's runs are written apart."""
+        return "".join(c if c.isalnum() else "-" for c in self.label.lower())
+
 
 def version(python: str, module: str) -> str:
     probe = subprocess.run(
@@ -187,7 +192,7 @@ def main() -> None:
             for n in streams:
                 for e in entries:
                     with measured(e.server):
-                        out = cache / f"{e.server.name}-{len(e.decode)}-{n}.json"
+                        out = cache / f"{e.slug}-{n}.json"
                         e.decode[str(n)].append(
                             bench(e.server, out, streams=n, requests=max(4, 2 * n),
                                   input_len=args.input_len, output_len=args.output_len)
@@ -195,7 +200,7 @@ def main() -> None:
         for length in [int(n) for n in args.prefill.split(",")]:
             for e in entries:
                 with measured(e.server):
-                    out = cache / f"{e.server.name}-prefill-{length}.json"
+                    out = cache / f"{e.slug}-prefill-{length}.json"
                     r = bench(e.server, out, streams=1, requests=3, input_len=length,
                               output_len=1)  # fmt: skip
                     r["prompt_tokens"] = json.loads(out.read_text())["total_input_tokens"] / 3
