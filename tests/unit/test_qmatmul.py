@@ -211,27 +211,43 @@ def test_mixed_kind_stack_is_the_separate_products_bit_for_bit(dtype, rows) -> N
     assert torch.equal(stack(x.view(1, rows, 512))[0], alone)
 
 
+OTHER_BUILDS = ["avx2", "default"]
+
+
+@pytest.fixture(scope="module")
+def other_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The builds this machine does not load: the AVX2 code (on an AVX-512 machine) and the
+    plain C++ path (no instruction-set flags, as for a CPU torch detects neither on, such as
+    aarch64). One kernel library per process, so the kernel tests above run again in a child
+    process per build that torch tells it has that CPU; the children build and run at once."""
+    this = torch.backends.cpu.get_cpu_capability().lower()
+    children = {
+        capability: subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+            + ["-k", "bit_for_bit or summation_order or computed_alone or real_shaped"]
+            + ["--basetemp", str(tmp_path_factory.mktemp(capability))],
+            env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for capability in OTHER_BUILDS
+        if capability != this
+    }
+    yield children
+    for child in children.values():
+        child.kill()
+        child.communicate()
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("capability", ["avx2", "default"])
-def test_other_builds_pass_the_same_tests(capability: str, tmp_path: Path) -> None:
-    # The builds this machine does not load: the AVX2 code (on an AVX-512 machine) and the
-    # plain C++ path (no instruction-set flags, as for a CPU torch detects neither on, such
-    # as aarch64). One kernel library per process, so the kernel tests above run again in a
-    # child process that torch tells it has that CPU.
-    if capability == torch.backends.cpu.get_cpu_capability().lower():
+@pytest.mark.parametrize("capability", OTHER_BUILDS)
+def test_other_builds_pass_the_same_tests(capability: str, other_builds: dict) -> None:
+    if capability not in other_builds:
         pytest.skip(f"the {capability} build is this process's (the tests above)")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        + ["-k", "bit_for_bit or summation_order or computed_alone or real_shaped"]
-        + ["--basetemp", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "\n44 passed" in run.stdout, run.stdout[-500:]
+    output, _ = other_builds[capability].communicate(timeout=280)
+    assert other_builds[capability].returncode == 0, output[-6000:]
+    assert "\n44 passed" in output, output[-500:]
 
 
 def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
