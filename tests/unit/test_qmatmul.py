@@ -49,6 +49,9 @@ def kernel(kernel_cache: Path) -> None:
     """The session's build (tests/conftest.py), here required to succeed."""
     reason = qmatmul.build(kernel_cache)
     assert reason is None, reason
+    # The loaded build is the one the session's daemons are linked to (share_kernels).
+    directory, library = qmatmul.build_files(kernel_cache, qmatmul.build_key(qmatmul.build_flags()))
+    assert qmatmul.loaded_build() == directory and (directory / library).is_file()
     # The instruction set the build is for (a test below runs these on the other builds).
     arch = qmatmul.build_flags()[2:]
     assert arch[: len(arch) - ("-mavx512bf16" in arch)] == qmatmul.ARCH_FLAGS.get(
@@ -263,9 +266,9 @@ def test_a_built_kernel_is_loaded_without_compiler_or_build_lock(
     """A later start loads the library the first one built, with no compiler, and a lock file
     that a killed build left (cpp_extension waits for it to go away) cannot stall it."""
     key = qmatmul.build_key(qmatmul.build_flags())
-    built = tmp_path / f"qmatmul-{key}"
+    built, name = qmatmul.build_files(tmp_path, key)
     built.mkdir()
-    library = built / f"zerolayer_qmatmul_{key}.so"
+    library = built / name
     library.write_bytes(b"")  # never opened: load_library is replaced below
     (built / "lock").touch()
     loaded: list[str] = []
