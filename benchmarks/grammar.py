@@ -20,7 +20,7 @@ scratch virtualenv holding the three, e.g.
     /tmp/grammar-venv/bin/python benchmarks/grammar.py --tokenizer DIR [--write]
 
 DIR is a converted checkpoint directory (tokenizer.json, tokenizer_config.json), e.g. the one
-``gateway.models.gguf_import.ensure_converted`` makes for the default model.
+``zerolayer.models.gguf_import.ensure_converted`` makes for the default model.
 """
 
 from __future__ import annotations

@@ -150,24 +150,32 @@ def in_flight(report: dict) -> dict[str, float]:
     }
 
 
-OWN = {"gateway", "benchmarks"}  # our code; other leaves are charged to it as "X from Y"
+OWN = {"zerolayer", "benchmarks"}  # our code; other leaves are charged to it as "X from Y"
 
 
 def area(frame: str) -> tuple[str, bool]:
     """The area of one py-spy frame ``func (path:line)`` and whether it is our own code."""
     path = frame.rpartition(" (")[2].rpartition(":")[0]
-    mod = path.removesuffix(".py").replace("/", ".")
-    if mod.startswith("gateway.engine.synthetic"):
+    # a checkout's path (gateway/zerolayer/...) or site-packages' (zerolayer/...)
+    mod = path.removesuffix(".py").replace("/", ".").removeprefix("gateway.")
+    if mod.startswith("zerolayer.engine.backends.synthetic"):
         return "synthetic backend", True
-    for own in ("gateway.engine", "gateway.outputs", "gateway.lifecycle", "gateway.ops"):
+    for own in (
+        "zerolayer.engine",
+        "zerolayer.request_path.outputs",
+        "zerolayer.request_path.lifecycle",
+        "zerolayer.ops",
+    ):
         if mod.startswith(own):
             return own, True
-    if mod.startswith(("gateway.server", "gateway.protocol", "gateway.framebuf")):
-        return "gateway.server + frames", True
+    if mod.startswith(
+        ("zerolayer.frames.door", "zerolayer.frames.protocol", "zerolayer.frames.framebuf")
+    ):
+        return "frame door", True
     if mod.startswith(("benchmarks", "_support")):  # py-spy may shorten the pump's path
         return "pump", True
-    if mod.startswith("gateway"):
-        return "gateway (other)", True
+    if mod.startswith("zerolayer"):
+        return "zerolayer (other)", True
     if mod.startswith(("asyncio", "uvloop", "selectors")):
         return "asyncio/uvloop", False
     if mod.startswith(("threading", "queue")):
@@ -187,7 +195,7 @@ def spy_split(raw: str) -> dict:
     """py-spy's raw stacks (``frame;frame;...;leaf count``, C frames among them) as shares of
     the running samples (a stack whose innermost C function is a wait, ``WAITS``, left out):
     by the innermost Python frame's area (one outside our code named with the innermost area
-    of ours that called it, e.g. "numpy from gateway.engine") and by its module."""
+    of ours that called it, e.g. "numpy from zerolayer.engine") and by its module."""
     areas: dict[str, int] = {}
     modules: dict[str, int] = {}
     total = waiting = 0

@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support.redis_server import RedisServer  # noqa: E402
-from gateway.config import AuthConfig  # noqa: E402
-from gateway.hooks import Chain, Completion, RequestContext  # noqa: E402
-from gateway.hooks.keys import add_key  # noqa: E402
-from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig  # noqa: E402
+from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig  # noqa: E402
+from zerolayer.config.settings import AuthConfig  # noqa: E402
+from zerolayer.hooks import Chain, Completion, RequestContext  # noqa: E402
+from zerolayer.hooks.keys import add_key  # noqa: E402
 
 PROMPT_LEN = 128
 COMPLETION_LEN = 64

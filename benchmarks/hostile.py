@@ -6,7 +6,7 @@ addresses (127.0.0.2 ...) with the canary asking throughout (``--attack-s``), th
 attackers leave and the daemon settles. Per attack: the canary's time to first token on both
 doors, p50 and p99, alone and under attack, and its failures; the daemon's descriptors and RSS
 before the attack and after the attackers left. The canary (benchmarks/_canary.py) streams from
-127.0.0.1 on the HTTP door (OpenAI chat) and the frame door (gateway.client).
+127.0.0.1 on the HTTP door (OpenAI chat) and the frame door (zerolayer.client.connection).
 
 Attacks (the items of issue #25): a lone surrogate in a JSON key (1), a header line growing
 without end (2), prompts far over the context (3), slowloris heads and bodies held open (4),
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._canary import DOORS, in_own_process  # noqa: E402
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support.daemon import Daemon  # noqa: E402
-from gateway import protocol as p  # noqa: E402
+from zerolayer.frames import protocol as p  # noqa: E402
 
 ATTACKERS = [f"127.0.0.{i}" for i in range(2, 10)]
 Attack = Callable[[Daemon, Callable[[], bool]], Awaitable[int]]

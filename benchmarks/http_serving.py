@@ -275,7 +275,7 @@ async def http_stream(reader, writer, request: bytes) -> int:
 
 async def frame_stream(reader, writer, request: bytes) -> int:
     """Send one REQUEST and read its stream with the protocol's own decoder."""
-    from gateway import protocol as p
+    from zerolayer.frames import protocol as p
 
     writer.write(request)
     decoder = p.FrameDecoder("client", 1 << 20)
@@ -298,7 +298,7 @@ async def frame_stream(reader, writer, request: bytes) -> int:
 def run_client(mode: str, port: int, streams: int, tokens: int, rounds: int) -> None:
     import uvloop
 
-    from gateway import protocol as p
+    from zerolayer.frames import protocol as p
 
     async def one_connection(i: int) -> int:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -62,8 +62,8 @@ from benchmarks._support.peers import (  # noqa: E402
     start_zerolayer,
     vllm_checkpoint,
 )
-from gateway.models.bundled import smollm2_gguf  # noqa: E402
-from gateway.models.gguf_import import ensure_converted  # noqa: E402
+from zerolayer.models.bundled import smollm2_gguf  # noqa: E402
+from zerolayer.models.gguf_import import ensure_converted  # noqa: E402
 
 SLOTS = 32
 CONTEXT = 2048

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support.daemon import Daemon  # noqa: E402
-from gateway.client import Client  # noqa: E402
-from gateway.protocol import CACHE_PROMPT  # noqa: E402
+from zerolayer.client import Client  # noqa: E402
+from zerolayer.frames.protocol import CACHE_PROMPT  # noqa: E402
 
 PREFIX_TOKENS = 1000
 USER_TOKENS = 24
@@ -285,7 +285,7 @@ def main() -> int:
             cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
         )  # fmt: skip
     else:
-        from gateway.models.builtin import BUILTIN_CONFIG, ensure_builtin
+        from zerolayer.models.builtin import BUILTIN_CONFIG, ensure_builtin
 
         directory = ensure_builtin(args.data_dir)
         model_env = {"MODEL__DATA_DIR": str(directory.parent)}

@@ -82,7 +82,7 @@ def run_side(prefix_cache: bool, chats: Path, args, out: Path) -> dict:  # noqa:
         "ENGINE__MAX_CONTEXT": "1024",
     }
     with Daemon(env) as d:
-        cmd = [sys.executable, "-m", "gateway.cli", "bench", "--endpoint", d.endpoint,
+        cmd = [sys.executable, "-m", "zerolayer.cli.main", "bench", "--endpoint", d.endpoint,
                "--input", str(chats), "--concurrency", str(args.concurrency),
                "--num-requests", str(args.num_requests), "--output-len", str(args.output_len),
                "--warmup", str(args.concurrency), "--output", str(out)]  # fmt: skip

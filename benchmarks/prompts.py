@@ -48,11 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support.daemon import Daemon  # noqa: E402
-from gateway.client import Client  # noqa: E402
-from gateway.config import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
-from gateway.prompts import system_ids  # noqa: E402
-from gateway.protocol import CACHE_PROMPT  # noqa: E402
-from gateway.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
+from zerolayer.client import Client  # noqa: E402
+from zerolayer.config.settings import BUILTIN_MODEL, SMOLLM2_MODEL  # noqa: E402
+from zerolayer.frames.protocol import CACHE_PROMPT  # noqa: E402
+from zerolayer.request_path.prompts import system_ids  # noqa: E402
+from zerolayer.tokenizer import ByteTokenizer, Tokenizer  # noqa: E402
 
 PROMPT_ID = 1
 TARGET_TOKENS = 1000
@@ -338,7 +338,7 @@ def main() -> int:
     args.rounds = args.rounds or ROUNDS[args.size]
     if args.size == "medium":
         from benchmarks.engine import ensure_medium, parameter_count
-        from gateway.models.hf_tokenizer import HFTokenizer
+        from zerolayer.models.hf_tokenizer import HFTokenizer
 
         directory = ensure_medium(args.data_dir)
         work = Workload(HFTokenizer(directory), word_level=True)
@@ -346,9 +346,9 @@ def main() -> int:
         name = f"`{directory.name}`"
     elif args.size == "smollm2":
         from benchmarks.engine import parameter_count
-        from gateway.models.bundled import smollm2_gguf
-        from gateway.models.gguf_import import ensure_converted
-        from gateway.models.hf_tokenizer import HFTokenizer
+        from zerolayer.models.bundled import smollm2_gguf
+        from zerolayer.models.gguf_import import ensure_converted
+        from zerolayer.models.hf_tokenizer import HFTokenizer
 
         directory = ensure_converted(smollm2_gguf(), args.data_dir)
         work = Workload(HFTokenizer(directory), word_level=False, subword=True)
@@ -356,7 +356,7 @@ def main() -> int:
         model = {"path": SMOLLM2_MODEL, "data_dir": data_dir, "dtype": args.dtype}
         name = "SmolLM2-135M-Instruct (the default model, `@smollm2`)"
     else:
-        from gateway.models.builtin import ensure_builtin
+        from zerolayer.models.builtin import ensure_builtin
 
         directory = ensure_builtin(args.data_dir)
         work = Workload(ByteTokenizer(), word_level=False)

@@ -16,7 +16,7 @@ count given:
   kernel, llama.cpp): bytes = the file's matrices as stored (the output head: ``output.weight``,
   or the tied token embedding), FLOPs against the float32 GEMM peak.
 
-The model's shapes come from its converted checkpoint (``gateway.models.gguf_import``), the
+The model's shapes come from its converted checkpoint (``zerolayer.models.gguf_import``), the
 default model unless ``--model`` names another GGUF file.
 
     python benchmarks/roofline.py [--threads 2] [--model PATH] [--write]
@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
-from gateway.models.bundled import smollm2_gguf  # noqa: E402
-from gateway.models.gguf_import import ensure_converted  # noqa: E402
+from zerolayer.models.bundled import smollm2_gguf  # noqa: E402
+from zerolayer.models.gguf_import import ensure_converted  # noqa: E402
 
 ROWS = (1, 8, 32)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # and "blocks": float32 GEMM

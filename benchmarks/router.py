@@ -118,7 +118,15 @@ def wait_http(url: str, child: Child, deadline: float, what: str) -> None:
 
 def add_key(keys_file: Path, name: str, rpm: int | None) -> str:
     """A new API key through `zerolayer keys add` (it prints the key once, on its first line)."""
-    argv = [sys.executable, "-m", "gateway.cli", "keys", "add", "--keys-file", str(keys_file)]
+    argv = [
+        sys.executable,
+        "-m",
+        "zerolayer.cli.main",
+        "keys",
+        "add",
+        "--keys-file",
+        str(keys_file),
+    ]
     argv += [name] + (["--rpm", str(rpm)] if rpm else [])
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True, timeout=60)
     return out.stdout.split()[0]
@@ -269,7 +277,8 @@ def run(args, tmp: Path) -> dict:  # noqa: ANN001
         daemons = []
         for i in range(2):
             port, http, metrics = free_port(), free_port(), free_port()
-            argv = [sys.executable, "-m", "gateway.cli", "serve", args.model, "--port", str(port),
+            argv = [sys.executable, "-m", "zerolayer.cli.main", "serve", args.model,
+                    "--port", str(port),
                     "--http-port", str(http), "--metrics-port", str(metrics)]  # fmt: skip
             d = Child(f"replica {i}", argv, tmp / f"replica{i}.log", env)
             stack.callback(d.stop)

@@ -88,7 +88,7 @@ def model_file(size: str, cache: Path) -> Path:
     """A size of SHAPES (written into ``cache`` on first use) or a named real model's file
     (``@gemma3-270m``, ``@smollm2``: installed by make, never downloaded here)."""
     if size.startswith("@"):
-        from gateway.models.bundled import named_gguf
+        from zerolayer.models.bundled import named_gguf
 
         return named_gguf(size)[0]
     path = cache / f"scale-{size}-q4_k_m.gguf"

@@ -2,9 +2,9 @@
 
 Every server runs as its own process on loopback (ZeroLayer: benchmarks/_support/daemon.py; the
 floor and the paced pumps: benchmarks/_support/pump.py); the load comes from `zerolayer bench`'s
-Python API (gateway.bench) in this process, with token-id prompts and no text deltas. Server
-CPU = the server's threads' run time (/proc/PID/task/*/schedstat, nanoseconds) across the load.
-Each scenario is a module of benchmarks/scenarios/ with its own results file and docs section:
+Python API (zerolayer.client.bench) in this process, with token-id prompts and no text deltas.
+Server CPU = the server's threads' run time (/proc/PID/task/*/schedstat, nanoseconds) across the
+load. Each scenario is a module of benchmarks/scenarios/ with its own results file and docs section:
 
 - flat: flat out against the floor server (``scenarios.flat``);
 - paced: at a model's pace, a burst against the paced pumps (``scenarios.paced``);

@@ -79,7 +79,7 @@ class Server:
         )
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - open while the daemon runs
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve"], env=env, stderr=self.log
+            [sys.executable, "-m", "zerolayer.cli.main", "serve"], env=env, stderr=self.log
         )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 600

@@ -38,7 +38,7 @@ from benchmarks._report import (  # noqa: E402
 from benchmarks._support import fuzzframes as ff  # noqa: E402
 from benchmarks._support.certs import CA  # noqa: E402
 from benchmarks._support.daemon import Daemon  # noqa: E402
-from gateway.ops.tls import client_context  # noqa: E402
+from zerolayer.ops.tls import client_context  # noqa: E402
 
 CIPHERS: set[str] = set()  # what the client's connections negotiated
 

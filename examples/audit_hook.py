@@ -20,7 +20,7 @@ import json
 import time
 from typing import Any
 
-from gateway.hooks import Completion, HookConfigError, RequestContext, hook, hook_options
+from zerolayer.hooks import Completion, HookConfigError, RequestContext, hook, hook_options
 
 FINISH_NAMES = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled", -1: "error"}
 

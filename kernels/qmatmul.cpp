@@ -1,6 +1,6 @@
 // Matrix products on llama.cpp's GGUF blocks, dequantized in registers: y = x @ w.T.
 //
-// Registers two ops (kernels/qmatmul.py builds and loads this file):
+// Registers two ops (gateway/zerolayer/kernels/qmatmul.py builds and loads this file):
 //   zerolayer::qmatmul(x [M, K] float32 or bfloat16, blocks [N, K / 32 * bytes] uint8, kind)
 //     -> [M, N] in x's dtype;
 //   zerolayer::qmatmul_parts(x, [blocks_0, blocks_1, ...], [kind_0, kind_1, ...]) -> the
@@ -10,7 +10,7 @@
 // weights; 3 = Q4_K (w = d * sc * q - dmin * m), 4 = Q5_K (the same with 5-bit q), 5 = Q6_K
 // (w = d * sc * (q - 32)), super-blocks of 256 weights with a scale (and min) per 32 or 16 of
 // them; d, dmin and m of the 32-weight types are float16 (layouts in
-// gateway/models/gguf_blocks.py). The kernels walk every type in chunks of 32 weights: one
+// gateway/zerolayer/models/gguf_blocks.py). The kernels walk every type in chunks of 32 weights: one
 // block of the 32-weight types, an eighth of a K-quant super-block.
 //
 // A weight is the float32 value the gguf package's dequantization gives: d * q is exact in

@@ -46,7 +46,7 @@ def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     to, so a daemon loads this build instead of compiling its own. Where a test loaded a build
     first (into its own data dir), that build's directory is the one. A build that fails is
     not reported here: the daemons then say why, as they would without this."""
-    from kernels import qmatmul
+    from zerolayer.kernels import qmatmul
 
     directory = tmp_path_factory.mktemp("kernels")
     qmatmul.build(directory)
@@ -58,9 +58,9 @@ def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory, kernel_cache: Path) -> Path:
     """SmolLM2-135M-Instruct converted once per session into a fresh cache (the daemon tests
     pass its model.data_dir, so their daemons reuse it, and the session's kernel build)."""
-    from gateway.models.bundled import smollm2_gguf
-    from gateway.models.gguf_import import ensure_converted
     from tests.support.datadirs import share_kernels
+    from zerolayer.models.bundled import smollm2_gguf
+    from zerolayer.models.gguf_import import ensure_converted
 
     data_dir = share_kernels(tmp_path_factory.mktemp("models"), kernel_cache)
     return ensure_converted(smollm2_gguf(), str(data_dir))
@@ -94,7 +94,7 @@ def smollm2_reference(smollm2_reference_model):
 def gemma3_file() -> Path:
     """Gemma 3 270M's GGUF, the file ``model.path = "@gemma3-270m"`` names (skipped until
     `make install-gemma` has installed and reassembled it)."""
-    from gateway.models import bundled
+    from zerolayer.models import bundled
 
     try:
         return bundled.gemma3_gguf()

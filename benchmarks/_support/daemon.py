@@ -90,7 +90,7 @@ class Daemon:
         if root != ROOT:
             full_env["PYTHONPATH"] = str(root)
         full_env.update(raw_env or {})
-        cmd = [*(wrapper or ()), sys.executable, "-m", "gateway.cli", "serve"]
+        cmd = [*(wrapper or ()), sys.executable, "-m", "zerolayer.cli.main", "serve"]
         if config:
             cmd += ["--config", config]
         self.proc = subprocess.Popen(

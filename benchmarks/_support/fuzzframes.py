@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway import protocol
+from zerolayer.frames import requests
 
 HDR = struct.Struct("<IBBHI")
 REQ = struct.Struct("<IffIQIHH")
@@ -111,7 +111,7 @@ EDGE_JSON = (
 )
 # The JSON REQUEST's keys as the protocol defines them, sorted (a frozenset's order changes
 # with the hash seed; a campaign must not), plus one it does not know.
-JSON_KEYS = (*sorted(protocol.JSON_KEYS), "bogus")
+JSON_KEYS = (*sorted(requests.JSON_KEYS), "bogus")
 
 
 def mutate_bytes(rng: random.Random, data: bytes) -> bytes:

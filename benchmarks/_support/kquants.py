@@ -4,8 +4,9 @@ The gguf package dequantizes these types but does not quantize them; the tests a
 benchmarks/scale.py need real blocks of real-shaped matrices to write K-quant GGUF files, so this
 writes them: a plain per-sub-block min/max (Q4_K, Q5_K) or absolute-maximum (Q6_K) fit, not
 llama.cpp's iterative search, packed in llama.cpp's layout (ggml-common.h, see
-gateway/models/gguf_blocks.py). What a test checks against is the gguf package's dequantization
-of these bytes, never this module's idea of the weights. The daemon itself never quantizes.
+gateway/zerolayer/models/gguf_blocks.py). What a test checks against is the gguf package's
+dequantization of these bytes, never this module's idea of the weights. The daemon itself never
+quantizes.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def start_zerolayer(
             "ZEROLAYER_ENGINE__MAX_CONTEXT": str(context),
         }
     )
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "zerolayer.cli.main", "serve", "--host", "127.0.0.1"]
     argv += ["--port", str(free_port()), "--http-port", str(port)]
     argv += ["--metrics-port", str(free_port())]
     server = Server("zerolayer", argv, full, port, log)
@@ -263,7 +263,7 @@ def bench(
 ) -> dict:
     """One ``zerolayer bench`` run: ``streams`` in flight, ``requests`` in all, after one
     unmeasured request; EOS ignored so every server writes ``output_len`` tokens."""
-    argv = [sys.executable, "-m", "gateway.cli", "bench", "--endpoint", server.url]
+    argv = [sys.executable, "-m", "zerolayer.cli.main", "bench", "--endpoint", server.url]
     argv += ["--protocol", protocol, "--concurrency", str(streams)]
     argv += ["--num-requests", str(requests), "--warmup", "1", "--input-len", str(input_len)]
     argv += ["--output-len", str(output_len), "--ignore-eos", "--seed", str(seed)]

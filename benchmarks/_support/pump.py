@@ -3,7 +3,7 @@ own process (``Floor``): flat out, a server that parses only the frame header an
 writes one-id TOKEN frames and DONE, one buffer per connection per loop iteration; paced, a pump
 that every tick writes one TOKEN frame per active stream and one write per connection, its pause
 a timer of its event loop or, with ``threaded``, a thread of its own (``Ticker``), as ZeroLayer's
-engine thread. Frame layouts come from the codec (gateway.protocol).
+engine thread. Frame layouts come from the codec (zerolayer.frames.protocol).
 
     python -m benchmarks._support.pump PACE_MS [--threaded]   (prints its port)
 """
@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from benchmarks._support.daemon import ROOT, child_preexec
-from gateway import protocol as p
+from zerolayer.frames import protocol as p
 
 HDR = p.HEADER
 VOCAB = 100_000  # the pump's announced vocabulary, and the synthetic daemons' (same prompts)

@@ -36,7 +36,7 @@ from typing import Any
 from benchmarks._support import fuzzframes as ff
 from benchmarks._support.daemon import Daemon
 from benchmarks._support.metrics import scrape
-from gateway.hooks.keys import add_key
+from zerolayer.hooks.keys import add_key
 
 FINISH = {0: "eos", 1: "max_tokens", 2: "stop", 3: "cancelled"}
 CODE_NAMES = {

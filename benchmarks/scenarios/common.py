@@ -23,7 +23,7 @@ from benchmarks._report import cpu_seconds
 from benchmarks._support.daemon import Daemon
 from benchmarks._support.pump import VOCAB, Floor
 from benchmarks.engine import ForeignLoad, wait_quiet
-from gateway.bench import BenchOptions, run
+from zerolayer.client.bench import BenchOptions, run
 
 # Each run draws its own random prompts, so the response cache never replays one.
 SEEDS = itertools.count(time.time_ns() % 1_000_000)

@@ -49,15 +49,15 @@ def engine_step_cost(
     import numpy as np
     import uvloop
 
-    from gateway.daemon import StepSink
-    from gateway.engine.compute import ComputeThread
-    from gateway.engine.engine import Engine, Sequence
-    from gateway.engine.outbox import Outbox
-    from gateway.engine.step import StepOutput
-    from gateway.engine.synthetic import SyntheticBackend
-    from gateway.engine.types import SamplingRow
-    from gateway.ops.metrics import Metrics
-    from gateway.tokenizer import ByteTokenizer
+    from zerolayer.daemon import StepSink
+    from zerolayer.engine.backends.synthetic import SyntheticBackend
+    from zerolayer.engine.compute import ComputeThread
+    from zerolayer.engine.engine import Engine, Sequence
+    from zerolayer.engine.outbox import Outbox
+    from zerolayer.engine.step import StepOutput
+    from zerolayer.engine.types import SamplingRow
+    from zerolayer.ops.metrics import Metrics
+    from zerolayer.tokenizer import ByteTokenizer
 
     finished = threading.Event()
     ended = [0]

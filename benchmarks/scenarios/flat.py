@@ -74,7 +74,7 @@ def markdown(r: dict, args) -> str:
         f"`python benchmarks/serving.py --scenario flat` — a closed loop of {args.streams} "
         f"concurrent streams x {args.tokens} tokens on one loopback connection, "
         f"{args.streams * args.rounds} requests per run (4-id prompts, no text), driven by "
-        "`gateway.bench` in the benchmark's process; median of "
+        "`zerolayer.client.bench` in the benchmark's process; median of "
         f"{args.runs} runs after a warm-up. Synthetic backend with no step time, so the engine "
         "runs ahead and frames carry many tokens. Server CPU = run time of the server's threads "
         "during the load (schedstat, ns).\n\n"

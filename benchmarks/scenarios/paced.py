@@ -58,7 +58,7 @@ def run(args) -> dict:
     plots = args.plots  # a directory for the first run's plots, or None
     streams, prompt_len = PACED_STREAMS, args.paced_prompt_len
     load, env = paced_load(args, PACED_TOKENS), paced_env(args)
-    step_tokens, chunk = 512, 256  # the engine defaults (gateway/config.py)
+    step_tokens, chunk = 512, 256  # the engine defaults (gateway/zerolayer/config/settings.py)
     # A step budget that covers the whole burst's prompts (plus a row per stream) at once: how
     # much of the TTFT tail is the admission ramp of the default budget.
     wide = streams * prompt_len + streams
@@ -120,7 +120,7 @@ def run(args) -> dict:
         "ttft_p99_ms_wide_budget": results["zerolayer_wide_budget"]["p99_ttft_ms"],
     }
     if plots is not None:
-        from gateway.bench.plot import plot
+        from zerolayer.client.bench.plot import plot
 
         for name in ("pump", "zerolayer"):
             reports[name][0]["label"] = f"{name}, paced {args.step_ms:g} ms"

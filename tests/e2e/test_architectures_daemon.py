@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from benchmarks._support.daemon import Daemon
-from gateway.client import Client
 from tests.support.arch_models import VOCAB, reference_model, write_gguf
 from tests.support.datadirs import share_kernels
 from tests.support.smollm2 import reference_greedy
+from zerolayer.client import Client
 
 pytest.importorskip("transformers")
 

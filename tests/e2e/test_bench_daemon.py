@@ -15,7 +15,7 @@ from benchmarks._support.daemon import ROOT, Daemon
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "bench", *args],
+        [sys.executable, "-m", "zerolayer.cli.main", "bench", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -188,7 +188,7 @@ def test_bench_progress_lines_and_ctrl_c_partial_report(tmp_path):
     with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "20"}) as d:
         path = tmp_path / "partial.json"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "bench", "--endpoint", d.endpoint,
+            [sys.executable, "-m", "zerolayer.cli.main", "bench", "--endpoint", d.endpoint,
              "--concurrency", "2", "--num-requests", "100000", "--output-len", "4",
              "--output", str(path), "--progress-interval", "0.5"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

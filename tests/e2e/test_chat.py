@@ -28,7 +28,15 @@ def _endpoint(d: Daemon, door: str) -> str:
 
 def _chat(d: Daemon, door: str, *argv: str) -> PtyProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
-    cmd = [sys.executable, "-m", "gateway.cli", "chat", "--endpoint", _endpoint(d, door), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerolayer.cli.main",
+        "chat",
+        "--endpoint",
+        _endpoint(d, door),
+        *argv,
+    ]
     return PtyProcess(cmd, str(ROOT), {**env, "TERM": "dumb"})
 
 
@@ -109,7 +117,7 @@ def test_an_http_endpoint_that_is_not_there_is_one_line_and_status_1():
     with Daemon() as d:
         port = d.http_url.rsplit(":", 1)[1]
     chat = PtyProcess(
-        [sys.executable, "-m", "gateway.cli", "chat", "--endpoint", f"http://127.0.0.1:{port}"],
+        [sys.executable, "-m", "zerolayer.cli.main", "chat", "--endpoint", f"http://127.0.0.1:{port}"],
         str(ROOT), {**os.environ, "TERM": "dumb"},
     )  # fmt: skip
     try:

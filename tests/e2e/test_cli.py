@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from benchmarks._support.daemon import ROOT, Daemon
-from gateway.config import BUILTIN_MODEL
-from gateway.tokenizer import ByteTokenizer
+from zerolayer.config.settings import BUILTIN_MODEL
+from zerolayer.tokenizer import ByteTokenizer
 
 QUESTION = "What is the capital of France?"
 TERSE = "You are terse."
@@ -24,7 +24,7 @@ def generate(
     endpoint: str, *argv: str, stdout: int = subprocess.PIPE
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", endpoint, *argv],
+        [sys.executable, "-m", "zerolayer.cli.main", "generate", "--endpoint", endpoint, *argv],
         cwd=ROOT,
         stdout=stdout,
         stderr=subprocess.PIPE,

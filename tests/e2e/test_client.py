@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from benchmarks._support.daemon import ROOT, Daemon
-from gateway import client as zc
-from gateway.protocol import ErrorCode, FinishReason
+from zerolayer import client as zc
+from zerolayer.frames.protocol import ErrorCode, FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_cli_generate_prints_streamed_text(daemon):
         [
             sys.executable,
             "-m",
-            "gateway.cli",
+            "zerolayer.cli.main",
             "generate",
             "--endpoint",
             daemon.endpoint,
@@ -122,7 +122,15 @@ def test_cli_generate_prints_streamed_text(daemon):
     assert len(proc.stdout.rstrip("\n")) == 32
     assert "finish_reason=max_tokens" in proc.stderr and "completion_tokens=32" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", "tcp://127.0.0.1:1", "hi"],
+        [
+            sys.executable,
+            "-m",
+            "zerolayer.cli.main",
+            "generate",
+            "--endpoint",
+            "tcp://127.0.0.1:1",
+            "hi",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

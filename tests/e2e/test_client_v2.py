@@ -1,4 +1,4 @@
-"""Protocol version 2 through gateway.client against a real daemon (synthetic backend):
+"""Protocol version 2 through zerolayer.client.connection against a real daemon (synthetic backend):
 logprobs collected per token, the processing block applied, a version 1 HELLO still served,
 and bad #27 input refused on its own stream with the connection going on."""
 
@@ -10,8 +10,9 @@ import math
 import pytest
 
 from benchmarks._support.daemon import Daemon
-from gateway import client as zc
-from gateway.protocol import FinishReason
+from zerolayer import client as zc
+from zerolayer.frames import protocol
+from zerolayer.frames.protocol import FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_logprobs_and_processing_through_the_client(daemon):
 def test_version_1_client_still_served_and_refused_the_new_fields(daemon):
     async def main():
         async with await zc.Client.connect(daemon.endpoint) as client:
-            await client._send(zc.p.encode_hello(b"", 1))
+            await client._send(protocol.encode_hello(b"", 1))
             assert (await asyncio.wait_for(asyncio.shield(client._welcome), 10)).version == 1
             plain = await (await client.generate("hello", max_tokens=4)).collect()
             assert plain.completion_tokens == 4

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from benchmarks._support.daemon import Daemon
-from gateway.hooks.keys import add_key
 from tests.support import rawclient as rc
+from zerolayer.hooks.keys import add_key
 
 UNAUTHENTICATED, OVERLOADED = 4, 6
 

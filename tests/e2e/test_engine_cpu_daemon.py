@@ -8,8 +8,8 @@ import time
 import pytest
 
 from benchmarks._support.daemon import Daemon
-from gateway.config import BUILTIN_MODEL
 from tests.support import rawclient as rc
+from zerolayer.config.settings import BUILTIN_MODEL
 
 THREAD_WARNING = "torch ops are slower with two OpenMP teams"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from benchmarks._support.daemon import Daemon
-from gateway.hooks.keys import add_key, revoke_key
 from tests.support import rawclient as rc
+from zerolayer.hooks.keys import add_key, revoke_key
 
 UNAUTHENTICATED, RATE_LIMITED = 4, 5
 
@@ -156,7 +156,7 @@ def test_daemon_refuses_to_start_with_a_broken_hook_module(tmp_path):
         ZEROLAYER_HOOKS__MODULES=f'["{bad}"]',
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve"],
+        [sys.executable, "-m", "zerolayer.cli.main", "serve"],
         cwd=ROOT,
         env=env,
         capture_output=True,

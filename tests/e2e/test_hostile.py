@@ -13,9 +13,9 @@ import time
 import pytest
 
 from benchmarks._support.daemon import Daemon
-from gateway.codes import ErrorCode
 from tests.support import rawclient as rc
 from tests.support.rawhttp import RawHttp
+from zerolayer.codes import ErrorCode
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 SURROGATE_BODY = (

@@ -16,8 +16,8 @@ import pytest
 
 from benchmarks._support.daemon import Daemon
 from benchmarks._support.metrics import scrape, value
-from gateway.hooks.keys import add_key
 from tests.support import rawclient as rc
+from zerolayer.hooks.keys import add_key
 
 MODEL = "synthetic"
 USER = [{"role": "user", "content": "Tell me something."}]

@@ -24,8 +24,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from benchmarks._support.daemon import Daemon
-from gateway import client as zc
 from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of
+from zerolayer import client as zc
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {
@@ -255,7 +255,7 @@ def test_streamed_tool_calls_forced_by_the_grammar(daemon):
 def test_logprobs_in_the_sdk_types_equal_transformers(
     daemon, smollm2_dir: Path, smollm2_reference_model
 ):
-    from gateway.models.hf_tokenizer import HFTokenizer
+    from zerolayer.models.hf_tokenizer import HFTokenizer
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
     done = oai(daemon).chat.completions.create(
@@ -270,7 +270,8 @@ def test_logprobs_in_the_sdk_types_equal_transformers(
     text = b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace")
     assert text.startswith(done.choices[0].message.content)
     # transformers on the same GGUF, greedy: log_softmax of its logits at each position (a
-    # greedy row's logprobs are the model's own distribution, T = 1: kernels/sampling.py).
+    # greedy row's logprobs are the model's own distribution, T = 1:
+    # gateway/zerolayer/engine/sampling.py).
     tok = HFTokenizer(smollm2_dir)
     ids = tok.encode_prompt(tok.render_chat(question, None)).tolist()
     model = smollm2_reference_model

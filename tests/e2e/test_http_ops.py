@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from benchmarks._support.daemon import Daemon
-from gateway.http.routes import version
+from zerolayer.http.routes import version
 
 MODEL = "synthetic"
 USER = [{"role": "user", "content": "Tell me something."}]

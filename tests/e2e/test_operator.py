@@ -23,9 +23,9 @@ import pytest
 from benchmarks._support.daemon import ROOT, Daemon, free_port
 from benchmarks._support.metrics import probe, scrape, value
 from benchmarks._support.redis_server import RedisServer
-from gateway.client import RateLimitedError, SyncClient
+from zerolayer.client import RateLimitedError, SyncClient
 
-SERVE = [sys.executable, "-m", "gateway.cli", "serve"]
+SERVE = [sys.executable, "-m", "zerolayer.cli.main", "serve"]
 
 
 def _serve_fails(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -86,7 +86,7 @@ def test_a_user_error_at_start_up_is_one_line():
 
 GATE = """
 import os, time
-from gateway.hooks import hook
+from zerolayer.hooks import hook
 
 @hook
 class Gate:
@@ -187,7 +187,7 @@ def test_generate_on_the_metrics_port_ends_with_a_named_deadline():
     with Daemon() as d:
         endpoint = "tcp://" + d.metrics_url.split("://", 1)[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", endpoint,
+            [sys.executable, "-m", "zerolayer.cli.main", "generate", "--endpoint", endpoint,
              "--timeout", "1", "hi"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip

@@ -128,7 +128,7 @@ def test_reuse_port_workers_share_one_port():
         ZEROLAYER_HTTP__PORT=str(hport),  # the HTTP port is shared the same way
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve"],
+        [sys.executable, "-m", "zerolayer.cli.main", "serve"],
         cwd=ROOT,
         env=env,
         stderr=subprocess.PIPE,
@@ -188,7 +188,7 @@ def test_a_worker_that_fails_to_start_stops_the_others():
         ZEROLAYER_HTTP__PORT="0",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve"],
+        [sys.executable, "-m", "zerolayer.cli.main", "serve"],
         cwd=ROOT,
         env=env,
         stderr=subprocess.PIPE,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import BUILTIN_MODEL
-from gateway.prompts import (
+from zerolayer.config.settings import BUILTIN_MODEL
+from zerolayer.request_path.prompts import (
     system_ids,
 )
-from gateway.tokenizer import ByteTokenizer
+from zerolayer.tokenizer import ByteTokenizer
 
 SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise."
 TOK = ByteTokenizer()
@@ -23,7 +23,10 @@ def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("builtin")
 
 
-WIRED = "prompts" in __import__("gateway.config", fromlist=["Settings"]).Settings.model_fields
+WIRED = (
+    "prompts"
+    in __import__("zerolayer.config.settings", fromlist=["Settings"]).Settings.model_fields
+)
 
 
 needs_wiring = pytest.mark.skipif(not WIRED, reason="Settings has no [[prompts]] key yet")
@@ -55,8 +58,8 @@ def test_daemon_serves_registered_prompts_identically_to_inline(
     import asyncio
 
     from benchmarks._support.daemon import Daemon
-    from gateway.client import Client, ServerError
-    from gateway.protocol import CACHE_PROMPT, ErrorCode
+    from zerolayer.client import Client, ServerError
+    from zerolayer.frames.protocol import CACHE_PROMPT, ErrorCode
 
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "second.txt").write_text("Answer in French.\n")

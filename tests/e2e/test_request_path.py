@@ -16,7 +16,7 @@ INVALID_REQUEST, INTERNAL = 7, 15
 
 def write_hook(tmp_path: Path, name: str, body: str) -> str:
     path = tmp_path / f"{name}.py"
-    path.write_text("from gateway.hooks import HookError, hook\nimport asyncio\n\n" + body)
+    path.write_text("from zerolayer.hooks import HookError, hook\nimport asyncio\n\n" + body)
     return json.dumps([str(path)])
 
 

@@ -18,14 +18,14 @@ import pytest
 
 from benchmarks._support.daemon import ROOT, Daemon, child_preexec, free_port, listening_fields
 from benchmarks._support.metrics import scrape, value
-from gateway.client import SyncClient, UnauthenticatedError
 from tests.support.smollm2 import SLOW_TIMEOUT_S, data_dir_of
+from zerolayer.client import SyncClient, UnauthenticatedError
 
 
 def _serve(*argv: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", *argv],
+        [sys.executable, "-m", "zerolayer.cli.main", "serve", *argv],
         cwd=ROOT, env={**clean, "ZEROLAYER_LOGGING__LEVEL": "warning", **(env or {})},
         stderr=subprocess.PIPE, text=True, preexec_fn=child_preexec(),
     )  # fmt: skip
@@ -126,7 +126,7 @@ def test_sync_client_stream_left_early_is_cancelled_and_generate_reads_stdin():
 
         def generate(*argv: str, stdin: str | None = None) -> dict:
             out = subprocess.run(
-                [sys.executable, "-m", "gateway.cli", "generate", "--endpoint", d.endpoint,
+                [sys.executable, "-m", "zerolayer.cli.main", "generate", "--endpoint", d.endpoint,
                  "--json", "--max-tokens", "2", *argv],
                 cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=120,
             )  # fmt: skip

@@ -12,10 +12,10 @@ import openai
 import pytest
 
 from benchmarks._support.daemon import Daemon
-from gateway.client import Client
-from gateway.models.hf_tokenizer import HFTokenizer
-from gateway.protocol import CACHE_PROMPT
 from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
+from zerolayer.client import Client
+from zerolayer.frames.protocol import CACHE_PROMPT
+from zerolayer.models.hf_tokenizer import HFTokenizer
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
 

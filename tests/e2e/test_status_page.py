@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks._support.daemon import Daemon
 from benchmarks._support.metrics import scrape, value
-from gateway.client import SyncClient
+from zerolayer.client import SyncClient
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = (

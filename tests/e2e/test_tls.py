@@ -19,10 +19,10 @@ import pytest
 
 from benchmarks._support.certs import CA, serial_of
 from benchmarks._support.daemon import ROOT, Daemon
-from gateway.client import Client, EndpointError, RateLimitedError, UnauthenticatedError
-from gateway.hooks.keys import add_key
-from gateway.ops.tls import ALPN_FRAME, client_context
 from tests.support import rawclient as rc
+from zerolayer.client import Client, EndpointError, RateLimitedError, UnauthenticatedError
+from zerolayer.hooks.keys import add_key
+from zerolayer.ops.tls import ALPN_FRAME, client_context
 
 
 class PKI:
@@ -271,7 +271,15 @@ def test_sighup_serves_new_certificate_while_old_connection_streams(pki, tmp_pat
 
 def test_generate_cli_over_mutual_tls(pki):
     with Daemon(pki.env()) as d:
-        base = [sys.executable, "-m", "gateway.cli", "generate", "hello", "--max-tokens", "4"]
+        base = [
+            sys.executable,
+            "-m",
+            "zerolayer.cli.main",
+            "generate",
+            "hello",
+            "--max-tokens",
+            "4",
+        ]
         tls = ["--endpoint", tls_endpoint(d), "--tls-ca", str(pki.server_ca.path)]
         mine = ["--tls-cert", str(pki.alice.cert), "--tls-key", str(pki.alice.key)]
         ok = subprocess.run(
@@ -337,7 +345,7 @@ def test_bench_over_tls_frames_and_https(pki: PKI, tmp_path: Path) -> None:
         ):
             out = tmp_path / "r.json"
             proc = subprocess.run(
-                [sys.executable, "-m", "gateway.cli", "bench", "--endpoint", endpoint,
+                [sys.executable, "-m", "zerolayer.cli.main", "bench", "--endpoint", endpoint,
                  "--num-requests", "6", "--concurrency", "3", "--input-len", "8",
                  "--output-len", "5", "--output", str(out), *tls_opts, *extra],
                 cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -1,8 +1,9 @@
-"""Every door accepts and refuses exactly the same values (gateway.validation, one table).
+"""Every door accepts and refuses exactly the same values (zerolayer.request_path.validation, one
+table).
 
 Each boundary value of each request field goes, against one real daemon (synthetic backend),
-through the frame door (gateway.client: a JSON REQUEST, and a binary REQUEST where the binary
-layout can spell the value) and the HTTP door (the official openai and anthropic SDKs, which
+through the frame door (zerolayer.client.connection: a JSON REQUEST, and a binary REQUEST where the
+binary layout can spell the value) and the HTTP door (the official openai and anthropic SDKs, which
 send these values as given). Expected: served, or refused with the same ErrorCode: an ERROR
 frame carrying it, an HTTP status from the one table with OpenAI's ``error.code`` naming it.
 """
@@ -20,9 +21,9 @@ import openai
 import pytest
 
 from benchmarks._support.daemon import Daemon
-from gateway.client import Client, ServerError
-from gateway.codes import ErrorCode
-from gateway.http.errors import STATUS
+from zerolayer.client import Client, ServerError
+from zerolayer.codes import ErrorCode
+from zerolayer.http.errors import STATUS
 
 MODEL = "synthetic"
 USER = [{"role": "user", "content": "hi"}]

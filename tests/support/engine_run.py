@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gateway.engine.backend import Backend
-from gateway.engine.engine import NOT_FINISHED, Engine, Output, Sequence
-from gateway.engine.prefix_store import PrefixStore
-from gateway.tokenizer import Tokenizer
+from zerolayer.engine.backend import Backend
+from zerolayer.engine.engine import NOT_FINISHED, Engine, Output, Sequence
+from zerolayer.engine.prefix_store import PrefixStore
+from zerolayer.tokenizer import Tokenizer
 
 
 def scramble(backend: Backend) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway import protocol as p
+from zerolayer.frames import protocol as p
 
 REAL_GAP_S = 0.01  # real time between chunks, for the client to read each one on its own
 

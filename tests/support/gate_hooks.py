@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.hooks import CachedResponse, Completion, HookError, hook
+from zerolayer.hooks import CachedResponse, Completion, HookError, hook
 
 GATE: asyncio.Event | None = None
 ANSWER: Any = None  # a CachedResponse (or anything, to make the replay fail), or a HookError

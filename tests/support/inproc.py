@@ -3,14 +3,14 @@ that drive connections byte by byte and step the engine themselves."""
 
 from __future__ import annotations
 
-from gateway.config import Settings
-from gateway.engine.engine import Engine
-from gateway.engine.factory import build_backend
-from gateway.hooks import Chain, Completion
-from gateway.inputs import InputProcessor
-from gateway.lifecycle import RequestPath
-from gateway.ops.metrics import Metrics
-from gateway.server import Connection, Server
+from zerolayer.config.settings import Settings
+from zerolayer.engine.backends.factory import build_backend
+from zerolayer.engine.engine import Engine
+from zerolayer.frames.door import Connection, Server
+from zerolayer.hooks import Chain, Completion
+from zerolayer.ops.metrics import Metrics
+from zerolayer.request_path.inputs import InputProcessor
+from zerolayer.request_path.lifecycle import RequestPath
 
 
 class FakeTransport:

@@ -1,6 +1,6 @@
 """The tests' reference for GGUF tokenizers: llama.cpp's tokenization (src/llama-vocab.cpp) written
 out plainly in Python, one step per step of llama.cpp, slow and independent of the ``tokenizers``
-library that ``gateway.models.gguf_tokenizer`` builds on. And a writer of tokenizer-only GGUF
+library that ``zerolayer.models.gguf_tokenizer`` builds on. And a writer of tokenizer-only GGUF
 files (no tensors) for the tests' vocabularies."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.hooks import HookError, hook
+from zerolayer.hooks import HookError, hook
 
 
 @hook("on_request")

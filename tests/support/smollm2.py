@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gateway.models.bundled import smollm2_gguf
+from zerolayer.models.bundled import smollm2_gguf
 
 # Chat prompts the parity tests decode greedily, and how many tokens at most.
 # Tests on the real model load it (and transformers' reference) once per session: a few seconds

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.engine.admission import QueueShares
+from zerolayer.engine.admission import QueueShares
 
 
 def test_one_flooding_client_leaves_room_for_a_newcomer():

@@ -10,15 +10,15 @@ import math
 import numpy as np
 import pytest
 
-from gateway import protocol as p
-from gateway.bench import BenchOptions, run
-from gateway.bench.cli import verdict
-from gateway.bench.endpoint import EndpointError, parse_endpoint
-from gateway.bench.http import SseState
-from gateway.bench.report import SCHEMA, compare, load
-from gateway.bench.stats import RequestRecord, aggregate, parse_slo
-from gateway.bench.workload import WorkloadError, arrival_offsets, load_file, parse_len
 from tests.support.fake_servers import STYLES, FakeFrameServer, FakeSseServer, ManualClock
+from zerolayer.client.bench import BenchOptions, run
+from zerolayer.client.bench.cli import verdict
+from zerolayer.client.bench.endpoint import EndpointError, parse_endpoint
+from zerolayer.client.bench.http import SseState
+from zerolayer.client.bench.report import SCHEMA, compare, load
+from zerolayer.client.bench.stats import RequestRecord, aggregate, parse_slo
+from zerolayer.client.bench.workload import WorkloadError, arrival_offsets, load_file, parse_len
+from zerolayer.frames import protocol as p
 
 # Two requests with known chunk times (s) and sizes. A: TTFT 100 ms, gaps 50, 100 (a chunk of
 # 3: then 0, 0), 10; TPOT (300-100)/5 = 40; E2E 300. B: TTFT 20 (a chunk of 2: then 0), gap 40;
@@ -176,7 +176,7 @@ def test_report_schema_is_plain_json_with_vllm_names(tmp_path):
 
 def test_plots_are_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    from gateway.bench.plot import plot
+    from zerolayer.client.bench.plot import plot
 
     report, _ = _bench(FakeFrameServer, input_len="3", output_len="6", detailed=True)
     paths = plot(report, tmp_path / "run")

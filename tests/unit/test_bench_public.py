@@ -1,5 +1,5 @@
 """Benchmarks measure the product through its public interfaces: no benchmark imports the tests'
-helpers or a private name of gateway/ or kernels/, reads a private attribute of another object,
+helpers or a private name of the zerolayer package, reads a private attribute of another object,
 or replaces an attribute with setattr (a rename inside the engine must not break a benchmark)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("gateway", "kernels")
+PRODUCT = ("zerolayer",)
 
 
 def _private(name: str) -> bool:
@@ -48,12 +48,12 @@ def test_the_check_catches_each_kind_of_reach():
     source = (
         "from tests.support.x import y\n"
         "import tests.support\n"
-        "from gateway.engine.engine import _one_row\n"
-        "from gateway._private import thing\n"
+        "from zerolayer.engine.engine import _one_row\n"
+        "from zerolayer._private import thing\n"
         "engine._inbox\n"
         "setattr(engine, 'step', f)\n"
         "self._ok\n"
-        "from gateway.engine.engine import Engine\n"
+        "from zerolayer.engine.engine import Engine\n"
         "from benchmarks._support.daemon import Daemon\n"
     )
     assert [v.split(":")[0] for v in violations(source)] == ["1", "2", "3", "4", "5", "6"]

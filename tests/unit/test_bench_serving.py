@@ -77,7 +77,7 @@ def test_paced_pumps_serve_every_token_and_done(threaded: bool):
     import asyncio
 
     from benchmarks._support.pump import Floor
-    from gateway.bench import BenchOptions, run
+    from zerolayer.client.bench import BenchOptions, run
 
     with Floor(2.0, threaded=threaded) as floor:
         opts = BenchOptions(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import COMMANDS, build_parser, generate_request, terminal_safe
+from zerolayer.cli.main import COMMANDS, build_parser, generate_request, terminal_safe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_cli(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *argv],
+        [sys.executable, "-m", "zerolayer.cli.main", *argv],
         cwd=ROOT,
         env={**clean, **env},
         capture_output=True,
@@ -143,7 +143,7 @@ def test_an_unknown_section_in_the_environment_stops_the_start() -> None:
 def test_the_user_error_list_names_real_exception_classes() -> None:
     import importlib
 
-    from gateway.cli import _USER_ERRORS
+    from zerolayer.cli.main import _USER_ERRORS
 
     for module, name in _USER_ERRORS:
         assert issubclass(getattr(importlib.import_module(module), name), Exception)

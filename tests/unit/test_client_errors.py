@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-import gateway.client as zc
-from gateway import protocol as p
-from gateway.codes import ErrorCode
+import zerolayer.client.connection as zc
+from zerolayer.codes import ErrorCode
+from zerolayer.frames import protocol as p
 
 
 def test_every_error_code_has_one_class_written_out_in_the_source() -> None:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.compile_check import add_compile_check_subparser
-from gateway.config import Settings
-from gateway.prompts import system_ids
-from gateway.tokenizer import ByteTokenizer
+from zerolayer.cli.compile_check import add_compile_check_subparser
+from zerolayer.config.settings import Settings
+from zerolayer.request_path.prompts import system_ids
+from zerolayer.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DATED = '{"system":"You are a helpful assistant on {date}"}'
@@ -234,20 +234,20 @@ def run_command(module_args: list[str], stdin: bytes) -> subprocess.CompletedPro
 
 
 def test_process_exit_status_and_output_on_stdin() -> None:
-    bad = run_command(["gateway.compile_check", "-"], DATED.encode())
+    bad = run_command(["zerolayer.cli.compile_check", "-"], DATED.encode())
     assert bad.returncode == 1
     assert bad.stdout.decode().splitlines() == [DATED_ERROR]
-    good = run_command(["gateway.compile_check", "-"], TERSE.encode())
+    good = run_command(["zerolayer.cli.compile_check", "-"], TERSE.encode())
     assert good.returncode == 0, good.stderr
 
 
 def test_zerolayer_command_once_wired() -> None:
-    from gateway.cli import build_parser
+    from zerolayer.cli.main import build_parser
 
     parser = build_parser()
     try:
         parser.parse_args(["compile-check", "-"])
     except SystemExit:
-        pytest.skip("compile-check is not registered in gateway.cli yet")
-    bad = run_command(["gateway.cli", "compile-check", "-"], DATED.encode())
+        pytest.skip("compile-check is not registered in zerolayer.cli.main yet")
+    bad = run_command(["zerolayer.cli.main", "compile-check", "-"], DATED.encode())
     assert (bad.returncode, bad.stdout.decode().splitlines()) == (1, [DATED_ERROR])

@@ -1,5 +1,5 @@
 """The compute thread: the daemon's one thread for torch work (model load, prompt prefill, the
-engine loop), so that torch keeps a single OpenMP team (gateway.engine.compute)."""
+engine loop), so that torch keeps a single OpenMP team (zerolayer.engine.compute)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from gateway.engine.compute import ComputeThread
-from gateway.engine.engine import Engine, Sequence, StepOutput
-from gateway.engine.synthetic import SyntheticBackend
-from gateway.engine.types import SamplingRow
-from gateway.tokenizer import ByteTokenizer
+from zerolayer.engine.backends.synthetic import SyntheticBackend
+from zerolayer.engine.compute import ComputeThread
+from zerolayer.engine.engine import Engine, Sequence, StepOutput
+from zerolayer.engine.types import SamplingRow
+from zerolayer.tokenizer import ByteTokenizer
 
 
 def test_calls_run_in_order_on_one_thread_and_raise_in_the_caller():

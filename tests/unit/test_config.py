@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from benchmarks._support.daemon import ROOT
-from gateway.config import DEFAULT_CONFIG, SMOLLM2_MODEL, ConfigError, load_settings
+from zerolayer.config.settings import DEFAULT_CONFIG, SMOLLM2_MODEL, ConfigError, load_settings
 
 
 def test_default_file_gives_documented_defaults(monkeypatch):
@@ -63,7 +63,7 @@ def test_serve_refuses_bad_config_with_exit_2(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[server]\nport = -5\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+        [sys.executable, "-m", "zerolayer.cli.main", "serve", "--config", str(cfg)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -107,7 +107,7 @@ def test_variables_that_are_not_settings_are_allowed(monkeypatch):
 
 def test_a_missing_default_config_is_an_error_not_a_fall_back(monkeypatch, tmp_path):
     # Regression: a missing configs/default.toml silently meant the built-in defaults.
-    import gateway.config as config
+    import zerolayer.config.settings as config
 
     monkeypatch.setattr(config, "DEFAULT_CONFIGS", (tmp_path / "a.toml", tmp_path / "b.toml"))
     with pytest.raises(ConfigError) as exc:
@@ -121,14 +121,14 @@ def test_a_missing_default_config_is_an_error_not_a_fall_back(monkeypatch, tmp_p
 
 
 def test_the_default_config_is_found_from_any_directory(monkeypatch, tmp_path):
-    from gateway.config import default_config_path
+    from zerolayer.config.settings import default_config_path
 
     monkeypatch.chdir(tmp_path)
     assert default_config_path() == ROOT / "configs" / "default.toml"
 
 
 def test_changed_keys_names_each_difference(tmp_path):
-    from gateway.config import changed_keys
+    from zerolayer.config.settings import changed_keys
 
     old = load_settings(DEFAULT_CONFIG)
     cfg = tmp_path / "c.toml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from benchmarks._support.daemon import ROOT
-from gateway.config import Settings
+from zerolayer.config.settings import Settings
 
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:

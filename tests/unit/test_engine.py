@@ -7,8 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from gateway.engine.backend import Backend, ModelInfo
-from gateway.engine.engine import (
+from zerolayer.engine.backend import Backend, ModelInfo
+from zerolayer.engine.backends.synthetic import SyntheticBackend
+from zerolayer.engine.engine import (
     NO_TOKEN,
     NOT_FINISHED,
     Engine,
@@ -17,10 +18,9 @@ from gateway.engine.engine import (
     Output,
     Sequence,
 )
-from gateway.engine.synthetic import SyntheticBackend
-from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
-from gateway.protocol import FinishReason
-from gateway.tokenizer import ByteTokenizer, Detokenizer
+from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.frames.protocol import FinishReason
+from zerolayer.tokenizer import ByteTokenizer, Detokenizer
 
 TOK = ByteTokenizer()
 
@@ -493,7 +493,7 @@ def test_byte_tokenizer_decode_skips_special_ids_from_lists_and_arrays():
 def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
     """Tokens hashed ahead for unchanged rows equal the per-step hash, also when the positions
     jump, the rows change or a slot is freed and prefilled again."""
-    from gateway.engine.synthetic import synthetic_tokens
+    from zerolayer.engine.backends.synthetic import synthetic_tokens
 
     backend = SyntheticBackend(num_slots=4, vocab_size=300, max_context=512)
     for slot in range(4):
@@ -528,7 +528,8 @@ def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
 def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
     """Chunks fold side by side; the digests and first tokens are those of folding each chunk
     alone, in order, id by id (the reference below)."""
-    from gateway.engine.synthetic import _FOLD, _mix, synthetic_tokens
+    from zerolayer.engine.backends.synthetic import _FOLD, synthetic_tokens
+    from zerolayer.kernels.splitmix import splitmix64 as _mix
 
     def reference(digest: np.ndarray, chunk: PrefillChunk) -> int:
         d0 = 0 if chunk.start == 0 else int(digest[chunk.slot])
@@ -609,7 +610,7 @@ def test_a_backend_failure_of_one_row_ends_only_that_sequence():
 def test_stop_closes_the_backend_on_the_engine_thread():
     import threading
 
-    from gateway.engine.compute import ComputeThread
+    from zerolayer.engine.compute import ComputeThread
 
     closed_on: list[int] = []
 

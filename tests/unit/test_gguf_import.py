@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.config import ModelConfig
-from gateway.models import gguf_import
-from gateway.models.gguf_errors import GGUFImportError
-from gateway.models.gguf_import import ensure_converted, unpermute_rows
-from gateway.models.loader import ModelLoadError, load_model, load_tokenizer
-from kernels.decoder import KVCache
 from tests.support.gguf_files import HEADS, llama_cpp_permute, write_gguf
+from zerolayer.config.settings import ModelConfig
+from zerolayer.models import gguf_import
+from zerolayer.models.decoder import KVCache
+from zerolayer.models.gguf_errors import GGUFImportError
+from zerolayer.models.gguf_import import ensure_converted, unpermute_rows
+from zerolayer.models.loader import ModelLoadError, load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")

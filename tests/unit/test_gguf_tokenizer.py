@@ -1,4 +1,4 @@
-"""GGUF tokenizers (gateway.models.gguf_tokenizer) on real and built vocabularies, written as
+"""GGUF tokenizers (zerolayer.models.gguf_tokenizer) on real and built vocabularies, written as
 GGUF files at test time: ids and text checked against llama.cpp's tokenization (the plain-Python
 reference in tests/support/llama_cpp_vocab.py) and against transformers' tokenizer for the same
 file, where transformers follows the same definition (the module docstring lists where not)."""
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from gateway.models.gguf_errors import GGUFImportError
-from gateway.models.gguf_import import _Fields, _open
-from gateway.models.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer, check_tokenizer
-from gateway.models.hf_tokenizer import HFTokenizer
 from tests.support import llama_cpp_vocab as ref
+from zerolayer.models.gguf_errors import GGUFImportError
+from zerolayer.models.gguf_import import _Fields, _open
+from zerolayer.models.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer, check_tokenizer
+from zerolayer.models.hf_tokenizer import HFTokenizer
 
 # Shared by every vocabulary: digits, whitespace runs, newlines and tabs, leading spaces, CJK,
 # emoji, accents, contractions, punctuation.
@@ -81,7 +81,7 @@ def transformers_tokenizer(path: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[Path, ref.Vocab]:
-    from gateway.models.bundled import BundledModelError, smollm2_gguf
+    from zerolayer.models.bundled import BundledModelError, smollm2_gguf
 
     try:
         path = smollm2_gguf()

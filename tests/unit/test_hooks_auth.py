@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gateway.config import AuthConfig
-from gateway.hooks import (
+from zerolayer.config.hooks import CacheConfig, RateLimitConfig
+from zerolayer.config.settings import AuthConfig
+from zerolayer.hooks import (
     UNAUTHENTICATED,
     Chain,
     HookConfigError,
@@ -19,7 +20,7 @@ from gateway.hooks import (
     Principal,
     RequestContext,
 )
-from gateway.hooks.keys import (
+from zerolayer.hooks.keys import (
     KEY_PREFIX,
     KeysFileError,
     add_key,
@@ -28,7 +29,6 @@ from gateway.hooks.keys import (
     load_keys,
     revoke_key,
 )
-from gateway.hooks.settings import CacheConfig, RateLimitConfig
 
 
 def cli(*argv: str) -> argparse.Namespace:

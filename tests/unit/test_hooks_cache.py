@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import redis
 
-from gateway.config import AuthConfig
-from gateway.hooks import CachedResponse, Chain, Completion, Principal, RequestContext
-from gateway.hooks.cache import ENTRY_OVERHEAD, MemoryCacheStore, RedisCacheStore, cache_key
-from gateway.hooks.settings import CacheConfig, RateLimitConfig
+from zerolayer.config.hooks import CacheConfig, RateLimitConfig
+from zerolayer.config.settings import AuthConfig
+from zerolayer.hooks import CachedResponse, Chain, Completion, Principal, RequestContext
+from zerolayer.hooks.cache import ENTRY_OVERHEAD, MemoryCacheStore, RedisCacheStore, cache_key
 
 IDS = np.array([5, 17, 42, 7], dtype=np.int32)
 TEXT = "héllo wörld"

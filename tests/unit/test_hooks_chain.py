@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gateway.config import AuthConfig
-from gateway.hooks import (
+from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig
+from zerolayer.config.settings import AuthConfig
+from zerolayer.hooks import (
     INTERNAL,
     INVALID_REQUEST,
     RATE_LIMITED,
@@ -25,7 +26,6 @@ from gateway.hooks import (
     RequestContext,
     hook,
 )
-from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,10 @@ def write_module(tmp_path: Path, name: str, body: str) -> str:
 
 def test_builtins_in_order_and_disabled_ones_left_out():
     on = Chain.build(settings())
-    assert on.names == ("gateway.hooks.ratelimit.RateLimiter", "gateway.hooks.cache.ResponseCache")
+    assert on.names == (
+        "zerolayer.hooks.ratelimit.RateLimiter",
+        "zerolayer.hooks.cache.ResponseCache",
+    )
     assert on.records and not on.is_async and not on.auth_required
     off = Chain.build(
         settings(ratelimit=RateLimitConfig(enabled=False), cache=CacheConfig(enabled=False))
@@ -77,7 +80,7 @@ def test_builtins_in_order_and_disabled_ones_left_out():
 
 def test_settings_without_hook_sections_use_defaults():
     chain = Chain.build(SimpleNamespace(auth=AuthConfig()))
-    assert "gateway.hooks.cache.ResponseCache" in chain.names
+    assert "zerolayer.hooks.cache.ResponseCache" in chain.names
 
 
 def test_module_failing_to_import_names_it(tmp_path):
@@ -96,7 +99,7 @@ def test_registration_errors_stop_the_build(tmp_path):
         tmp_path,
         "bad_stage",
         """
-        from gateway.hooks import hook
+        from zerolayer.hooks import hook
         @hook("on_reply")
         def f(ctx): pass
         """,
@@ -107,7 +110,7 @@ def test_registration_errors_stop_the_build(tmp_path):
         tmp_path,
         "bad_arity",
         """
-        from gateway.hooks import hook
+        from zerolayer.hooks import hook
         @hook("on_done")
         def audit(ctx): pass
         """,
@@ -118,7 +121,7 @@ def test_registration_errors_stop_the_build(tmp_path):
         tmp_path,
         "bad_ctor",
         """
-        from gateway.hooks import hook
+        from zerolayer.hooks import hook
         @hook
         class Needy:
             def __init__(self, settings):
@@ -129,7 +132,7 @@ def test_registration_errors_stop_the_build(tmp_path):
     with pytest.raises(HookConfigError, match=r"Needy failed to start: KeyError"):
         Chain.build(settings([ctor]))
     with pytest.raises(HookConfigError, match="built in"):
-        Chain.build(settings(["gateway.hooks.cache"]))
+        Chain.build(settings(["zerolayer.hooks.cache"]))
 
 
 def test_custom_hooks_run_after_builtins_in_listed_order(tmp_path):
@@ -137,7 +140,7 @@ def test_custom_hooks_run_after_builtins_in_listed_order(tmp_path):
         tmp_path,
         "first_hook",
         """
-        from gateway.hooks import hook
+        from zerolayer.hooks import hook
         @hook("on_request")
         def tag(ctx):
             ctx.state.setdefault("seen", []).append("first")
@@ -147,7 +150,7 @@ def test_custom_hooks_run_after_builtins_in_listed_order(tmp_path):
         tmp_path,
         "second_hook",
         """
-        from gateway.hooks import hook, HookError, INVALID_REQUEST
+        from zerolayer.hooks import hook, HookError, INVALID_REQUEST
         @hook("on_request")
         def tag(ctx):
             ctx.state.setdefault("seen", []).append("second")
@@ -170,7 +173,7 @@ def test_a_later_refusal_returns_the_rate_limit_reservation(tmp_path):
         tmp_path,
         "refuser_hook",
         """
-        from gateway.hooks import hook, HookError, INVALID_REQUEST
+        from zerolayer.hooks import hook, HookError, INVALID_REQUEST
         @hook("on_request")
         def refuse_odd(ctx):
             if ctx.max_tokens % 2:
@@ -198,7 +201,7 @@ def test_a_crashing_hook_becomes_internal_and_on_done_never_raises(tmp_path, cap
         tmp_path,
         "crash_hook",
         """
-        from gateway.hooks import hook
+        from zerolayer.hooks import hook
         @hook("on_request")
         def boom(ctx):
             raise ZeroDivisionError("bug")
@@ -221,7 +224,7 @@ def test_async_hooks_make_the_chain_async(tmp_path):
         "async_hook",
         """
         import asyncio
-        from gateway.hooks import hook
+        from zerolayer.hooks import hook
         DONE = []
         @hook("on_request")
         async def slow(ctx):
@@ -257,7 +260,7 @@ def test_async_on_hello_is_refused(tmp_path):
         tmp_path,
         "async_hello",
         """
-        from gateway.hooks import hook
+        from zerolayer.hooks import hook
         @hook("on_hello")
         async def hello(key): return None
         """,
@@ -272,7 +275,7 @@ def test_custom_on_hello_and_cached_response_short_circuit(tmp_path):
         "static_hook",
         """
         import numpy as np
-        from gateway.hooks import hook, Principal, CachedResponse
+        from zerolayer.hooks import hook, Principal, CachedResponse
         @hook("on_hello")
         def hello(key):
             return Principal("robot") if key == b"beep" else None
@@ -335,10 +338,10 @@ def test_hook_decorator_rejects_misuse():
 
 
 def test_builds_from_the_daemon_settings():
-    from gateway.config import Settings
+    from zerolayer.config.settings import Settings
 
     chain = Chain.build(Settings())
-    assert "gateway.hooks.ratelimit.RateLimiter" in chain.names and not chain.auth_required
+    assert "zerolayer.hooks.ratelimit.RateLimiter" in chain.names and not chain.auth_required
 
 
 def test_async_chain_refusals_and_crashes_give_back_the_reservation(tmp_path):
@@ -347,7 +350,7 @@ def test_async_chain_refusals_and_crashes_give_back_the_reservation(tmp_path):
         "async_refuser",
         """
         import asyncio
-        from gateway.hooks import INVALID_REQUEST, HookError, hook
+        from zerolayer.hooks import INVALID_REQUEST, HookError, hook
         @hook("on_request")
         async def refuse(ctx):
             await asyncio.sleep(0)
@@ -393,7 +396,7 @@ def test_a_hook_from_a_file_that_fails_to_start_is_named_by_its_file(tmp_path):
     )
     boom = tmp_path / "boom_hook.py"
     boom.write_text(
-        "from gateway.hooks import hook\n\n@hook\nclass Boom:\n"
+        "from zerolayer.hooks import hook\n\n@hook\nclass Boom:\n"
         "    def __init__(self, settings):\n        raise RuntimeError('no')\n\n"
         "    def on_done(self, ctx, result):\n        pass\n"
     )

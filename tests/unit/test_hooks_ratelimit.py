@@ -14,8 +14,9 @@ import pytest
 import redis
 
 from benchmarks._support.redis_server import RedisServer
-from gateway.config import AuthConfig
-from gateway.hooks import (
+from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig
+from zerolayer.config.settings import AuthConfig
+from zerolayer.hooks import (
     INTERNAL,
     INVALID_REQUEST,
     RATE_LIMITED,
@@ -26,8 +27,7 @@ from gateway.hooks import (
     Principal,
     RequestContext,
 )
-from gateway.hooks.ratelimit import MemoryRateStore, RateLimiter
-from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
+from zerolayer.hooks.ratelimit import MemoryRateStore, RateLimiter
 
 
 class FakeClock:
@@ -306,7 +306,7 @@ def test_unreachable_redis_stops_the_start_and_later_fails_closed():
 def test_redis_reservation_returned_when_a_later_hook_refuses(redis_url, tmp_path):  # noqa: F811
     refuser = tmp_path / "refuse_odd.py"
     refuser.write_text(
-        "from gateway.hooks import hook, HookError, INVALID_REQUEST\n"
+        "from zerolayer.hooks import hook, HookError, INVALID_REQUEST\n"
         '@hook("on_request")\n'
         "def refuse_odd(ctx):\n"
         "    if ctx.max_tokens % 2:\n"

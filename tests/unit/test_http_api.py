@@ -11,11 +11,13 @@ import openai.types as ot
 import openai.types.chat as oc
 import pytest
 
-from gateway.codes import Refusal
-from gateway.engine.step import Logprobs
-from gateway.http import anthropic as an
-from gateway.http import openai as oa
-from gateway.http.errors import (
+from tests.support.rawhttp import sse_events
+from zerolayer.codes import Refusal
+from zerolayer.engine.step import Logprobs
+from zerolayer.frames.protocol import ErrorCode, FinishReason
+from zerolayer.http import anthropic as an
+from zerolayer.http import openai as oa
+from zerolayer.http.errors import (
     ANTHROPIC,
     OPENAI,
     STATUS,
@@ -24,11 +26,9 @@ from gateway.http.errors import (
     http_error,
     status_for,
 )
-from gateway.http.logprobs import TokenLogprobs, TokenStrings
-from gateway.http.reply import Ending
-from gateway.protocol import ErrorCode, FinishReason
-from gateway.tokenizer import ByteTokenizer
-from tests.support.rawhttp import sse_events
+from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
+from zerolayer.http.reply import Ending
+from zerolayer.tokenizer import ByteTokenizer
 
 MODEL = "tiny"
 USER = [{"role": "user", "content": "hi"}]
@@ -601,8 +601,8 @@ def test_messages_refusals_name_the_field(fields, param):  # noqa: ANN001
 
 
 def test_messages_ranges_are_every_doors():
-    # One table for every door (gateway.validation): OpenAI's temperature range and vLLM's
-    # top_k -1 hold on /v1/messages too.
+    # One table for every door (zerolayer.request_path.validation): OpenAI's temperature range and
+    # vLLM's top_k -1 hold on /v1/messages too.
     req = messages(temperature=2.0, top_k=-1).req
     assert (req.temperature, req.top_k) == (2.0, 0)
 

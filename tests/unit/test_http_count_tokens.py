@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import uvloop
 
-from gateway import offload
-from gateway.config import AuthConfig, HttpConfig
-from gateway.engine.engine import Engine
-from gateway.engine.synthetic import SyntheticBackend
-from gateway.hooks import Chain
-from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
-from gateway.http.door import HttpApi
-from gateway.http.server import HttpServer
-from gateway.inputs import InputProcessor, request_body_bound
-from gateway.lifecycle import RequestPath
-from gateway.ops.metrics import Metrics
-from gateway.tokenizer import ByteTokenizer
 from tests.support.rawhttp import RawHttp
+from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig
+from zerolayer.config.settings import AuthConfig, HttpConfig
+from zerolayer.engine.backends.synthetic import SyntheticBackend
+from zerolayer.engine.engine import Engine
+from zerolayer.hooks import Chain
+from zerolayer.http.door import HttpApi
+from zerolayer.http.server import HttpServer
+from zerolayer.ops.metrics import Metrics
+from zerolayer.request_path import offload
+from zerolayer.request_path.inputs import InputProcessor, request_body_bound
+from zerolayer.request_path.lifecycle import RequestPath
+from zerolayer.tokenizer import ByteTokenizer
 
 MAX_CONTEXT = 4096  # a text bound of 64 KiB: room above the 16 KiB inline size
 

@@ -1,6 +1,6 @@
-"""The HTTP/1.1 shell (gateway/http/server.py) over real loopback sockets, with a small test App
-on an in-process uvloop loop: keep-alive, pipelining in order, chunked streams, body limits,
-timeouts, garbage, disconnects. Responses are read with h11, a strict independent parser."""
+"""The HTTP/1.1 shell (gateway/zerolayer/http/server.py) over real loopback sockets, with a small
+test App on an in-process uvloop loop: keep-alive, pipelining in order, chunked streams, body
+limits, timeouts, garbage, disconnects. Responses are read with h11, a strict independent parser."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import time
 import pytest
 import uvloop
 
-from gateway.config import HttpConfig
-from gateway.http.errors import HttpError
-from gateway.http.server import HttpConnection, HttpServer, Incoming
 from tests.support.rawhttp import RawHttp
+from zerolayer.config.settings import HttpConfig
+from zerolayer.http.errors import HttpError
+from zerolayer.http.server import HttpConnection, HttpServer, Incoming
 
 
 class Seen:

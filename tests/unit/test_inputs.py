@@ -1,6 +1,6 @@
-"""The input processor (gateway.inputs) without a server or a connection: what depends on the
-model (vocabulary, context, registered prompts) and tokenization. Field ranges are
-gateway.validation's (tests/unit/test_validation.py)."""
+"""The input processor (zerolayer.request_path.inputs) without a server or a connection: what
+depends on the model (vocabulary, context, registered prompts) and tokenization. Field ranges are
+zerolayer.request_path.validation's (tests/unit/test_validation.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from gateway.codes import ErrorCode, Refusal
-from gateway.engine.backend import ModelInfo
-from gateway.inputs import InputProcessor
-from gateway.prompts import PromptRegistry
-from gateway.request import Request
-from gateway.tokenizer import ByteTokenizer
+from zerolayer.codes import ErrorCode, Refusal
+from zerolayer.engine.backend import ModelInfo
+from zerolayer.request_path.inputs import InputProcessor
+from zerolayer.request_path.prompts import PromptRegistry
+from zerolayer.request_path.request import Request
+from zerolayer.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 INFO = ModelInfo("m", 259, 257, 64)
@@ -210,7 +210,7 @@ def test_a_template_with_tools_renders_them(tmp_path) -> None:
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import models, pre_tokenizers
 
-    from gateway.models.hf_tokenizer import HFTokenizer
+    from zerolayer.models.hf_tokenizer import HFTokenizer
 
     rust = RustTokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
     rust.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.engine.cpu_backend import ATTENTION_BUDGET, CpuBackend, plan_prefill_groups
-from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
-from gateway.models.loader import LoadedModel
-from gateway.tokenizer import ByteTokenizer
-from kernels.architectures import DecoderConfig
-from kernels.decoder import (
+from zerolayer.engine.backends.cpu import ATTENTION_BUDGET, CpuBackend, plan_prefill_groups
+from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.models.architectures import DecoderConfig
+from zerolayer.models.decoder import (
     Decoder,
     DecodeStep,
     KVCache,
@@ -24,6 +22,8 @@ from kernels.decoder import (
     apply_rope,
     attention_bucket,
 )
+from zerolayer.models.loader import LoadedModel
+from zerolayer.tokenizer import ByteTokenizer
 
 CFG = DecoderConfig(
     vocab_size=ByteTokenizer.BASE_VOCAB,

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.config import ModelConfig
-from gateway.engine.cpu_backend import CpuBackend
-from gateway.engine.engine import Sequence
-from gateway.engine.types import SamplingRow
-from gateway.models.loader import load_model
-from kernels.decoder import KVCache
-from kernels.qmatmul import QStack, QWeight
 from tests.support.arch_models import VOCAB, q4_k_m, reference_model, write_gguf
 from tests.support.engine_run import run_engine
+from zerolayer.config.settings import ModelConfig
+from zerolayer.engine.backends.cpu import CpuBackend
+from zerolayer.engine.engine import Sequence
+from zerolayer.engine.types import SamplingRow
+from zerolayer.kernels.qmatmul import QStack, QWeight
+from zerolayer.models.decoder import KVCache
+from zerolayer.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 

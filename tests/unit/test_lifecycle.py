@@ -1,6 +1,6 @@
-"""The request path (gateway.lifecycle) with a recording door, a real engine (synthetic backend,
-stepped by the test), a real hook chain and the in-process rate limiter: every request ends
-exactly once, and the rate-limit reservation follows one policy however it ends."""
+"""The request path (zerolayer.request_path.lifecycle) with a recording door, a real engine
+(synthetic backend, stepped by the test), a real hook chain and the in-process rate limiter: every
+request ends exactly once, and the rate-limit reservation follows one policy however it ends."""
 
 from __future__ import annotations
 
@@ -9,20 +9,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import protocol as p
-from gateway.codes import ErrorCode, FinishReason, Refusal
-from gateway.config import AuthConfig
-from gateway.engine.engine import Engine, StepOutput
-from gateway.engine.synthetic import SyntheticBackend
-from gateway.hooks import CachedResponse, Chain, HookError, Principal
-from gateway.hooks.ratelimit import RateLimiter
-from gateway.hooks.settings import CacheConfig, HooksConfig, RateLimitConfig
-from gateway.inputs import InputProcessor
-from gateway.lifecycle import Phase, RequestPath, Stream, charged_prompt_tokens
-from gateway.ops.metrics import Metrics
-from gateway.tokenizer import ByteTokenizer
-from gateway.validation import validate
 from tests.support import gate_hooks
+from zerolayer.codes import ErrorCode, FinishReason, Refusal
+from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig
+from zerolayer.config.settings import AuthConfig
+from zerolayer.engine.backends.synthetic import SyntheticBackend
+from zerolayer.engine.engine import Engine, StepOutput
+from zerolayer.hooks import CachedResponse, Chain, HookError, Principal
+from zerolayer.hooks.ratelimit import RateLimiter
+from zerolayer.ops.metrics import Metrics
+from zerolayer.request_path.inputs import InputProcessor
+from zerolayer.request_path.lifecycle import RequestPath, charged_prompt_tokens
+from zerolayer.request_path.request import Request
+from zerolayer.request_path.stream import Phase, Stream
+from zerolayer.request_path.validation import validate
+from zerolayer.tokenizer import ByteTokenizer
 
 
 class Door:
@@ -99,8 +100,8 @@ def limiter(path: RequestPath) -> RateLimiter:
     return next(o for o in owners if isinstance(o, RateLimiter))
 
 
-def request(**kw) -> p.Request:
-    return p.Request(max_tokens=kw.pop("max_tokens", 5), prompt_text="hello", **kw)
+def request(**kw) -> Request:
+    return Request(max_tokens=kw.pop("max_tokens", 5), prompt_text="hello", **kw)
 
 
 def run_engine(path: RequestPath, steps: int = 50) -> None:
@@ -110,7 +111,7 @@ def run_engine(path: RequestPath, steps: int = 50) -> None:
             return
 
 
-def open_stream(path: RequestPath, door: Door, key: int, req: p.Request | None = None) -> Stream:
+def open_stream(path: RequestPath, door: Door, key: int, req: Request | None = None) -> Stream:
     st = Stream(door, key, "frames")
     path.open(st, Principal("anonymous"), req or request())
     return st
@@ -214,8 +215,8 @@ def test_a_hook_error_with_an_unknown_code_is_internal_for_that_stream_only() ->
     [("top_k", 2**31), ("top_k", 2**32 - 1), ("temperature", 1e39), ("seed", 2**64)],
 )
 def test_values_the_engine_cannot_hold_are_refused_naming_the_field(field, value) -> None:
-    # Every door's parser ends in gateway.validation.validate; the door hands its refusal to
-    # the path (as the frame server does), and the next request is served.
+    # Every door's parser ends in zerolayer.request_path.validation.validate; the door hands its
+    # refusal to the path (as the frame server does), and the next request is served.
     path, door = make_path(async_gate=False), Door()
     with pytest.raises(Refusal) as err:
         validate(request(**{field: value}))
@@ -280,14 +281,14 @@ def test_a_client_disconnect_counts_as_cancelled_with_the_tokens_sent() -> None:
 def test_a_large_input_cancelled_while_it_is_tokenized_ends_once(monkeypatch) -> None:
     """#25 item 3: an input above the inline size is prepared on the offload pool (phase
     PREPARING); a CANCEL meanwhile ends the stream once, and the prepared result is dropped."""
-    from gateway import offload
+    from zerolayer.request_path import offload
 
     monkeypatch.setattr(offload, "INLINE_BYTES", 8)
 
     async def main() -> None:
         path, door = make_path(async_gate=False), Door()
         st = Stream(door, 1, "frames")
-        path.open(st, Principal("anonymous"), p.Request(max_tokens=5, prompt_text="x" * 100))
+        path.open(st, Principal("anonymous"), Request(max_tokens=5, prompt_text="x" * 100))
         assert st.phase is Phase.PREPARING and door.endings == []
         path.cancel(st)
         assert door.endings == [(1, "done", FinishReason.CANCELLED)]
@@ -295,7 +296,7 @@ def test_a_large_input_cancelled_while_it_is_tokenized_ends_once(monkeypatch) ->
         assert door.endings == [(1, "done", FinishReason.CANCELLED)] and door.ended == [1]
         assert path.engine.idle and st.seq is None
         served = Stream(door, 2, "frames")  # one not cancelled goes on to the engine
-        path.open(served, Principal("anonymous"), p.Request(max_tokens=5, prompt_text="y" * 100))
+        path.open(served, Principal("anonymous"), Request(max_tokens=5, prompt_text="y" * 100))
         await asyncio.gather(*path.hook_tasks)
         assert served.phase is Phase.ENGINE
         run_engine(path)

@@ -1,15 +1,16 @@
-"""n > 1 on the request path (gateway.lifecycle): one request, n choice streams of the door,
-each written separately; the hooks see one request (on_done once, after the last choice, with
-the choices' tokens summed; the prompt charged once); a refusal ends every choice."""
+"""n > 1 on the request path (zerolayer.request_path.lifecycle): one request, n choice streams of
+the door, each written separately; the hooks see one request (on_done once, after the last choice,
+with the choices' tokens summed; the prompt charged once); a refusal ends every choice."""
 
 from __future__ import annotations
 
-from gateway import protocol as p
-from gateway.codes import ErrorCode, FinishReason, Refusal
-from gateway.engine.engine import StepOutput
-from gateway.hooks import Completion, Principal
-from gateway.lifecycle import RequestPath, Stream
 from tests.unit.test_lifecycle import make_path, run_engine
+from zerolayer.codes import ErrorCode, FinishReason, Refusal
+from zerolayer.engine.engine import StepOutput
+from zerolayer.hooks import Completion, Principal
+from zerolayer.request_path.lifecycle import RequestPath
+from zerolayer.request_path.request import Request
+from zerolayer.request_path.stream import Stream
 
 
 class ChoiceDoor:
@@ -73,7 +74,7 @@ def test_three_choices_one_request_for_the_hooks() -> None:
     path, door = make_path(async_gate=False), ChoiceDoor()
     done = recording(path)
     st = Stream(door, 7, "openai")
-    req = p.Request(max_tokens=4, prompt_text="hello", n=2, seed=11, temperature=1.0)
+    req = Request(max_tokens=4, prompt_text="hello", n=2, seed=11, temperature=1.0)
     path.open(st, Principal("anonymous"), req)
     assert st.group is not None and [m.choice for m in st.group] == [0, 1]
     run_engine(path)
@@ -89,7 +90,7 @@ def test_three_choices_one_request_for_the_hooks() -> None:
 def test_a_refusal_ends_every_choice() -> None:
     path, door = make_path(async_gate=False), ChoiceDoor()
     st = Stream(door, 3, "openai")
-    req = p.Request(max_tokens=4, prompt_text="hello", n=2, logit_bias={999: 1.0})
+    req = Request(max_tokens=4, prompt_text="hello", n=2, logit_bias={999: 1.0})
     path.open(st, Principal("anonymous"), req)
     assert sorted(door.endings) == [(3, 0, "error", ErrorCode.INVALID_REQUEST),
                                     (3, 1, "error", ErrorCode.INVALID_REQUEST)]  # fmt: skip
@@ -100,6 +101,6 @@ def test_n_above_the_maximum_is_refused_naming_n() -> None:
     path, door = make_path(async_gate=False), ChoiceDoor()
     path.inputs.max_n = 2
     st = Stream(door, 4, "openai")
-    path.open(st, Principal("anonymous"), p.Request(max_tokens=4, prompt_text="hi", n=3))
+    path.open(st, Principal("anonymous"), Request(max_tokens=4, prompt_text="hi", n=3))
     assert [e[2:] for e in door.endings] == [("error", ErrorCode.INVALID_REQUEST)] * 3
     assert all(m.startswith("n must be at most 2") for m in door.messages)

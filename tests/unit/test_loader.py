@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gateway.config import BUILTIN_MODEL, EngineConfig, ModelConfig
-from gateway.engine.cpu_backend import create_cpu_backend
-from gateway.engine.types import PrefillChunk, SamplingRow
-from gateway.models import HFTokenizer, ModelLoadError, builtin, load_checkpoint, load_model
-from gateway.tokenizer import ByteTokenizer
-from kernels.architectures import DecoderConfig
-from kernels.decoder import Decoder
+from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
+from zerolayer.engine.backends.cpu import create_cpu_backend
+from zerolayer.engine.types import PrefillChunk, SamplingRow
+from zerolayer.models import HFTokenizer, ModelLoadError, builtin, load_checkpoint, load_model
+from zerolayer.models.architectures import DecoderConfig
+from zerolayer.models.decoder import Decoder
+from zerolayer.tokenizer import ByteTokenizer
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -24,10 +24,14 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.config import EngineConfig, ModelConfig
-from gateway.engine.engine import NO_TOKEN, Engine, Sequence
-from gateway.engine.neuron_backend import NeuronBackend, NeuronBackendError, create_neuron_backend
-from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.config.settings import EngineConfig, ModelConfig
+from zerolayer.engine.backends.neuron import (
+    NeuronBackend,
+    NeuronBackendError,
+    create_neuron_backend,
+)
+from zerolayer.engine.engine import NO_TOKEN, Engine, Sequence
+from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
 
 VOCAB = 64
 REPO = Path(__file__).resolve().parents[2]
@@ -293,7 +297,7 @@ def decode_batch(rows: list[tuple[int, int, int]], **sampling: Any) -> DecodeBat
 
 def test_module_imports_without_neuron_packages() -> None:
     code = (
-        "import sys, gateway.engine.neuron_backend\n"
+        "import sys, zerolayer.engine.backends.neuron\n"
         "heavy = ('transformers_neuronx', 'torch_neuronx', 'torch')\n"
         "bad = [m for m in heavy if m in sys.modules]\n"
         "assert not bad, bad\n"
@@ -409,8 +413,8 @@ def test_families_without_a_neuronx_class_are_refused_clearly(
 
 
 def test_every_family_is_either_served_or_refused_by_name() -> None:
-    from gateway.engine.neuron_backend import CPU_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
-    from kernels.architectures import ARCHITECTURES
+    from zerolayer.engine.backends.neuron import CPU_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+    from zerolayer.models.architectures import ARCHITECTURES
 
     named = {a.hf_class for a in ARCHITECTURES.values()}
     assert named == set(SUPPORTED_ARCHITECTURES) | set(CPU_ONLY_ARCHITECTURES)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.config import ServerConfig, Settings, load_settings
-from gateway.ops.metrics import Metrics
-from gateway.ops.neuron_monitor import NeuronMonitorExporter
+from zerolayer.config.settings import ServerConfig, Settings, load_settings
+from zerolayer.ops.metrics import Metrics
+from zerolayer.ops.neuron_monitor import NeuronMonitorExporter
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -7,10 +7,10 @@ import io
 import json
 import logging
 
-from gateway.http.errors import ANTHROPIC, OPENAI, HttpError, error_body
-from gateway.ops.escape import client_text
-from gateway.ops.logging import LogThrottle, setup_logging
-from gateway.protocol import encode_error
+from zerolayer.frames.protocol import encode_error
+from zerolayer.http.errors import ANTHROPIC, OPENAI, HttpError, error_body
+from zerolayer.ops.escape import client_text
+from zerolayer.ops.logging import LogThrottle, setup_logging
 
 
 def test_client_text_escapes_surrogates_and_controls_only():
@@ -53,8 +53,10 @@ def test_a_prompt_token_id_of_2_63_is_reported_as_out_of_range():
     """Issue #25 item 8: not "must be >= 0" for a number that is positive."""
     import pytest
 
-    from gateway.http import openai
+    from zerolayer.http import openai
 
-    with pytest.raises(Exception) as exc:  # the door's refusal type (gateway.validation)
+    with pytest.raises(
+        Exception
+    ) as exc:  # the door's refusal type (zerolayer.request_path.validation)
         openai.parse_completion(b'{"model":"m","prompt":[9223372036854775808]}', "m")
     assert "must be in [0, 2147483647]" in str(exc.value)

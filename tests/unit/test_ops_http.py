@@ -1,4 +1,4 @@
-"""The metrics/health HTTP server: Prometheus text, and probes that follow gateway.ops.readiness
+"""The metrics/health HTTP server: Prometheus text, and probes that follow zerolayer.ops.readiness
 (503 with the reason in the body, from start-up on)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.ops.health import HttpServerHandle, start_http_server
-from gateway.ops.metrics import Metrics
-from gateway.ops.readiness import Health, StorePing
+from zerolayer.ops.health import HttpServerHandle, start_http_server
+from zerolayer.ops.metrics import Metrics
+from zerolayer.ops.readiness import Health, StorePing
 
 
 class Flags:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.ops.logging import REQUEST_LOG, setup_logging
+from zerolayer.ops.logging import REQUEST_LOG, setup_logging
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +99,7 @@ FIELDS = {"frame": "127.0.0.1:7070", "metrics": "127.0.0.1:9464", "model": "m", 
 
 def test_announce_is_written_whatever_the_level_in_both_formats() -> None:
     from benchmarks._support.daemon import listening_fields
-    from gateway.ops.logging import announce
+    from zerolayer.ops.logging import announce
 
     for json_lines in (False, True):
         out = io.StringIO()
@@ -127,7 +127,7 @@ def test_warnings_and_uncaught_thread_errors_are_json_lines() -> None:
     # In a fresh interpreter: pytest replaces warning and thread-exception hooks of its own.
     script = """
 import threading, warnings
-from gateway.ops.logging import setup_logging
+from zerolayer.ops.logging import setup_logging
 setup_logging("info", json_lines=True)
 warnings.warn("old knob", UserWarning)
 t = threading.Thread(target=lambda: 1 / 0)

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.ops.metrics import APIS, ERROR_CODES, FINISH_REASONS, FRAME_TYPES, Metrics
+from zerolayer.ops.metrics import APIS, ERROR_CODES, FINISH_REASONS, FRAME_TYPES, Metrics
 
 
 @pytest.fixture
@@ -172,9 +172,9 @@ def test_render_lists_every_family(m: Metrics) -> None:
 
 
 def test_label_values_are_the_documented_wire_names() -> None:
-    """The label tables are derived from gateway.codes; these are the names dashboards and
+    """The label tables are derived from zerolayer.codes; these are the names dashboards and
     docs/metrics.md use, and the wire values DONE carries for them."""
-    from gateway.codes import DONE_REASONS
+    from zerolayer.codes import DONE_REASONS
 
     assert FINISH_REASONS == ("eos", "max_tokens", "stop", "cancelled")
     assert [int(r) for r in DONE_REASONS] == [0, 1, 2, 3]
@@ -183,7 +183,7 @@ def test_label_values_are_the_documented_wire_names() -> None:
 
 
 def test_enum_and_name_aliases(m: Metrics) -> None:
-    from gateway.protocol import ErrorCode, FinishReason, FrameType
+    from zerolayer.frames.protocol import ErrorCode, FinishReason, FrameType
 
     m.request_finished(FinishReason.STOP, 1, 1, 0.0, 0.0, 0.0)
     m.request_finished("STOP", 1, 1, 0.0, 0.0, 0.0)

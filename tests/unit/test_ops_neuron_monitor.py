@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.ops.neuron_monitor import (
+from zerolayer.ops.neuron_monitor import (
     NeuronMonitor,
     NeuronMonitorExporter,
     next_backoff,

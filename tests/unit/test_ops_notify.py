@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.ops.notify import Notifier, notify, watchdog_interval
+from zerolayer.ops.notify import Notifier, notify, watchdog_interval
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.config import ServerConfig
-from gateway.ops import sockets
-from gateway.ops.sockets import apply_socket_options, make_listen_socket
+from zerolayer.config.settings import ServerConfig
+from zerolayer.ops import sockets
+from zerolayer.ops.sockets import apply_socket_options, make_listen_socket
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux socket options")
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks._support.certs import CA
-from gateway.config import AuthConfig, ConfigError, TLSConfig, load_settings
-from gateway.hooks import Chain
-from gateway.hooks.keys import KeysFileError, add_key, load_keys, revoke_key
-from gateway.hooks.settings import CacheConfig, RateLimitConfig
-from gateway.ops.tls import ALPN_FRAME, ALPN_HTTP, TLSConfigError, peer_names, server_tls
+from zerolayer.config.hooks import CacheConfig, RateLimitConfig
+from zerolayer.config.settings import AuthConfig, ConfigError, TLSConfig, load_settings
+from zerolayer.hooks import Chain
+from zerolayer.hooks.keys import KeysFileError, add_key, load_keys, revoke_key
+from zerolayer.ops.tls import ALPN_FRAME, ALPN_HTTP, TLSConfigError, peer_names, server_tls
 
 
 def test_tls_section_defaults_env_and_validation(tmp_path, monkeypatch):

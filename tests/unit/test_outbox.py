@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gateway.engine.outbox import Outbox
-from gateway.engine.step import StepOutput
+from zerolayer.engine.outbox import Outbox
+from zerolayer.engine.step import StepOutput
 
 
 def test_bound_is_hard_and_steps_arrive_in_order_in_few_batches() -> None:

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.config import ModelConfig
-from gateway.engine.cpu_backend import CpuBackend
-from gateway.engine.engine import Sequence
-from gateway.engine.types import SamplingRow
-from gateway.models import load_checkpoint
-from gateway.models.loader import load_model
-from kernels.decoder import KVCache
 from tests.support.arch_models import CASES, VOCAB, reference_model, write_checkpoint, write_gguf
 from tests.support.engine_run import run_engine
+from zerolayer.config.settings import ModelConfig
+from zerolayer.engine.backends.cpu import CpuBackend
+from zerolayer.engine.engine import Sequence
+from zerolayer.engine.types import SamplingRow
+from zerolayer.models import load_checkpoint
+from zerolayer.models.decoder import KVCache
+from zerolayer.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,7 +114,7 @@ def test_greedy_ids_through_the_engine_identical(pair, streams: int) -> None:
 
 
 def test_cases_cover_every_architecture() -> None:
-    from kernels.architectures import ARCHITECTURES
+    from zerolayer.models.architectures import ARCHITECTURES
 
     covered = {getattr(transformers, c.config_class).model_type for c in CASES.values()}
     assert covered == set(ARCHITECTURES)

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.config import EngineConfig, ModelConfig
-from gateway.engine.backend import Backend, ModelInfo
-from gateway.engine.engine import Sequence
-from gateway.engine.prefix_store import BLOCK_TOKENS, PrefixStore
-from gateway.engine.synthetic import SyntheticBackend
-from gateway.engine.types import PrefillChunk, SamplingRow
-from gateway.tokenizer import ByteTokenizer, Tokenizer
 from tests.support.checkpoint import checkpoint_backend
 from tests.support.engine_run import run_engine
 from tests.support.smollm2 import data_dir_of
+from zerolayer.config.settings import EngineConfig, ModelConfig
+from zerolayer.engine.backend import Backend, ModelInfo
+from zerolayer.engine.backends.synthetic import SyntheticBackend
+from zerolayer.engine.engine import Sequence
+from zerolayer.engine.prefix_store import BLOCK_TOKENS, PrefixStore
+from zerolayer.engine.types import PrefillChunk, SamplingRow
+from zerolayer.tokenizer import ByteTokenizer, Tokenizer
 
 B = BLOCK_TOKENS
 TOK = ByteTokenizer()
@@ -263,7 +263,7 @@ def test_identical_outputs_with_and_without_reuse_on_synthetic() -> None:
 def builtin(smollm2_dir: Path):
     """The default model (SmolLM2 since model.path defaults to it), on the session's
     conversion."""
-    from gateway.engine.cpu_backend import create_cpu_backend
+    from zerolayer.engine.backends.cpu import create_cpu_backend
 
     engine_cfg = EngineConfig(max_batch_size=2, max_context=512, prefill_chunk=24)
     return create_cpu_backend(ModelConfig(data_dir=data_dir_of(smollm2_dir)), engine_cfg)
@@ -298,8 +298,8 @@ def test_identical_outputs_with_and_without_reuse_on_a_transformers_checkpoint(
 
 
 def test_the_daemon_builds_a_store_only_where_reuse_happens() -> None:
-    from gateway.config import Settings
-    from gateway.engine.factory import build_prefix_store
+    from zerolayer.config.settings import Settings
+    from zerolayer.engine.backends.factory import build_prefix_store
 
     def settings(**engine) -> Settings:
         return Settings(engine=EngineConfig(backend="synthetic", **engine))
@@ -316,7 +316,7 @@ def test_the_daemon_builds_a_store_only_where_reuse_happens() -> None:
 
 
 def test_the_engine_prefills_only_what_the_store_does_not_have() -> None:
-    from gateway.engine.engine import Engine
+    from zerolayer.engine.engine import Engine
 
     backend = synthetic()
     store = PrefixStore(backend, 1 << 20)

@@ -12,27 +12,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.config import BUILTIN_MODEL, EngineConfig, ModelConfig
-from gateway.engine.backend import Backend, ModelInfo
-from gateway.engine.engine import Sequence
-from gateway.engine.prefix_store import BLOCK_TOKENS, PrefixStore
-from gateway.engine.synthetic import SyntheticBackend
-from gateway.engine.types import DecodeBatch, PrefillChunk, SamplingRow
-from gateway.prompts import (
+from tests.support.checkpoint import SPECIAL, checkpoint_backend
+from tests.support.engine_run import run_engine
+from zerolayer.config.prompts import PromptEntry, resolve_prompt_files
+from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
+from zerolayer.engine.backend import Backend, ModelInfo
+from zerolayer.engine.backends.synthetic import SyntheticBackend
+from zerolayer.engine.engine import Sequence
+from zerolayer.engine.prefix_store import BLOCK_TOKENS, PrefixStore
+from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.request_path.prompts import (
     MAX_PROMPT_CHARS,
     CompiledPrompt,
     PromptConfigError,
-    PromptEntry,
     PromptRegistry,
     dynamic_variable,
     extends,
-    resolve_prompt_files,
     system_ids,
     text_problems,
 )
-from gateway.tokenizer import ByteTokenizer, Tokenizer
-from tests.support.checkpoint import SPECIAL, checkpoint_backend
-from tests.support.engine_run import run_engine
+from zerolayer.tokenizer import ByteTokenizer, Tokenizer
 
 TOK = ByteTokenizer()
 SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise."
@@ -277,7 +276,8 @@ class NoPrefixBackend(Backend):
 
 
 def test_backend_without_prefix_support_is_refused_only_with_prompts() -> None:
-    # A backend that cannot save KV gets no store (gateway.engine.factory.build_prefix_store).
+    # A backend that cannot save KV gets no store
+    # (zerolayer.engine.backends.factory.build_prefix_store).
     with pytest.raises(
         PromptConfigError, match="precompiled prompts are not supported by the neuron backend"
     ):
@@ -303,7 +303,7 @@ def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def builtin(builtin_dir: Path):
-    from gateway.engine.cpu_backend import create_cpu_backend
+    from zerolayer.engine.backends.cpu import create_cpu_backend
 
     engine_cfg = EngineConfig(
         max_batch_size=2, max_context=512, prefill_chunk=16, max_step_tokens=64
@@ -442,9 +442,9 @@ def test_registered_prompt_output_is_identical_to_inline_on_a_transformers_check
 
 
 def test_prompts_are_listed_on_the_metrics_port() -> None:
-    from gateway.ops.health import start_http_server
-    from gateway.ops.metrics import Metrics
-    from gateway.ops.readiness import Health
+    from zerolayer.ops.health import start_http_server
+    from zerolayer.ops.metrics import Metrics
+    from zerolayer.ops.readiness import Health
 
     reg = build([{"id": 9, "name": "b", "text": "B."}, {"id": 4, "name": "a", "text": SYSTEM}])
     reg.compile(synthetic_store(1))

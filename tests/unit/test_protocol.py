@@ -1,5 +1,6 @@
-"""Unit tests of the frame codec (gateway/protocol.py): round trips, incremental decoding, zero-copy
-views, every header and payload rule of docs/protocol.md, and the hot-path packers."""
+"""Unit tests of the frame codec (gateway/zerolayer/frames/protocol.py): round trips, incremental
+decoding, zero-copy views, every header and payload rule of docs/protocol.md, and the hot-path
+packers."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import struct
 import numpy as np
 import pytest
 
-from gateway import protocol as p
-from gateway.codes import Refusal
-from gateway.protocol import ErrorCode, FinishReason, FrameType, ProtocolError
-from gateway.request import Request
+from zerolayer.codes import Refusal
+from zerolayer.frames import protocol as p
+from zerolayer.frames import requests
+from zerolayer.frames.protocol import ErrorCode, FinishReason, FrameType, ProtocolError
+from zerolayer.request_path.request import Request
 
 HDR = struct.Struct("<IBBHI")
 MAX = 1 << 20
@@ -87,14 +89,14 @@ def binary_payload(
 def request_error(payload: memoryview | bytes, flags: int = 0) -> Refusal:
     """A REQUEST payload refused: the stream ends in INVALID_REQUEST, never the connection."""
     with pytest.raises(Refusal) as exc:
-        p.parse_request(flags, memoryview(payload))
+        requests.parse_request(flags, memoryview(payload))
     assert exc.value.code == ErrorCode.INVALID_REQUEST
     return exc.value
 
 
 def parse_json(obj: object) -> Request:
     body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-    return p.parse_request(p.FLAG_JSON, memoryview(body))
+    return requests.parse_request(p.FLAG_JSON, memoryview(body))
 
 
 def json_error(obj: object) -> Refusal:
@@ -111,7 +113,7 @@ def test_round_trip_binary_request_token_ids() -> None:
     )
     ftype, flags, stream, payload = decode_one("server", wire)
     assert (ftype, flags, stream) == (FrameType.REQUEST, 0, 5)
-    req = p.parse_request(flags, payload)
+    req = requests.parse_request(flags, payload)
     assert req.max_tokens == 12 and req.top_k == 3 and req.prompt_id == 4
     assert req.seed == 0  # seed 0 with the seed bit set is a real seed, not "none"
     assert req.stop_ids.tolist() == [9, 10]
@@ -123,14 +125,14 @@ def test_round_trip_binary_request_text_prompt() -> None:
     wire = p.encode_request(
         1, "héllo ✓", 3, temperature=0.25, top_p=0.5, seed=2**64 - 1, text_deltas=True
     )
-    req = p.parse_request(0, decode_one("server", wire)[3])
+    req = requests.parse_request(0, decode_one("server", wire)[3])
     assert req.prompt_text == "héllo ✓" and req.prompt_ids is None
     assert (req.temperature, req.top_p, req.seed, req.want_text) == (0.25, 0.5, 2**64 - 1, True)
     assert req.stop_ids.dtype == np.int32 and len(req.stop_ids) == 0
 
 
 def test_round_trip_binary_request_bytes_prompt_is_text() -> None:
-    req = p.parse_request(0, decode_one("server", p.encode_request(2, b"abc", 1))[3])
+    req = requests.parse_request(0, decode_one("server", p.encode_request(2, b"abc", 1))[3])
     assert req.prompt_text == "abc"
 
 
@@ -152,7 +154,7 @@ def test_round_trip_json_request() -> None:
     }
     ftype, flags, stream, payload = decode_one("server", p.encode_json_request(11, body))
     assert (ftype, flags, stream) == (FrameType.REQUEST, p.FLAG_JSON, 11)
-    req = p.parse_request(flags, payload)
+    req = requests.parse_request(flags, payload)
     assert req.want_text
     assert req.messages == body["messages"] and req.system == "You are terse."
     assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (64, 0.7, 0.9, 50)
@@ -377,7 +379,7 @@ def test_token_ids_are_int32_views() -> None:
 def test_request_prompt_ids_are_copied_out_of_the_buffer() -> None:
     # The receive buffer is reused; a parsed Request must not alias it.
     payload = decode_one("server", p.encode_request(1, [4, 5, 6], 2, stop_ids=[8]))[3]
-    req = p.parse_request(0, payload)
+    req = requests.parse_request(0, payload)
     raw_bytes = np.frombuffer(payload, dtype=np.uint8)
     assert not np.shares_memory(req.prompt_ids, raw_bytes)
     assert not np.shares_memory(req.stop_ids, raw_bytes)
@@ -552,7 +554,7 @@ def test_request_n_stop_does_not_fit(n_stop: int, tail: bytes) -> None:
 
 
 def test_request_n_stop_exactly_fits_with_prompt_id() -> None:
-    req = p.parse_request(0, binary_payload(n_stop=2, prompt_id=3, tail=bytes(8)))
+    req = requests.parse_request(0, binary_payload(n_stop=2, prompt_id=3, tail=bytes(8)))
     assert req.stop_ids.tolist() == [0, 0] and len(req.prompt_ids) == 0
 
 
@@ -570,7 +572,7 @@ def test_request_invalid_utf8_text(tail: bytes) -> None:
 @pytest.mark.parametrize("options", [0, p.OPT_TEXT_PROMPT])
 def test_request_empty_prompt_without_prompt_id(options: int) -> None:
     request_error(binary_payload(options=options, tail=b""))
-    req = p.parse_request(0, binary_payload(options=options, tail=b"", prompt_id=1))
+    req = requests.parse_request(0, binary_payload(options=options, tail=b"", prompt_id=1))
     assert req.prompt_id == 1
 
 
@@ -585,8 +587,8 @@ def test_request_bad_top_p(top_p: float) -> None:
 
 
 def test_request_seed_ignored_without_option_bit() -> None:
-    assert p.parse_request(0, binary_payload(seed=77)).seed is None
-    assert p.parse_request(0, binary_payload(seed=77, options=p.OPT_SEED)).seed == 77
+    assert requests.parse_request(0, binary_payload(seed=77)).seed is None
+    assert requests.parse_request(0, binary_payload(seed=77, options=p.OPT_SEED)).seed == 77
 
 
 def test_request_refusal_names_its_field() -> None:
@@ -698,7 +700,8 @@ def test_json_seed_in_range(seed: int) -> None:
 
 
 def test_json_nulls_are_absent_and_minus_one_top_k_is_off() -> None:
-    # The JSON conventions of every door (gateway.validation): null = absent, top_k -1 = off.
+    # The JSON conventions of every door (zerolayer.request_path.validation): null = absent, top_k
+    # -1 = off.
     req = parse_json(
         {"max_tokens": 1, "prompt": "x", "temperature": None, "seed": None, "top_k": -1}
     )
@@ -839,11 +842,11 @@ def test_protocol_error_fields() -> None:
 
 def test_request_cache_bypass_bit_and_json_key() -> None:
     binary = p.encode_request(1, "Hi", 4, cache=False)
-    assert p.parse_request(0, memoryview(binary)[p.HEADER.size :]).use_cache is False
+    assert requests.parse_request(0, memoryview(binary)[p.HEADER.size :]).use_cache is False
     plain = p.encode_request(1, "Hi", 4)
-    assert p.parse_request(0, memoryview(plain)[p.HEADER.size :]).use_cache is True
+    assert requests.parse_request(0, memoryview(plain)[p.HEADER.size :]).use_cache is True
     for value, want in ((False, False), (True, True)):
         body = json.dumps({"max_tokens": 4, "prompt": "Hi", "cache": value}).encode()
-        assert p.parse_request(p.FLAG_JSON, memoryview(body)).use_cache is want
+        assert requests.parse_request(p.FLAG_JSON, memoryview(body)).use_cache is want
     body = json.dumps({"max_tokens": 4, "prompt": "Hi", "cache": 0}).encode()
     assert "cache" in request_error(body, flags=p.FLAG_JSON).message

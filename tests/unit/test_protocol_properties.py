@@ -16,13 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks._support.fuzzframes import corpus_files, read_corpus
-from gateway import protocol as p
-from gateway.codes import DONE_REASONS, Refusal
-from gateway.engine.backend import ModelInfo
-from gateway.engine.types import SamplingRow
-from gateway.inputs import InputProcessor
-from gateway.protocol import ErrorCode, FrameType, ProtocolError
-from gateway.tokenizer import ByteTokenizer
+from zerolayer.codes import DONE_REASONS, Refusal
+from zerolayer.engine.backend import ModelInfo
+from zerolayer.engine.types import SamplingRow
+from zerolayer.frames import protocol as p
+from zerolayer.frames import requests
+from zerolayer.frames.protocol import ErrorCode, FrameType, ProtocolError
+from zerolayer.request_path.inputs import InputProcessor
+from zerolayer.request_path.request import Request
+from zerolayer.tokenizer import ByteTokenizer
 
 MAX = 1 << 20
 U16 = 2**16 - 1
@@ -38,7 +40,7 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 Case = tuple[bytes, tuple[Any, ...]]
 
 
-def request_fields(req: p.Request) -> tuple[Any, ...]:
+def request_fields(req: Request) -> tuple[Any, ...]:
     return (
         req.max_tokens,
         req.temperature,
@@ -59,7 +61,7 @@ def request_fields(req: p.Request) -> tuple[Any, ...]:
 def decoded(ftype: int, flags: int, stream: int, payload: memoryview) -> tuple[Any, ...]:
     """What a receiver learns from one frame, through the public parsers."""
     if ftype == FrameType.REQUEST:
-        body: Any = request_fields(p.parse_request(flags, payload))
+        body: Any = request_fields(requests.parse_request(flags, payload))
     elif ftype == FrameType.TOKEN:
         ids, text = p.parse_token(payload)
         body = (tuple(ids.tolist()), text)
@@ -85,7 +87,9 @@ def decoded(ftype: int, flags: int, stream: int, payload: memoryview) -> tuple[A
 
 # ------------------------------------------------------------------------ valid frame strategies
 
-f32_temperature = st.floats(min_value=0, max_value=2, width=32)  # gateway.validation's range
+f32_temperature = st.floats(
+    min_value=0, max_value=2, width=32
+)  # zerolayer.request_path.validation's range
 f32_top_p = st.floats(min_value=0, max_value=1, exclude_min=True, width=32)
 text = st.text(max_size=40)  # hypothesis' default alphabet has no lone surrogates
 
@@ -370,7 +374,7 @@ def test_payload_parsers_raise_only_protocol_error(payload: bytes) -> None:
             parse(memoryview(payload))
     for flags in (0, p.FLAG_JSON):
         try:
-            p.parse_request(flags, memoryview(payload))
+            requests.parse_request(flags, memoryview(payload))
         except Refusal as exc:
             assert exc.code == ErrorCode.INVALID_REQUEST
 
@@ -394,7 +398,7 @@ def test_binary_request_with_random_fields_raises_only_invalid_request(
 ) -> None:
     payload = memoryview(p.REQUEST_FIXED.pack(*fixed) + tail)
     try:
-        req = p.parse_request(0, payload)
+        req = requests.parse_request(0, payload)
     except Refusal as exc:
         assert exc.code == ErrorCode.INVALID_REQUEST
     else:
@@ -419,12 +423,12 @@ EDGE_VALUES = st.sampled_from(
     + ["", "x", [], [""], {}, True, None, [{"role": "user", "content": 1}]]
 )
 # The protocol's JSON REQUEST keys (sorted: hypothesis needs a stable order), and a message's.
-REQUEST_KEYS = [*sorted(p.JSON_KEYS), "role", "content"]
+REQUEST_KEYS = [*sorted(requests.JSON_KEYS), "role", "content"]
 
 
 def parse_json_fuzzed(body: bytes) -> None:
     try:
-        p.parse_request(p.FLAG_JSON, memoryview(body))
+        requests.parse_request(p.FLAG_JSON, memoryview(body))
     except Refusal as exc:
         assert exc.code == ErrorCode.INVALID_REQUEST
 
@@ -471,7 +475,7 @@ def test_json_request_with_a_lone_surrogate_is_invalid(case: Case, at: int) -> N
     pos = starts[at % len(starts)]
     bad = (body[:pos] + "\\ud800" + body[pos:]).encode("ascii")
     try:
-        p.parse_request(p.FLAG_JSON, memoryview(bad))
+        requests.parse_request(p.FLAG_JSON, memoryview(bad))
     except Refusal as exc:
         assert exc.code == ErrorCode.INVALID_REQUEST
     else:
@@ -491,7 +495,8 @@ def _find_all(text: str, needle: str) -> list[int]:
 # The engine keeps each running request's sampling in fixed-width columns (float32 temperature
 # and top_p, int32 top_k, uint64 seed). Whatever the parser and the input processor accept must
 # fit them: a value that did not failed the engine step for every stream in flight and leaked a
-# slot (found by benchmarks/fuzz.py: top_k >= 2**31; fixed in gateway/inputs.py).
+# slot (found by benchmarks/fuzz.py: top_k >= 2**31; fixed in
+# gateway/zerolayer/request_path/inputs.py).
 INFO = ModelInfo("m", 259, 257, 4096)
 
 
@@ -527,7 +532,7 @@ def test_what_the_request_path_accepts_fits_the_engine_columns(
         fixed = p.REQUEST_FIXED.pack(1, t32, p32, top_k, seed or 0, 0, 0, options)
         payload, flags = fixed + b"\x01\x00\x00\x00", 0
     try:
-        req = p.parse_request(flags, memoryview(payload))
+        req = requests.parse_request(flags, memoryview(payload))
         prepared = InputProcessor(ByteTokenizer(), INFO).prepare(req)
     except Refusal as exc:
         assert exc.code == ErrorCode.INVALID_REQUEST

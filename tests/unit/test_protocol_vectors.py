@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gateway import protocol as p
-from gateway.protocol import ErrorCode, FrameType, ProtocolError
+from zerolayer.frames import protocol as p
+from zerolayer.frames import requests
+from zerolayer.frames.protocol import ErrorCode, FrameType, ProtocolError
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
@@ -171,7 +172,7 @@ def check_decoded(f: dict[str, Any], ftype: int, flags: int, stream: int, payloa
     assert FrameType(ftype).name == kind
     assert stream == f["stream"]
     if kind == "REQUEST":
-        req = p.parse_request(flags, payload)
+        req = requests.parse_request(flags, payload)
         if "json" in f:
             obj = f["json"]
             assert flags == p.FLAG_JSON and req.want_text

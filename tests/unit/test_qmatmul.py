@@ -19,14 +19,14 @@ import torch.nn.functional as F
 from torch.utils import cpp_extension
 
 from benchmarks._support import kquants
-from gateway.config import ModelConfig
-from gateway.models.gguf_blocks import BLOCKS_FILE, read_blocks
-from gateway.models.gguf_import import ensure_converted
-from gateway.models.loader import load_model, weight_files
-from kernels import qmatmul
-from kernels.decoder import Decoder, KVCache
-from kernels.qmatmul import QStack, QWeight
 from tests.support.gguf_files import write_gguf
+from zerolayer.config.settings import ModelConfig
+from zerolayer.kernels import qmatmul
+from zerolayer.kernels.qmatmul import QStack, QWeight
+from zerolayer.models.decoder import Decoder, KVCache
+from zerolayer.models.gguf_blocks import BLOCKS_FILE, read_blocks
+from zerolayer.models.gguf_import import ensure_converted
+from zerolayer.models.loader import load_model, weight_files
 
 KINDS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 K_KINDS = ["Q4_K", "Q5_K", "Q6_K"]  # super-blocks of 256 weights

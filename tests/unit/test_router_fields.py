@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from gateway.codes import Refusal
-from gateway.http import openai as oa
-from gateway.http.fields import ROUTER_DEFAULTS
+from zerolayer.codes import Refusal
+from zerolayer.http import openai as oa
+from zerolayer.http.fields import ROUTER_DEFAULTS
 
 MODEL = "m"
 # The bodies vllm-router 0.1.17 forwarded for `{"model", "messages"|"prompt", "stream": true}`.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.sampling import Sampler, sample_with_uniforms, seeded_uniform, splitmix64
+from zerolayer.engine.sampling import Sampler, sample_with_uniforms, seeded_uniform, splitmix64
 
 VOCAB = 500
 

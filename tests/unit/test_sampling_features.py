@@ -1,5 +1,5 @@
-"""Sampling features (kernels.sampling): penalties, logit_bias, min_tokens, grammar masks and
-logprobs, batched per row, checked against a plain per-row reference and against transformers'
+"""Sampling features (zerolayer.engine.sampling): penalties, logit_bias, min_tokens, grammar masks
+and logprobs, batched per row, checked against a plain per-row reference and against transformers'
 logits processors; seeded rows stay independent of the batch with every feature on."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from kernels.sampling import (
+from zerolayer.engine.sampling import (
     Processing,
     Sampler,
     SparseRows,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway import protocol as p
-from gateway.hooks import Completion
-from gateway.protocol import ErrorCode, FrameType
 from tests.support.inproc import connect, make_server, send
+from zerolayer.frames import protocol as p
+from zerolayer.frames.protocol import ErrorCode, FrameType
+from zerolayer.hooks import Completion
 
 
 def frames(data: bytes) -> list[tuple[int, int, bytes]]:

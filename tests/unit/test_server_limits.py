@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import struct
 
-from gateway import protocol as p
-from gateway.protocol import FrameType
 from tests.support.inproc import connect, make_server, send
+from zerolayer.frames import protocol as p
+from zerolayer.frames.protocol import FrameType
 
 BIG = 600_000  # a frame payload far beyond read_buffer_bytes
 

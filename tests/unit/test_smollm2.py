@@ -13,11 +13,11 @@ import regex
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 
-from gateway.config import SMOLLM2_MODEL, ModelConfig
-from gateway.models.hf_tokenizer import HFTokenizer
-from gateway.models.loader import load_model
-from kernels.decoder import KVCache
 from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
+from zerolayer.config.settings import SMOLLM2_MODEL, ModelConfig
+from zerolayer.models.decoder import KVCache
+from zerolayer.models.hf_tokenizer import HFTokenizer
+from zerolayer.models.loader import load_model
 
 # llama.cpp's `smollm` pre-tokenizer (src/llama-vocab.cpp): the text is split at every \p{N}
 # character (each one a piece of its own), then each piece by GPT-2's regex.
@@ -124,7 +124,7 @@ def test_special_tokens_are_matched_whole(loaded) -> None:
 def test_transformers_gguf_tokenizer_drops_the_digit_split(loaded) -> None:
     from transformers import AutoTokenizer
 
-    from gateway.models.bundled import smollm2_gguf
+    from zerolayer.models.bundled import smollm2_gguf
 
     path = smollm2_gguf()
     theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,4 +1,4 @@
-"""gateway.structured: constraints from request fields, compiled with llguidance on SmolLM2's
+"""zerolayer.structured: constraints from request fields, compiled with llguidance on SmolLM2's
 tokenizer, per-row matchers walking real token sequences, the cache and the refusals."""
 
 from __future__ import annotations
@@ -10,23 +10,24 @@ import jsonschema
 import pytest
 import torch
 
-from gateway.structured import Constraint, GrammarError, Grammars, closed, from_response_format
-from kernels.sampling import unpack_bitmask
+from zerolayer.engine.sampling import unpack_bitmask
+from zerolayer.request_path.request import Request
+from zerolayer.structured import Constraint, GrammarError, Grammars, closed, from_response_format
 
 pytest.importorskip("llguidance")
 
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from gateway.models.bundled import smollm2_gguf
-    from gateway.models.gguf_import import ensure_converted
+    from zerolayer.models.bundled import smollm2_gguf
+    from zerolayer.models.gguf_import import ensure_converted
 
     return ensure_converted(smollm2_gguf())
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from gateway.models.hf_tokenizer import HFTokenizer
+    from zerolayer.models.hf_tokenizer import HFTokenizer
 
     return HFTokenizer(model_dir)
 
@@ -177,10 +178,10 @@ def _constrained_run(grammars, tokenizer, constraints: dict[str, object]) -> dic
     over SmolLM2's vocabulary: each owner's text and finish."""
     import numpy as np
 
-    from gateway.engine.engine import Engine, Sequence
-    from gateway.engine.synthetic import SyntheticBackend
-    from gateway.engine.types import SamplingRow
-    from gateway.tokenizer import Detokenizer
+    from zerolayer.engine.backends.synthetic import SyntheticBackend
+    from zerolayer.engine.engine import Engine, Sequence
+    from zerolayer.engine.types import SamplingRow
+    from zerolayer.tokenizer import Detokenizer
 
     backend = SyntheticBackend(len(constraints), tokenizer.vocab_size, 256)
     engine = Engine(backend, tokenizer, lambda _: None, max_queue=8, max_step_tokens=256,
@@ -211,7 +212,7 @@ def _constrained_run(grammars, tokenizer, constraints: dict[str, object]) -> dic
 
 
 def test_constrained_rows_in_an_engine_batch_match_their_grammars(grammars, tokenizer) -> None:
-    from gateway.codes import FinishReason
+    from zerolayer.codes import FinishReason
 
     schema = {
         "type": "object",
@@ -247,7 +248,7 @@ def test_every_end_of_generation_id_is_allowed_where_the_grammar_allows_eos(
     wherever the grammar allows its own (each ends the row)."""
     import numpy as np
 
-    from gateway.engine.rows import Rows
+    from zerolayer.engine.rows import Rows
 
     ends = sorted(tokenizer.eos_token_ids)
     assert len(ends) >= 2
@@ -267,18 +268,17 @@ def test_every_end_of_generation_id_is_allowed_where_the_grammar_allows_eos(
 def test_the_request_path_refuses_a_constraint_naming_the_field(grammars) -> None:
     """Compiled in phase PREPARING: an uncompilable schema, or a model without a tokenizer.json
     (no grammars), ends the stream with INVALID_REQUEST naming the constraint's field."""
-    from gateway import protocol as p
-    from gateway.codes import ErrorCode
-    from gateway.hooks import Principal
-    from gateway.lifecycle import Phase, Stream
     from tests.unit.test_lifecycle import make_path
     from tests.unit.test_lifecycle_choices import ChoiceDoor
+    from zerolayer.codes import ErrorCode
+    from zerolayer.hooks import Principal
+    from zerolayer.request_path.stream import Phase, Stream
 
     async def main(with_grammars: bool, constraint: Constraint) -> tuple[list, list[str]]:
         path, door = make_path(async_gate=False), ChoiceDoor()
         path.grammars = grammars if with_grammars else None
         st = Stream(door, 1, "openai")
-        req = p.Request(max_tokens=4, prompt_text="hi", constraint=constraint)
+        req = Request(max_tokens=4, prompt_text="hi", constraint=constraint)
         path.open(st, Principal("anonymous"), req)
         assert st.phase is Phase.PREPARING
         for _ in range(200):
@@ -305,7 +305,7 @@ def test_filling_a_mask_does_not_import_torch_dynamo(model_dir, tokenizer) -> No
     path = str(model_dir / "tokenizer.json")
     code = f"""
 import sys, torch
-from gateway.structured import Constraint, Grammars
+from zerolayer.structured import Constraint, Grammars
 g = Grammars({path!r}, {tokenizer.eos_token_id}, {tokenizer.vocab_size})
 m = g.compile_now(Constraint.json_object()).matcher()
 mask = g.bitmask(1)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.engine import synthetic
-from gateway.engine.engine import Engine, Sequence
-from gateway.engine.synthetic import SyntheticBackend
-from gateway.engine.types import SamplingRow
-from gateway.tokenizer import ByteTokenizer
+from zerolayer.engine.backends import synthetic
+from zerolayer.engine.backends.synthetic import SyntheticBackend
+from zerolayer.engine.engine import Engine, Sequence
+from zerolayer.engine.types import SamplingRow
+from zerolayer.tokenizer import ByteTokenizer
 
 
 def _run(monkeypatch, prompts: list[int], arrive_at: dict[int, int], steps: int, **kw):

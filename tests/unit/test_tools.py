@@ -1,4 +1,4 @@
-"""gateway.tools: definitions and their errors, the formats parsed, streaming events, and the
+"""zerolayer.http.tools: definitions and their errors, the formats parsed, streaming events, and the
 forced-call schema accepting exactly valid calls."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from gateway.tools import (
+from zerolayer.http.tools import (
     ArgumentsDelta,
     CallEnd,
     CallStart,
@@ -20,12 +20,10 @@ from gateway.tools import (
     choice_from_openai,
     forced_schema,
     parse,
-    plain_history,
-    system_prompt,
-    template_tools,
     tools_from_anthropic,
     tools_from_openai,
 )
+from zerolayer.models.templates import plain_history, system_prompt, template_tools
 
 WEATHER = {
     "type": "function",

@@ -1,13 +1,14 @@
-"""gateway.validation: the ranges every door applies, and the refusal type they raise."""
+"""zerolayer.request_path.validation: the ranges every door applies, and the refusal type they
+raise."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.codes import ErrorCode, Refusal
-from gateway.hooks import HookError
-from gateway.request import Request
-from gateway.validation import RANGES, check_keys, validate
+from zerolayer.codes import ErrorCode, Refusal
+from zerolayer.hooks import HookError
+from zerolayer.request_path.request import Request
+from zerolayer.request_path.validation import RANGES, check_keys, validate
 
 
 def refused(**kw) -> Refusal:

@@ -1,5 +1,5 @@
-"""gateway.wrong_door: HTTP and TLS recognised from a connection's first bytes, answered in kind;
-frames (every client frame type, any first-read length) never are."""
+"""zerolayer.frames.wrong_door: HTTP and TLS recognised from a connection's first bytes, answered in
+kind; frames (every client frame type, any first-read length) never are."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from gateway import protocol as p
-from gateway.wrong_door import SNIFF_BYTES, answer, http_answer, sniff, tls_alert
+from zerolayer.frames import protocol as p
+from zerolayer.frames.wrong_door import SNIFF_BYTES, answer, http_answer, sniff, tls_alert
 
 MAX = 1_048_576
 

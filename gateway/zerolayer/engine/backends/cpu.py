@@ -1,0 +1,241 @@
+"""The CPU backend: ``zerolayer.models.decoder`` run eagerly by torch on a static slot KV cache.
+
+One ``CpuBackend`` owns the loaded model, the KV cache (allocated once, ``num_slots`` =
+``engine.max_batch_size``) and a ``Sampler``. The prefill chunks of one call run as a few batched
+forwards (``plan_prefill_groups`` decides which chunks share one); decode runs all active slots
+in one step. ``free`` has nothing to clear: every attention masks positions past the sequence's
+own, and a new prompt overwrites the slot from 0. It also copies ranges of a slot's KV positions
+out and back in, for the prefix store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zerolayer.config.settings import EngineConfig, ModelConfig
+from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
+from zerolayer.engine.sampling import Sampler
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.models.decoder import KVCache, eager_attention_len
+from zerolayer.models.loader import LoadedModel, load_model
+from zerolayer.tokenizer import Tokenizer
+
+log = logging.getLogger("zerolayer.engine")
+
+
+@dataclass(frozen=True)
+class KVRange:
+    """A copy of one slot's cache for ``length`` consecutive positions: k and v are
+    [layers, kv_heads, length, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
+
+
+# Batched prefill pads every row to the group's longest chunk and attends over the group's
+# longest context. The kernels skip padding everywhere but in attention, so what padding wastes
+# is attention area: query places x attended positions. A group may have at most PADDING_LIMIT x
+# the area of its chunks run one by one, and at most ATTENTION_BUDGET per query head (which
+# bounds the attention mask and working set of one forward); a lone chunk may exceed it.
+PADDING_LIMIT = 1.5
+ATTENTION_BUDGET = 1 << 20
+
+
+def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int) -> list[list[int]]:
+    """Split chunks (their lengths and start positions) into groups to run as one forward each.
+
+    Chunks are taken in order of attention length, then length, and a group grows until the
+    next chunk would break a bound above; a chunk that breaks one on its own runs alone. Returns
+    lists of chunk indices that together cover every chunk once.
+    """
+    attn = [eager_attention_len(s + n, max_context) for s, n in zip(starts, lengths, strict=True)]
+    groups: list[list[int]] = []
+    group: list[int] = []
+    area = longest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (attn[i], lengths[i])):
+        n, own = lengths[i], lengths[i] * attn[i]
+        # attn[i] is the group's largest attention length so far, as the chunks are sorted.
+        padded = (len(group) + 1) * max(longest, n) * attn[i]
+        if group and (padded > PADDING_LIMIT * (area + own) or padded > ATTENTION_BUDGET):
+            groups.append(group)
+            group, area, longest = [], 0, 0
+        group.append(i)
+        area += own
+        longest = max(longest, n)
+    if group:
+        groups.append(group)
+    return groups
+
+
+class CpuBackend(Backend, PrefixKV[KVRange]):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_slots: int,
+        max_context: int,
+        sampler_seed: int | None = None,
+    ) -> None:
+        self.model = loaded.model
+        self.num_slots = num_slots
+        context = min(max_context, loaded.max_context)
+        self.info = ModelInfo(
+            name=loaded.name,
+            vocab_size=loaded.config.vocab_size,
+            eos_token_id=loaded.tokenizer.eos_token_id,
+            max_context=context,
+        )
+        self.cache = KVCache.allocate(loaded.config, num_slots, context, loaded.dtype)
+        self.sampler = Sampler(sampler_seed)
+        self._thread = threading.get_ident()  # the thread that loaded the model
+        self._thread_warned = False
+
+    def _check_thread(self) -> None:
+        """Warn once when the model runs on another thread than the one that loaded it: each
+        thread then has its own OpenMP team and small ops get several times slower (see
+        zerolayer.engine.compute)."""
+        if threading.get_ident() != self._thread and not self._thread_warned:
+            self._thread_warned = True
+            log.warning(
+                "CPU backend runs on thread %s but was loaded on thread %s: torch ops are "
+                "slower with two OpenMP teams; load and run it on one thread",
+                threading.current_thread().name,
+                self._thread,
+            )
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        self._check_thread()
+        out = np.full(len(chunks), -1, dtype=np.int32)
+        inputs = [self._chunk_tokens(chunk) for chunk in chunks]
+        lengths = [int(t.shape[0]) for t in inputs]
+        starts = [chunk.start for chunk in chunks]
+        slots = [chunk.slot for chunk in chunks]
+        if len(set(slots)) == len(slots):
+            groups = plan_prefill_groups(lengths, starts, self.info.max_context)
+        else:  # two chunks of one slot: the later continues the earlier, so keep them in order
+            groups = [[i] for i in range(len(chunks))]
+        logits: dict[int, torch.Tensor] = {}
+        for group in groups:
+            if len(group) == 1:
+                (i,) = group
+                row_logits = self.model.prefill(inputs[i], starts[i], slots[i], self.cache)[None]
+            else:
+                row_logits = self.model.prefill_batch(
+                    [inputs[i] for i in group],
+                    [starts[i] for i in group],
+                    [slots[i] for i in group],
+                    self.cache,
+                )
+            logits.update((i, row_logits[r]) for r, i in enumerate(group) if chunks[i].last)
+        last_rows = [i for i, chunk in enumerate(chunks) if chunk.last]
+        if last_rows:
+            rows = [chunks[i] for i in last_rows]
+            s = [c.sampling for c in rows]
+            out[last_rows] = self.sampler.sample_rows(
+                torch.stack([logits[i] for i in last_rows]),
+                temperature=np.array([r.temperature for r in s], np.float32),
+                top_k=np.array([r.top_k for r in s], np.int32),
+                top_p=np.array([r.top_p for r in s], np.float32),
+                seeds=np.array([r.seed for r in s], np.uint64),
+                seeded=np.array([r.seeded for r in s], bool),
+                # The sampled token will sit right after the chunk.
+                positions=np.array([c.start + len(c.tokens) for c in rows], np.int64),
+                procs=[c.processing for c in rows],
+            )
+        return out
+
+    def _chunk_tokens(self, chunk: PrefillChunk) -> torch.Tensor:
+        """The chunk's ids as int64, after checking its slot, positions and ids."""
+        self._check_slot(chunk.slot)
+        n = int(chunk.tokens.shape[0])
+        if n == 0:
+            raise ValueError("empty prefill chunk")
+        if chunk.start < 0 or chunk.start + n > self.info.max_context:
+            raise ValueError(
+                f"chunk positions {chunk.start}..{chunk.start + n - 1} outside the context "
+                f"of {self.info.max_context}"
+            )
+        tokens = torch.from_numpy(np.asarray(chunk.tokens, dtype=np.int64))
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.info.vocab_size:
+            raise ValueError(f"prompt token id outside [0, {self.info.vocab_size})")
+        return tokens
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> np.ndarray:
+        self._check_thread()
+        if batch.size == 0:
+            return np.empty(0, dtype=np.int32)
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        if positions.min() < 0 or positions.max() >= self.info.max_context:
+            raise ValueError(f"decode position outside the context of {self.info.max_context}")
+        logits = self.model.decode(
+            torch.from_numpy(np.asarray(batch.tokens, dtype=np.int64)),
+            torch.from_numpy(positions),
+            torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)),
+            self.cache,
+        )
+        return self.sampler.sample_processed(
+            logits,
+            temperature=batch.temperature,
+            top_k=batch.top_k,
+            top_p=batch.top_p,
+            seeds=batch.seeds,
+            seeded=batch.seeded,
+            positions=positions + 1,
+            proc=batch.processing,
+        ).ids
+
+    def free(self, slot: int) -> None:
+        self._check_slot(slot)
+
+    @torch.inference_mode()
+    def save_kv(self, slot: int, start: int, end: int) -> KVRange:
+        """A copy of ``slot``'s cache for positions [start, end)."""
+        self._check_slot(slot)
+        if not 0 <= start < end <= self.info.max_context:
+            raise ValueError(f"KV range {start}..{end} outside [0, {self.info.max_context}]")
+        k, v = self.cache.k[:, slot, :, start:end], self.cache.v[:, slot, :, start:end]
+        return KVRange(k.clone(), v.clone())
+
+    @torch.inference_mode()
+    def load_kv(self, handle: KVRange, slot: int, start: int) -> None:
+        """Copy a saved range into ``slot``'s positions [start, start + handle.length)."""
+        self._check_slot(slot)
+        end = start + handle.length
+        if not 0 <= start < end <= self.info.max_context:
+            raise ValueError(f"KV range {start}..{end} outside [0, {self.info.max_context}]")
+        self.cache.k[:, slot, :, start:end] = handle.k
+        self.cache.v[:, slot, :, start:end] = handle.v
+
+    def kv_nbytes(self, handle: KVRange) -> int:
+        return sum(t.numel() * t.element_size() for t in (handle.k, handle.v))
+
+    def close(self) -> None:
+        self.cache = KVCache(torch.empty(0), torch.empty(0))
+
+
+def create_cpu_backend(
+    model_cfg: ModelConfig, engine_cfg: EngineConfig
+) -> tuple[CpuBackend, Tokenizer]:
+    """Load the configured model and build a backend with ``engine.max_batch_size`` slots."""
+    # 0 keeps torch's default, one thread per core. Measured on a 2-core machine
+    # (docs/benchmarks.md), every core for torch beat leaving one to the event loop at 1, 8 and 32
+    # streams: the loop's work per step is small next to a model's forward.
+    if engine_cfg.threads:
+        torch.set_num_threads(engine_cfg.threads)
+    loaded = load_model(model_cfg, engine_cfg.max_context)
+    backend = CpuBackend(loaded, engine_cfg.max_batch_size, engine_cfg.max_context)
+    return backend, loaded.tokenizer

@@ -1,0 +1,668 @@
+"""The engine: a continuous-batching scheduler running a Backend in its own thread.
+
+A step is schedule → execute → update (``step``):
+- **schedule** takes in new sequences and cancellations, admits waiting sequences into free KV
+  slots (``_admit``: fair by client, then the longest prompt prefix the prefix store knows is
+  loaded, so prefill starts after it), and returns a ``StepPlan``: prompt chunks for sequences
+  still in prefill (within ``max_step_tokens``) and the decode batch of every decoding row.
+- **execute** runs the backend on the plan (nothing else); a failing batched call is retried row
+  by row so that a failure ends only the sequence that caused it.
+- **update** advances every row that sampled a token in one vectorized call on the rows
+  (zerolayer.engine.rows: counters, limits and stop ids by slot, one stop check), adds the text
+  of rows that detokenize (zerolayer.engine.sequence), offers the blocks of prompts whose prefill
+  just completed to the prefix store, frees the slots of ended sequences and returns ONE
+  ``StepOutput`` (zerolayer.engine.step), which the engine thread hands to ``deliver``.
+The waiting queue is bounded: ``submit`` refuses when it is full.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from zerolayer.codes import FinishReason
+from zerolayer.engine.admission import QueueShares
+from zerolayer.engine.backend import Backend, PrefixKV
+from zerolayer.engine.compute import ComputeThread
+from zerolayer.engine.prefix_store import PrefixStore
+from zerolayer.engine.rows import (
+    BY_EOS,
+    BY_GRAMMAR,
+    BY_GRAMMAR_REFUSED,
+    BY_LIMIT,
+    BY_STOP_ID,
+    Rows,
+)
+from zerolayer.engine.sequence import NOT_FINISHED, Sequence
+from zerolayer.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Logprobs, Output, StepOutput
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.tokenizer import Tokenizer
+
+__all__ = [
+    "FINISH_ERROR", "NO_TOKEN", "NOT_FINISHED", "Engine", "EngineOverloaded", "EngineStopped",
+    "Finished", "Output", "Sequence", "StepOutput", "StepPlan",
+]  # fmt: skip
+
+log = logging.getLogger("zerolayer.engine")
+
+# Rows' reasons for ending a row, as finishes.
+_REASONS = {
+    BY_EOS: FinishReason.EOS,
+    BY_STOP_ID: FinishReason.STOP,
+    BY_LIMIT: FinishReason.MAX_TOKENS,
+    BY_GRAMMAR: FinishReason.STOP,  # structured output complete
+    BY_GRAMMAR_REFUSED: FINISH_ERROR,
+}
+
+# Endings whose token is not produced (EOS, a stop id, a token the grammar refused).
+_QUIET = frozenset((BY_EOS, BY_STOP_ID, BY_GRAMMAR_REFUSED))
+
+# Called from the engine thread once per step that produced anything.
+Deliver = Callable[[StepOutput], None]
+
+# What a batched backend call takes: the step's prompt chunks or its decode batch.
+_Work = TypeVar("_Work")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; ``retry_after_ms`` estimates when a slot frees up."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__(f"engine queue full, retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+class EngineStopped(Exception):
+    """The engine no longer accepts work (shutting down)."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step runs: prompt chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then the
+    decode batch of the decoding rows (``decode[i]`` owns row i)."""
+
+    chunks: list[PrefillChunk]
+    chunk_seqs: list[Sequence]
+    decode: list[Sequence]
+    batch: DecodeBatch | None
+
+
+class Engine:
+    """Owns the scheduler thread. ``submit`` and ``cancel`` are safe from any thread.
+
+    ``deliver(step)`` is called on the engine thread once per step that produced anything (the
+    daemon passes its ``Outbox.put``)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        deliver: Deliver,
+        *,
+        max_queue: int,
+        max_step_tokens: int,
+        prefill_chunk: int,
+        on_step: Callable[[str, float, int], None] | None = None,
+        prefix_store: PrefixStore | None = None,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self._deliver = deliver
+        self._max_queue = max_queue
+        self._max_step_tokens = max_step_tokens
+        self._prefill_chunk = prefill_chunk
+        self._on_step = on_step
+        self._store = prefix_store  # consulted at admission, fed at prefill completion
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        # Waiting sequences by fairness key (Sequence.fair_key), in round-robin order: admission
+        # takes the head of the first key's queue and moves that key to the end, so a client
+        # with many queued sequences cannot starve one with a single request.
+        self._waiting: dict[object, collections.deque[Sequence]] = {}
+        self._running: list[Sequence] = []  # every sequence holding a slot
+        self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
+        self._cancel_pending = False
+        self._extra: list[Finished] = []  # endings of choices without a row, for the step
+        n = backend.num_slots
+        self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
+        info = backend.info
+        self._rows = Rows(n, info.max_context, info.vocab_size, tokenizer.eos_token_ids)
+        self._wake = threading.Event()
+        self._stop = False
+        self._accepting = True
+        self._compute: ComputeThread | None = None
+        self._running_loop: Future[None] | None = None  # _run on the compute thread
+        self._queued = 0  # inbox + waiting, maintained under _lock
+        self._shares = QueueShares(max_queue)  # each client's part of _queued (admission.py)
+        self._lock = threading.Lock()
+        self.last_beat = time.monotonic()  # the thread's heartbeat, for health checks
+        self._avg_seq_s = 1.0  # moving average of admitted→finished, for retry hints
+        self.steps = 0
+
+    # ------------------------------------------------------------------ any thread
+
+    @property
+    def waiting(self) -> int:
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def slots_used(self) -> int:
+        return self.backend.num_slots - len(self._free_slots)
+
+    @property
+    def alive(self) -> bool:
+        loop = self._running_loop
+        return loop is not None and not loop.done()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, waiting or running (for tests and shutdown)."""
+        return not (self._inbox or self._waiting or self._running)
+
+    def submit(self, seq: Sequence) -> None:
+        if not len(seq.prompt):  # the input processor never sends one
+            raise ValueError("a sequence needs at least one prompt token to prefill")
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("engine is shutting down")
+            if self._queued >= self._max_queue or not self._shares.take(seq.fair_key):
+                raise EngineOverloaded(self.retry_after_ms())
+            self._queued += 1
+            self._inbox.append(seq)
+        self._nudge()
+
+    def _nudge(self) -> None:
+        """Wake the engine thread if it waits. The event stays set while the engine is busy (it
+        clears it only after a wait, then looks at its inbox), so setting it again is skipped:
+        ``Event.set`` takes a lock and notifies, several Python calls per request."""
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop ``seq`` at the next step; it then ends with finish CANCELLED."""
+        seq.cancelled = True
+        self._cancel_pending = True
+        self._wake.set()
+
+    def retry_after_ms(self) -> int:
+        per_slot = self._avg_seq_s / max(1, self.backend.num_slots)
+        estimate = per_slot * (self._queued + 1) * 1000.0
+        return int(min(max(estimate, 50.0), 30_000.0))
+
+    def start(self, compute: ComputeThread | None = None) -> None:
+        """Run the engine loop on ``compute`` (the thread that loaded the model, so that torch
+        keeps one OpenMP team; see zerolayer.engine.compute), or on a thread of its own."""
+        self._compute = compute if compute is not None else ComputeThread()
+        self._running_loop = self._compute.submit(self._run)
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop, then close the backend on the engine thread (torch stays on one
+        thread). Blocks up to ``timeout``: call it off the event loop. The deliver callback must
+        not block by then (the daemon closes its Outbox first)."""
+        self.stop_accepting()
+        self._stop = True
+        self._wake.set()
+        if self._compute is None:
+            self.backend.close()
+            return
+        with contextlib.suppress(RuntimeError):  # RuntimeError: the thread is already gone
+            self._compute.submit(self.backend.close)  # runs after _run has returned
+        self._compute.close(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.last_beat = time.monotonic()
+            if self.idle:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                out = self.step()
+            except Exception:  # a bug in the scheduler itself: nothing can be trusted
+                log.exception("engine step failed; failing the sequences in flight")
+                out = StepOutput(finished=self._fail_all())
+            if out:
+                self._deliver(out)
+
+    def step(self) -> StepOutput:
+        """One step (schedule → execute → update). Public so tests can drive the engine
+        without its thread."""
+        finished: list[Finished] = []
+        plan = self.schedule(finished)
+        if plan is None:
+            out = StepOutput(finished=finished)
+        else:
+            prefilled, decoded, failed = self.execute(plan)
+            out = self._update(plan, prefilled, decoded, failed, finished)
+            self.steps += 1
+        if self._extra:  # choices that ended without a row of their own
+            out.finished += self._extra
+            self._extra = []
+        return out
+
+    # ---- schedule ----------------------------------------------------------------------------
+
+    def schedule(self, finished: list[Finished]) -> StepPlan | None:
+        """Take in new sequences and cancellations (their endings go to ``finished``) and plan
+        the step; None when nothing runs."""
+        while self._inbox:
+            seq = self._inbox.popleft()
+            queue = self._waiting.get(seq.fair_key)
+            if queue is None:
+                self._waiting[seq.fair_key] = queue = collections.deque()
+            queue.append(seq)
+        while self._waiting and self._free_slots:
+            head = next(iter(self._waiting.values()))[0]
+            if 1 + len(head.choices) > len(self._free_slots):
+                break  # n choices are admitted together, when n slots are free (in turn)
+            self._admit(self._next_waiting(), finished)
+        self._drop_cancelled(finished)
+        if not self._running:
+            return None
+        rows = self._rows
+        plan = StepPlan([], [], [], rows.batch())
+        if plan.batch is not None:
+            plan.decode = rows.decoding_seqs
+        budget = self._max_step_tokens - len(plan.decode)
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            start = seq.prefilled
+            n = min(len(seq.prompt) - start, self._prefill_chunk, budget)
+            budget -= n
+            last = start + n == len(seq.prompt)
+            plan.chunks.append(
+                PrefillChunk(
+                    slot=seq.slot,
+                    tokens=seq.prompt[start : start + n],
+                    start=start,
+                    last=last,
+                    sampling=seq.sampling,
+                    processing=rows.processing([seq.slot]) if last else None,
+                )
+            )
+            plan.chunk_seqs.append(seq)
+        return plan
+
+    def _next_waiting(self) -> Sequence:
+        """Admission order, in one place: the head of the first fairness key's queue, which
+        then goes to the end of the round."""
+        waiting = self._waiting
+        key = next(iter(waiting))
+        queue = waiting.pop(key)
+        seq = queue.popleft()
+        if queue:
+            waiting[key] = queue
+        self._dequeued(seq)
+        return seq
+
+    def _dequeued(self, seq: Sequence) -> None:
+        """``seq`` left the queue (admitted or cancelled): the one place both the queue's count
+        and its client's share go down."""
+        with self._lock:
+            self._queued -= 1
+            self._shares.give_back(seq.fair_key)
+
+    def _admit(self, seq: Sequence, finished: list[Finished]) -> None:
+        """Give ``seq`` the lowest free slot and its row, and load its known prefix."""
+        seq.t_admit = time.perf_counter()
+        if seq.cancelled:
+            finished.append(self._end(seq, FinishReason.CANCELLED))
+            return
+        # Lowest slot first keeps the active slots consecutive, which lets the CPU kernels
+        # read the KV cache in place instead of gathering it (and the rows give views).
+        seq.slot = slot = heapq.heappop(self._free_slots)
+        try:
+            self._rows.add(slot, seq)
+            if self._store is not None:
+                # The longest known prefix's KV into the slot; prefill starts after it.
+                seq.prefilled = seq.reused = self._store.load(seq.prompt, slot)
+        except Exception:  # this sequence alone cannot run: it ends, the others go on
+            log.exception("admitting a sequence failed; ending it")
+            finished.append(self._end(seq, FINISH_ERROR))
+            self._free(seq)
+            return
+        for choice in seq.choices:  # reserved now; their rows start when the prompt is in
+            choice.slot = heapq.heappop(self._free_slots)
+            choice.t_admit = seq.t_admit
+        self._running.append(seq)
+        self._prefilling.append(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """``seq``'s prompt is in its slot: its other choices start from its KV (all but the
+        prompt's last position, copied into their reserved slots), so each prefills one token
+        and samples its first from its own seed stream. A backend without KV ranges prefills
+        each choice's whole prompt."""
+        choices, seq.choices = seq.choices, []
+        n = len(seq.prompt)
+        backend = self.backend
+        handle = None
+        if isinstance(backend, PrefixKV) and n > 1:
+            try:
+                handle = backend.save_kv(seq.slot, 0, n - 1)
+            except Exception:
+                log.exception("copying a prompt's KV for its choices failed; they prefill it")
+        for choice in choices:
+            if choice.cancelled:
+                self._extra.append(self._end(choice, FinishReason.CANCELLED))
+                self._free(choice)
+                continue
+            try:
+                self._rows.add(choice.slot, choice)
+                if handle is not None:
+                    assert isinstance(backend, PrefixKV)
+                    backend.load_kv(handle, choice.slot, 0)
+                    choice.prefilled = n - 1
+                    choice.reused = seq.reused
+            except Exception:  # this choice alone cannot run
+                log.exception("starting a choice from its prompt's KV failed; ending it")
+                self._extra.append(self._end(choice, FINISH_ERROR))
+                self._free(choice)
+                continue
+            self._running.append(choice)
+            self._prefilling.append(choice)
+
+    def _drop_cancelled(self, finished: list[Finished]) -> None:
+        if not self._cancel_pending:  # no scan per step unless cancel() was called
+            return
+        self._cancel_pending = False
+        # Waiting sequences that were cancelled leave the queue now, not when a slot frees.
+        for key, queue in list(self._waiting.items()):
+            if not any(s.cancelled for s in queue):
+                continue
+            keep: collections.deque[Sequence] = collections.deque()
+            for seq in queue:
+                if seq.cancelled:
+                    self._dequeued(seq)
+                    finished.append(self._end(seq, FinishReason.CANCELLED))
+                else:
+                    keep.append(seq)
+            if keep:
+                self._waiting[key] = keep
+            else:
+                del self._waiting[key]
+        cancelled = [s for s in self._running if s.cancelled]
+        for seq in cancelled:
+            finished.append(self._end(seq, FinishReason.CANCELLED))
+        self._release(cancelled)
+
+    # ---- execute -----------------------------------------------------------------------------
+
+    def execute(
+        self, plan: StepPlan
+    ) -> tuple[np.ndarray | None, np.ndarray | None, set[int] | None]:
+        """Run the backend on ``plan``: (sampled per chunk, sampled per decode row, the ids of
+        sequences whose rows failed even when run alone, or None when nothing failed)."""
+        failed: set[int] | None = None
+        prefilled = decoded = None
+        backend = self.backend
+        if plan.chunks:
+            t0 = time.perf_counter()
+            try:
+                prefilled = backend.prefill(plan.chunks)
+            except Exception:
+                failed = set()
+                prefilled = self._retry_rows(
+                    backend.prefill, plan.chunks, plan.chunk_seqs, _one_chunk, failed
+                )
+            self._report("prefill", time.perf_counter() - t0, len(plan.chunks))
+        if plan.batch is not None:
+            t0 = time.perf_counter()
+            try:
+                decoded = backend.decode(plan.batch)
+            except Exception:
+                failed = failed if failed is not None else set()
+                decoded = self._retry_rows(
+                    backend.decode, plan.batch, plan.decode, _one_row, failed
+                )
+            self._report("decode", time.perf_counter() - t0, plan.batch.size)
+        return prefilled, decoded, failed
+
+    @staticmethod
+    def _retry_rows(
+        call: Callable[[_Work], np.ndarray],
+        work: _Work,
+        seqs: list[Sequence],
+        one: Callable[[_Work, int], _Work],
+        failed: set[int],
+    ) -> np.ndarray:
+        """A batched ``call(work)`` raised: run each row alone so that only the rows that fail
+        by themselves are lost (their sequences' ids go to ``failed``, their tokens are -1)."""
+        log.exception("a batched backend call failed; retrying its %d rows one by one", len(seqs))
+        sampled = np.full(len(seqs), -1, np.int32)
+        for i, seq in enumerate(seqs):
+            try:
+                sampled[i] = call(one(work, i))[0]
+            except Exception:
+                log.exception("backend call failed for one sequence; ending it")
+                failed.add(id(seq))
+        return sampled
+
+    def _report(self, phase: str, seconds: float, batch: int) -> None:
+        if self._on_step is not None:
+            self._on_step(phase, seconds, batch)
+
+    # ---- update ------------------------------------------------------------------------------
+
+    def _update(
+        self,
+        plan: StepPlan,
+        prefilled: np.ndarray | None,
+        decoded: np.ndarray | None,
+        failed: set[int] | None,
+        finished: list[Finished],
+    ) -> StepOutput:
+        """The step's rows are the rows' decode set after this step's joins and failures, in
+        slot order: a prompt that completed joins the rows now (``Rows.join``), so the row set
+        (owners, index, text rows) is built once per change and the next step reuses it."""
+        ended: list[Sequence] = []
+        rows = self._rows
+        sampled = decoded
+        completed: list[Sequence] = []
+        first: list[int] = []
+        if prefilled is not None:
+            for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, prefilled.tolist(),
+                                         strict=True):  # fmt: skip
+                if failed and id(seq) in failed:
+                    continue
+                seq.prefilled += len(chunk.tokens)
+                if chunk.last:
+                    completed.append(seq)
+                    first.append(token)
+            if completed:
+                if self._store is not None:
+                    self._offer(completed)
+                self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
+                for seq in completed:
+                    if seq.choices:
+                        self._fork(seq)
+        if failed:  # rows that failed even when run alone end; the others go on
+            for seq in plan.decode + plan.chunk_seqs:
+                if id(seq) in failed and seq not in ended:
+                    finished.append(self._end(seq, FINISH_ERROR))
+                    ended.append(seq)
+            self._release(ended)  # out of the decode set before the step's rows are taken
+        out = StepOutput()
+        if completed or failed:  # the row set changed: each token to its slot, then in order
+            joined = [s.slot for s in completed]
+            rows.join(joined)
+            if rows.decoding:
+                by_slot = rows.scratch
+                if decoded is not None and plan.batch is not None:
+                    by_slot[plan.batch.slots] = decoded
+                by_slot[joined] = first
+                sampled = by_slot[rows.index].copy()  # a slice is a view of the scratch
+            else:
+                sampled = None
+        if sampled is not None:
+            out, endings = self._advance(sampled, rows.joined_rows(completed))
+            if rows.logprob_rows:
+                out.logprobs = self._logprobs(plan, out.quiet)
+            mine: list[Sequence] = []
+            for seq, finish in endings:
+                finished.append(self._end(seq, finish))
+                mine.append(seq)
+            self._release(mine)
+        out.finished = finished
+        return out
+
+    def _advance(
+        self, sampled: np.ndarray, joined: list[int]
+    ) -> tuple[StepOutput, list[tuple[Sequence, int]]]:
+        """Every row of the step (the rows' decode set, in slot order) sampled a token: advance
+        the rows at once, then add the text of the rows that detokenize. Returns the step's rows
+        and the sequences that ended, with their finish."""
+        rows = self._rows
+        seqs = rows.decoding_seqs
+        adv = rows.advance(sampled)
+        ends: dict[int, int] = {i: _REASONS[r] for i, r in zip(adv.ended, adv.reasons, strict=True)}
+        quiet = [i for i, r in zip(adv.ended, adv.reasons, strict=True) if r in _QUIET]
+        text: dict[int, str] = {}
+        if rows.text_rows:
+            tokens = sampled.tolist()
+            for i, seq in rows.text_rows:
+                end = ends.get(i, NOT_FINISHED)
+                # A row its grammar completed produced its token: its text is flushed as at a
+                # limit, and it ends STOP.
+                as_text = (
+                    FinishReason.MAX_TOKENS if end == FinishReason.STOP and i not in quiet else end
+                )
+                try:
+                    text[i], finish = seq.text(tokens[i], as_text)
+                except Exception:  # e.g. a detokenizer failure: this sequence ends alone
+                    log.exception("processing a sampled token failed; ending its sequence")
+                    text[i], finish = "", FINISH_ERROR
+                    quiet.append(i)
+                if finish != NOT_FINISHED:
+                    ends[i] = end if finish == as_text else finish
+        if quiet:
+            sampled = sampled.copy()
+            sampled[quiet] = NO_TOKEN
+        sampled.flags.writeable = False
+        out = StepOutput(rows.owners, sampled, adv.counts, joined, text, quiet)
+        return out, [(seqs[i], finish) for i, finish in ends.items()]
+
+    def _logprobs(self, plan: StepPlan, quiet: list[int]) -> dict[int, Logprobs]:
+        """The logprobs of the step's rows that asked (the samplers wrote them into the
+        batch's and the chunks' Processing), by row; none for a row that produced no token, nor
+        for one retried alone after its batch failed (the retry samples a copy)."""
+        rows = self._rows
+        by_slot: dict[int, Logprobs] = {}
+        sources = [(c.processing, [c.slot]) for c in plan.chunks if c.processing is not None]
+        if plan.batch is not None and plan.batch.processing is not None:
+            sources.append((plan.batch.processing, plan.batch.slots.tolist()))
+        for proc, slots in sources:
+            got = proc.sampled
+            if got is None or got.logprob is None or proc.logprobs is None:
+                continue
+            assert got.top_ids is not None and got.top_logprobs is not None
+            for r, slot in enumerate(slots):
+                k = int(proc.logprobs[r])
+                if k >= 0:
+                    by_slot[slot] = Logprobs(
+                        float(got.logprob[r]),
+                        got.top_ids[r, :k].copy(),
+                        got.top_logprobs[r, :k].copy(),
+                    )
+        skip = set(quiet)
+        return {
+            i: by_slot[slot]
+            for i, slot in enumerate(rows.decoding)
+            if slot in by_slot and i not in skip
+        }
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _end(self, seq: Sequence, finish: int) -> Finished:
+        """``seq`` ended with ``finish``: its record (the slot is freed by ``_release``). Its
+        choices still waiting for its prompt end with it (cancelled with it, else failed)."""
+        if seq.choices:
+            choices, seq.choices = seq.choices, []
+            for choice in choices:
+                cancelled = finish == FinishReason.CANCELLED or choice.cancelled
+                self._extra.append(
+                    self._end(choice, FinishReason.CANCELLED if cancelled else FINISH_ERROR)
+                )
+                self._free(choice)
+        if seq.t_admit:
+            elapsed = time.perf_counter() - seq.t_admit
+            self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
+        if seq.slot < 0:
+            return Finished(seq.owner, finish, seq.t_admit, 0, None)
+        ids = self._rows.produced_ids(seq.slot)
+        return Finished(seq.owner, finish, seq.t_admit, len(ids), ids)
+
+    def _offer(self, completed: list[Sequence]) -> None:
+        """Prompts just prefilled: their full blocks go to the prefix store, copied out now,
+        while the slots still hold them. A failure here costs reuse, never a sequence."""
+        assert self._store is not None
+        for seq in completed:
+            if seq.slot < 0:
+                continue
+            try:
+                self._store.offer(seq.prompt, seq.slot)
+            except Exception:
+                log.exception("saving a prompt's KV blocks failed; they will be recomputed")
+
+    def _free(self, seq: Sequence) -> None:
+        """Give ``seq``'s slot back (its row is cleared)."""
+        slot = seq.slot
+        if slot >= 0:
+            self._rows.remove(slot)
+            self.backend.free(slot)
+            heapq.heappush(self._free_slots, slot)
+            seq.slot = -1
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Ended sequences leave: their slots and rows are freed."""
+        for seq in seqs:
+            self._free(seq)
+            self._running.remove(seq)
+            if seq.prefilled < len(seq.prompt):
+                self._prefilling.remove(seq)
+
+    def _fail_all(self) -> list[Finished]:
+        running = list(self._running)
+        finished = [self._end(seq, FINISH_ERROR) for seq in running]
+        self._release(running)
+        finished += self._extra
+        self._extra = []
+        return finished
+
+
+def _one_chunk(chunks: list[PrefillChunk], i: int) -> list[PrefillChunk]:
+    return [chunks[i]]
+
+
+def _one_row(batch: DecodeBatch, i: int) -> DecodeBatch:
+    s = slice(i, i + 1)
+    return DecodeBatch(
+        slots=batch.slots[s],
+        tokens=batch.tokens[s],
+        positions=batch.positions[s],
+        temperature=batch.temperature[s],
+        top_p=batch.top_p[s],
+        top_k=batch.top_k[s],
+        seeds=batch.seeds[s],
+        seeded=batch.seeded[s],
+        processing=None if batch.processing is None else batch.processing.select(i),
+    )

@@ -1,0 +1,364 @@
+"""The running sequences' per-row state: arrays indexed by KV slot, changed in place.
+
+A sequence's row is its slot. ``add`` writes the row when the sequence is admitted (sampling
+parameters, limits, stop ids, where its prompt ends); ``join`` puts prefilled rows into the
+decode set and ``leave`` takes ended rows out of it; nothing is rebuilt per step. Per step the
+engine asks for the decode batch (``batch``: views of the arrays while the decoding slots are
+consecutive, which the lowest-free-slot rule makes the usual case) and ``advance``s every row
+that sampled a token in one vectorized call, which also applies the one stop check of the
+engine. The logits processing (gateway/zerolayer/engine/sampling.py: penalties, logit bias,
+min_tokens, logprobs, a grammar's matcher) is per-row state here too, by slot: written at ``add``;
+the token counts the penalties read ([slots, vocab], allocated with the first penalised row) and the
+grammar's state advance in ``advance``, the one place a sampled token is taken in. A batch or
+a prefill's last chunk carries a ``Processing`` (``processing``) only when one of its rows
+needs it: rows without any of these features cost nothing more per step.
+
+Like vLLM v1's persistent InputBatch, but indexed by slot instead of by a compacted batch row:
+rows are never moved, so nothing per row is copied when others come and go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from zerolayer.engine.sequence import Sequence
+from zerolayer.engine.types import DecodeBatch
+
+if TYPE_CHECKING:
+    from zerolayer.engine.sampling import Processing
+    from zerolayer.structured import RowMatcher
+
+# Why an advanced row ended (``Advance.reason``); a row that goes on has GOES_ON. BY_GRAMMAR:
+# its grammar is complete (the token is produced); BY_GRAMMAR_REFUSED: the grammar refused the
+# sampled token (a bug: the mask allows only what the grammar accepts).
+GOES_ON, BY_EOS, BY_STOP_ID, BY_LIMIT, BY_GRAMMAR, BY_GRAMMAR_REFUSED = range(6)
+_NO_ENDS: dict[int, int] = {}  # the grammar endings of a step without processed rows (read-only)
+
+
+@dataclass(slots=True)
+class Advance:
+    """What one ``Rows.advance`` did, by position in the step's rows: ``counts[i]`` tokens
+    produced so far, and the positions that ended (``ended``) with why (``reasons``, same
+    order). A row ended by EOS or a stop id did not produce its token (not counted)."""
+
+    counts: np.ndarray  # int32 [rows]
+    ended: list[int]
+    reasons: list[int]
+
+
+class Rows:
+    """Per-slot state of the sequences holding a slot, and the set of decoding slots."""
+
+    def __init__(self, num_slots: int, max_context: int, vocab_size: int, eos: Iterable[int]):
+        n = num_slots
+        self.max_context = max_context
+        # Decode inputs: the last token of each row and the position it is written at.
+        self.token = np.zeros(n, np.int32)
+        self.pos = np.zeros(n, np.int32)
+        # Tokens a row may still produce (max_tokens and the context, whichever ends first)
+        # and how many it was allowed when it joined: produced = cap - left.
+        self.left = np.zeros(n, np.int32)
+        self.cap = np.zeros(n, np.int32)
+        # The ids each row produced, in order (the response cache's recording, and where
+        # repetition penalties will read them): ids[slot, :produced(slot)].
+        self.ids = np.zeros((n, max_context), np.int32)
+        self._ids = self.ids.reshape(-1)  # the same, flat: ids[slot, i] = _ids[slot * ctx + i]
+        # Sampling parameters (DecodeBatch's per-row fields).
+        self.temperature = np.zeros(n, np.float32)
+        self.top_p = np.ones(n, np.float32)
+        self.top_k = np.zeros(n, np.int32)
+        self.seeds = np.zeros(n, np.uint64)
+        self.seeded = np.zeros(n, np.bool_)
+        # Stop rules beyond the limits: EOS (unless ignored) and the row's stop ids.
+        self.eos = np.zeros(max(vocab_size, 1 + max(eos, default=0)), np.bool_)
+        self.eos[list(eos)] = True
+        self.ignore_eos = np.zeros(n, np.bool_)
+        self.stop_ids = np.full((n, 0), -1, np.int32)  # padded with -1; grows to the widest
+        self._ignoring = 0  # rows with ignore_eos set / with stop ids: checked only when any
+        self._stopping = 0
+        self.seq: list[Sequence | None] = [None] * n
+        # Logits processing by slot (gateway/zerolayer/engine/sampling.py), read only for rows with
+        # ``processed``.
+        self.vocab = vocab_size
+        self.eos_ids = sorted(eos)
+        self.presence = np.zeros(n, np.float32)
+        self.frequency = np.zeros(n, np.float32)
+        self.repetition = np.ones(n, np.float32)
+        self.bias: list[dict[int, float] | None] = [None] * n
+        self.min_tokens = np.zeros(n, np.int32)
+        self.top_logprobs = np.full(n, -1, np.int32)  # -1: no logprobs
+        self.matcher: list[RowMatcher | None] = [None] * n
+        self.penalised = np.zeros(n, np.bool_)
+        self.processed = np.zeros(n, np.bool_)  # any of the above on
+        self._processing = 0  # rows with processed set
+        self.logprob_rows = 0  # rows that want logprobs
+        # Per penalised slot: each token's count in its output, and whether it is in its prompt
+        # or output (Processing.counts / seen); allocated with the first penalised row.
+        self.counts: np.ndarray | None = None  # int32 [slots, vocab]
+        self.seen: np.ndarray | None = None  # bool [slots, vocab]
+        # The decoding slots, ascending, and what follows from them (rebuilt when they change):
+        # their sequences, those sequences' owners (the same list object while the rows stay
+        # the same), the rows that detokenize, the index of the rows into the arrays (a slice
+        # when the slots are consecutive, else an index array) and the batch's sampling arrays.
+        self.decoding: list[int] = []
+        self.decoding_seqs: list[Sequence] = []
+        self.owners: list[object] = []
+        self.text_rows: list[tuple[int, Sequence]] = []
+        self.index: slice | np.ndarray = slice(0, 0)
+        self._sampling: tuple[np.ndarray, ...] | None = None
+        self._last_id = np.empty(0, np.intp)  # per decode row: where its id 0 goes in _ids, - 1
+        self._proc_rows: list[tuple[int, int]] = []  # (row, slot) of the processed decode rows
+        self.scratch = np.zeros(n, np.int32)  # a token per slot, to put a step's rows in order
+        self._changed = False
+
+    # ---- membership --------------------------------------------------------------------------
+
+    def add(self, slot: int, seq: Sequence) -> None:
+        """Write ``slot``'s row for ``seq``, just admitted (it decodes after ``join``)."""
+        self.seq[slot] = seq
+        prompt_len, sampling, stop_ids = len(seq.prompt), seq.sampling, seq.stop_ids
+        self.pos[slot] = prompt_len - 1  # the first decode input follows the prompt's last id
+        self.cap[slot] = self.left[slot] = min(seq.max_tokens, self.max_context - prompt_len)
+        self.temperature[slot] = sampling.temperature
+        self.top_p[slot] = sampling.top_p
+        self.top_k[slot] = sampling.top_k
+        self.seeds[slot] = sampling.seed
+        self.seeded[slot] = sampling.seeded
+        self.ignore_eos[slot] = seq.ignore_eos
+        self._ignoring += seq.ignore_eos
+        if stop_ids:
+            width = self.stop_ids.shape[1]
+            if len(stop_ids) > width:
+                grown = np.full((len(self.seq), len(stop_ids)), -1, np.int32)
+                grown[:, :width] = self.stop_ids
+                self.stop_ids = grown
+            self.stop_ids[slot, : len(stop_ids)] = sorted(stop_ids)
+            self._stopping += 1
+        if (
+            sampling.penalised or sampling.logit_bias or sampling.min_tokens
+            or sampling.logprobs >= 0 or seq.grammar is not None
+        ):  # fmt: skip
+            self._add_processing(slot, seq)
+
+    def _add_processing(self, slot: int, seq: Sequence) -> None:
+        """The row's logits processing (its matcher is made here, at admission)."""
+        sampling = seq.sampling
+        if seq.grammar is not None:
+            self.matcher[slot] = seq.grammar.matcher()
+        self.presence[slot] = sampling.presence_penalty
+        self.frequency[slot] = sampling.frequency_penalty
+        self.repetition[slot] = sampling.repetition_penalty
+        self.bias[slot] = sampling.logit_bias or None
+        self.min_tokens[slot] = sampling.min_tokens
+        self.top_logprobs[slot] = sampling.logprobs
+        self.logprob_rows += sampling.logprobs >= 0
+        if sampling.penalised:
+            if self.counts is None or self.seen is None:
+                shape = (len(self.seq), self.vocab)
+                self.counts, self.seen = np.zeros(shape, np.int32), np.zeros(shape, np.bool_)
+            self.counts[slot] = 0
+            self.seen[slot] = False
+            self.seen[slot, seq.prompt] = True
+            self.penalised[slot] = True
+        self.processed[slot] = True
+        self._processing += 1
+
+    def remove(self, slot: int) -> None:
+        """``slot``'s sequence ended: its row is cleared (and leaves the decode set)."""
+        if self.ignore_eos[slot]:
+            self.ignore_eos[slot] = False
+            self._ignoring -= 1
+        if self.stop_ids.shape[1] and self.stop_ids[slot, 0] != -1:
+            self.stop_ids[slot] = -1
+            self._stopping -= 1
+        if self.processed[slot]:
+            self.processed[slot] = self.penalised[slot] = False
+            self._processing -= 1
+            self.logprob_rows -= bool(self.top_logprobs[slot] >= 0)
+            self.presence[slot] = self.frequency[slot] = 0.0
+            self.repetition[slot] = 1.0
+            self.bias[slot] = self.matcher[slot] = None
+            self.min_tokens[slot] = 0
+            self.top_logprobs[slot] = -1
+        self.seq[slot] = None
+        if slot in self.decoding:
+            self.decoding.remove(slot)
+            self._changed = True
+
+    def join(self, slots: list[int]) -> None:
+        """Rows whose prompt is now in the cache join the decode set, and the row set is made
+        now (after any ``remove``): the step that completed their prompts hands out these rows,
+        and the next step decodes the same row set without rebuilding it."""
+        if slots:
+            self.decoding = sorted(self.decoding + slots)
+            self._changed = True
+        if self._changed:
+            self._rebuild()
+
+    def joined_rows(self, seqs: list[Sequence]) -> list[int]:
+        """The positions in the row set of ``seqs`` (just joined), ascending."""
+        if not seqs:
+            return []
+        slots = {s.slot for s in seqs}
+        return [i for i, slot in enumerate(self.decoding) if slot in slots]
+
+    def produced(self, slot: int) -> int:
+        """Tokens ``slot``'s sequence produced so far."""
+        return int(self.cap[slot]) - int(self.left[slot])
+
+    def produced_ids(self, slot: int) -> np.ndarray:
+        """A read-only copy of the ids ``slot``'s sequence produced so far."""
+        ids: np.ndarray = self.ids[slot, : self.produced(slot)].copy()
+        ids.flags.writeable = False
+        return ids
+
+    # ---- per step ----------------------------------------------------------------------------
+
+    def batch(self) -> DecodeBatch | None:
+        """The decode batch of the decoding rows (None when none decodes)."""
+        if self._changed:
+            self._rebuild()
+        if not self.decoding:
+            return None
+        i = self.index
+        if self._sampling is None:  # made when the row set first decodes (not at a join whose
+            self._sampling = (  # rows leave again before the next step)
+                np.array(self.decoding, np.int32), self.temperature[i].copy(),
+                self.top_p[i].copy(), self.top_k[i].copy(), self.seeds[i].copy(),
+                self.seeded[i].copy(),
+            )  # fmt: skip
+        slots, temperature, top_p, top_k, seeds, seeded = self._sampling
+        processing = self.processing(self.decoding) if self._proc_rows else None
+        return DecodeBatch(
+            slots, self.token[i], self.pos[i], temperature, top_p, top_k, seeds, seeded,
+            processing,
+        )  # fmt: skip
+
+    def processing(self, slots: list[int]) -> Processing | None:
+        """The logits processing of rows ``slots`` (in this order) for their next token, or None
+        when none of them needs any. Fills each constrained row's grammar mask."""
+        sl = np.array(slots, np.intp)
+        if not self._processing or not self.processed[sl].any():
+            return None
+        from zerolayer.engine.sampling import Processing, SparseRows  # torch: only with such rows
+
+        proc = Processing()
+        if self.penalised[sl].any():
+            assert self.counts is not None and self.seen is not None
+            proc.presence, proc.frequency = self.presence[sl], self.frequency[sl]
+            proc.repetition = self.repetition[sl]
+            proc.counts, proc.seen = self.counts[sl], self.seen[sl]
+        biases = [self.bias[s] for s in slots]
+        if any(biases):
+            proc.bias = SparseRows.from_rows(biases)
+        below = self.min_tokens[sl] > self.cap[sl] - self.left[sl]
+        if below.any():
+            proc.banned = SparseRows.from_rows(
+                [self._ends(s) if b else None for s, b in zip(slots, below.tolist(), strict=True)]
+            )
+        if (self.top_logprobs[sl] >= 0).any():
+            proc.logprobs = self.top_logprobs[sl]
+        matchers = [self.matcher[s] for s in slots]
+        if any(m is not None for m in matchers):
+            mask = np.zeros((len(slots), (self.vocab + 31) // 32), np.int32)
+            for r, m in enumerate(matchers):
+                if m is not None:
+                    m.fill(mask, r)
+                    self._every_eos(mask[r])
+            proc.allowed = mask
+            proc.constrained = np.array([m is not None for m in matchers], np.bool_)
+        return proc
+
+    def _ends(self, slot: int) -> list[int]:
+        """The ids that would end ``slot``'s row: EOS and its stop ids (min_tokens bans them)."""
+        ids = list(self.eos_ids)
+        if self.stop_ids.shape[1]:
+            ids += [int(t) for t in self.stop_ids[slot] if t != -1]
+        return ids
+
+    def _every_eos(self, words: np.ndarray) -> None:
+        """A grammar that may end allows its one EOS id: allow every end-of-generation id the
+        tokenizer has (each ends the row, zerolayer.engine.rows.advance)."""
+        bits = words.view(np.uint32)
+        eos = [e for e in self.eos_ids if e < self.vocab]
+        if any(bits[e >> 5] >> np.uint32(e & 31) & np.uint32(1) for e in eos):
+            for e in eos:
+                bits[e >> 5] |= np.uint32(1 << (e & 31))
+
+    def _rebuild(self) -> None:
+        self._changed = False
+        slots = self.decoding
+        held = [self.seq[s] for s in slots]
+        assert None not in held, "a decoding slot holds no sequence"
+        seqs: list[Sequence] = held  # type: ignore[assignment]  # no None: checked above
+        self.decoding_seqs = seqs
+        self.owners = [s.owner for s in seqs]
+        self.text_rows = [(i, s) for i, s in enumerate(seqs) if s.detok is not None]
+        if slots and slots[-1] - slots[0] == len(slots) - 1:
+            self.index = slice(slots[0], slots[-1] + 1)
+        else:
+            self.index = np.array(slots, np.intp)
+        self._last_id = np.array(slots, np.intp) * self.max_context - 1
+        self._proc_rows = (
+            [(r, s) for r, s in enumerate(slots) if self.processed[s]] if self._processing else []
+        )
+        self._sampling = None  # the batch's arrays: made by ``batch`` when this row set decodes
+
+    def advance(self, sampled: np.ndarray) -> Advance:
+        """Every row of the decode set sampled ``sampled`` (slot order): feed it back as the
+        row's next input, count it, and apply the stop rules, in this order: EOS (unless the row
+        ignores it), a stop id (neither produces its token), then the row's limit."""
+        index = self.index
+        self.token[index] = sampled
+        self.pos[index] += 1
+        self.left[index] -= 1
+        left = self.left[index]
+        eos = self.eos.take(sampled)
+        if self._ignoring:
+            eos &= ~self.ignore_eos[index]
+        hit = eos
+        if self._stopping:
+            hit = eos | (self.stop_ids[index] == sampled[:, None]).any(axis=1)
+        ended = hit | (left <= 0)
+        counts = self.cap[index] - left
+        self._ids.put(self._last_id + counts, sampled)
+        grammar = _NO_ENDS
+        if self._proc_rows:
+            grammar = self._take_in(sampled, hit)
+            for i in grammar:
+                ended[i] = True
+        if not np.count_nonzero(ended):  # count_nonzero: no ufunc reduction set-up per step
+            return Advance(counts, [], [])
+        if np.count_nonzero(hit):
+            counts -= hit  # EOS and stop ids end a row without producing their token
+            self.left[index] += hit
+        rows = np.flatnonzero(ended).tolist()
+        reasons = [
+            (BY_EOS if e else BY_STOP_ID) if h else grammar.get(i, BY_LIMIT)
+            for i, e, h in zip(rows, eos[rows].tolist(), hit[rows].tolist(), strict=True)
+        ]
+        return Advance(counts, rows, reasons)
+
+    def _take_in(self, sampled: np.ndarray, hit: np.ndarray) -> dict[int, int]:
+        """The processed rows take their sampled token in: the penalties' counts, and the
+        grammar (unless EOS or a stop id ended the row). Returns the rows the grammar ended,
+        with why (BY_GRAMMAR: complete; BY_GRAMMAR_REFUSED)."""
+        ended: dict[int, int] = {}
+        tokens = sampled.tolist()
+        counts, seen = self.counts, self.seen
+        for i, slot in self._proc_rows:
+            token = tokens[i]
+            if self.penalised[slot] and counts is not None and seen is not None:
+                counts[slot, token] += 1
+                seen[slot, token] = True
+            m = self.matcher[slot]
+            if m is not None and not hit[i]:
+                if not m.accept(token):
+                    ended[i] = BY_GRAMMAR_REFUSED
+                elif m.finished:
+                    ended[i] = BY_GRAMMAR
+        return ended

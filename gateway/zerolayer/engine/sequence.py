@@ -1,0 +1,120 @@
+"""One generation request as the engine sees it, and its text: detokenizing and stop sequences.
+
+The counters of a running sequence (tokens produced, position, last token) are not here: they
+live in the engine's rows (zerolayer.engine.rows), by slot. What is here is what only one
+sequence can do for itself: turn its tokens into UTF-8-safe text deltas, hold back text that
+may start a stop sequence, and find one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from zerolayer.codes import FinishReason
+from zerolayer.engine.types import SamplingRow
+from zerolayer.tokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from zerolayer.structured import Grammar
+
+NOT_FINISHED = -2  # a finish value: the sequence goes on
+
+
+class Sequence:
+    """One generation request. ``owner`` is opaque (the request path's stream)."""
+
+    __slots__ = ("owner", "prompt", "max_tokens", "sampling", "stop_ids", "stop_sequences",
+                 "detok", "reused", "slot", "prefilled", "held", "cancelled", "t_admit",
+                 "ignore_eos", "fair_key", "matched_stop", "_max_stop", "grammar", "choices",
+                 "parent")  # fmt: skip
+
+    def __init__(
+        self,
+        owner: object,
+        prompt: np.ndarray,
+        max_tokens: int,
+        sampling: SamplingRow,
+        stop_ids: frozenset[int] = frozenset(),
+        stop_sequences: tuple[str, ...] = (),
+        detokenizer: Detokenizer | None = None,
+        ignore_eos: bool = False,
+        fair_key: object = None,
+        grammar: Grammar | None = None,
+    ) -> None:
+        self.owner = owner
+        self.prompt = prompt  # int32 [n]: the whole prompt
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.stop_sequences = stop_sequences
+        self.detok = detokenizer  # None = no text wanted and no stop sequences
+        self.reused = 0  # leading prompt positions whose KV came from the prefix store
+        self.slot = -1
+        self.prefilled = 0  # prompt ids in the cache so far (the reused ones included)
+        self.held = ""  # text withheld because it may start a stop sequence
+        self.cancelled = False
+        self.t_admit = 0.0
+        self.ignore_eos = ignore_eos  # generate past EOS (vLLM's extension, HTTP only)
+        self.fair_key = fair_key  # sequences sharing a key share one turn at admission
+        self.matched_stop: str | None = None  # the stop sequence that ended it (finish STOP)
+        self._max_stop = max(map(len, stop_sequences)) if stop_sequences else 0
+        self.grammar = grammar  # structured output: the row's matcher is made at admission
+        # n > 1: the first choice carries the others (``choices``), which start from its prompt's
+        # KV once it is prefilled; each of those has ``parent`` set (zerolayer.engine.engine).
+        self.choices: list[Sequence] = []
+        self.parent: Sequence | None = None
+
+    def text(self, token: int, finish: int) -> tuple[str, int]:
+        """The text delta of ``token``, which the engine's stop check gave ``finish``, and the
+        finish it ends up with (a stop sequence in the text makes it STOP). A token that ended
+        the sequence by EOS or a stop id is not text; the withheld text then comes out."""
+        assert self.detok is not None
+        if finish in (FinishReason.EOS, FinishReason.STOP):  # the token is not produced
+            return self._flush("", finish)
+        text = self.detok.push(token)
+        if self.stop_sequences:
+            text, hit = self._scan_stops(text)
+            if hit:
+                return text, FinishReason.STOP
+        if finish == NOT_FINISHED:
+            return text, finish
+        return self._flush(text, finish)
+
+    def _flush(self, text: str, finish: int) -> tuple[str, int]:
+        """The sequence ends with ``finish``: ``text`` and whatever the detokenizer and the stop
+        scan held (a stop sequence in it makes the finish STOP)."""
+        assert self.detok is not None
+        rest = self.detok.flush()
+        if self.stop_sequences:
+            rest, hit = self._scan_stops(rest)
+            text += rest + ("" if hit else self.held)
+            if hit:
+                finish = FinishReason.STOP
+        else:
+            text += rest
+        self.held = ""
+        return text, finish
+
+    def _scan_stops(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop sequence matched). Text that could be the
+        start of a stop sequence is held back until the next token decides."""
+        candidate = self.held + text
+        cut = -1
+        for stop in self.stop_sequences:
+            i = candidate.find(stop)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+                self.matched_stop = stop  # the earliest match; at a tie, the first listed
+        if cut != -1:
+            self.held = ""
+            return candidate[:cut], True
+        keep = 0
+        for k in range(min(len(candidate), self._max_stop - 1), 0, -1):
+            tail = candidate[-k:]
+            if any(stop.startswith(tail) for stop in self.stop_sequences):
+                keep = k
+                break
+        self.held = candidate[len(candidate) - keep :] if keep else ""
+        return candidate[: len(candidate) - keep], False

@@ -1,0 +1,94 @@
+"""Logprobs in the OpenAI APIs' shapes, from the engine's per-token ``Logprobs``.
+
+The engine gives each token that asked its logprob and its ``top_logprobs`` most likely
+alternatives (ids; the distribution is the one gateway/zerolayer/engine/sampling.py names).
+``TokenStrings`` turns an id into the text and bytes the APIs report (made once per daemon, cached
+per id); ``chat_entry`` is one item of Chat Completions' ``choices[i].logprobs.content``;
+``CompletionLogprobs`` collects the legacy Completions' parallel lists (``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``, offsets counted in characters of the
+tokens' texts from the start of the completion).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from zerolayer.engine.step import Logprobs
+from zerolayer.tokenizer import Tokenizer
+
+
+class TokenLogprobs(NamedTuple):
+    """One generated token and the engine's logprobs for it."""
+
+    token: int
+    lp: Logprobs
+
+
+class TokenStrings:
+    """A token id's text (its bytes read as UTF-8, U+FFFD for a piece of a character) and its
+    bytes, as the APIs report them."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is None:
+            raw = self._tok.token_bytes(token_id)
+            found = (raw.decode("utf-8", "replace"), list(raw))
+            if len(self._cache) < 1 << 20:
+                self._cache[token_id] = found
+        return found
+
+
+def _floats(values: np.ndarray) -> list[float]:
+    return [float(v) for v in values.tolist()]
+
+
+def chat_entry(strings: TokenStrings, item: TokenLogprobs) -> dict[str, Any]:
+    """``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}``."""
+    text, raw = strings.get(item.token)
+    top = []
+    for tid, value in zip(item.lp.top_ids.tolist(), _floats(item.lp.top), strict=True):
+        t_text, t_raw = strings.get(tid)
+        top.append({"token": t_text, "logprob": value, "bytes": t_raw})
+    return {"token": text, "logprob": float(item.lp.token), "bytes": raw, "top_logprobs": top}
+
+
+class CompletionLogprobs:
+    """The legacy Completions' ``logprobs`` object of one choice, growing per token; ``take``
+    returns what came since the last call (a streamed chunk's part)."""
+
+    __slots__ = ("strings", "offset", "tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def __init__(self, strings: TokenStrings) -> None:
+        self.strings = strings
+        self.offset = 0
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, item: TokenLogprobs) -> None:
+        text, _ = self.strings.get(item.token)
+        self.tokens.append(text)
+        self.token_logprobs.append(float(item.lp.token))
+        self.top_logprobs.append(
+            {
+                self.strings.get(tid)[0]: value
+                for tid, value in zip(item.lp.top_ids.tolist(), _floats(item.lp.top), strict=True)
+            }
+        )
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+
+    def body(self, start: int = 0) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }

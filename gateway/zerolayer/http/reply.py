@@ -1,0 +1,166 @@
+"""What one API request becomes once its body is read: the door-neutral ``Request`` plus a
+``Reply`` that writes the answer in the API's format.
+
+A Reply is made per request by the API module (openai.py, anthropic.py) and never parses a
+request: the door calls ``start`` once the prompt is known, ``write`` per text delta of a
+choice, ``end`` as each choice ends and ``tail`` after the last (streaming), or ``collect`` per
+delta and ``body`` once (non-streaming). Each choice's text goes through its tool-call parser
+(zerolayer.http.tools.OutputCalls) when the request defined tools. Streaming methods append to the
+connection's write buffer; a plain answer's per-token path only JSON-escapes the text delta
+between byte strings built once per request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from json.encoder import encode_basestring  # the C escaper: "text" -> '"text"' (non-ASCII kept)
+
+from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
+from zerolayer.http.tools import OutputCalls, ToolUse
+from zerolayer.request_path.request import Request
+
+__all__ = ["ChoiceOut", "Ending", "Reply", "dumps", "encode_basestring", "new_id", "now"]
+
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def dumps(obj: object) -> bytes:
+    """Compact UTF-8 JSON (responses are not per token: the stdlib encoder is enough)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def new_id(prefix: str) -> str:
+    """A response id unique in this process and unlikely across processes."""
+    return f"{prefix}{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+@dataclass(slots=True)
+class Ending:
+    """How a stream (one choice) ended: the numbers every API reports."""
+
+    finish: int  # FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt: bool = False  # a precompiled system prompt's KV was reused
+    stop_sequence: str | None = None  # the stop string that matched, when known
+
+
+class ChoiceOut:
+    """One choice of an answer as it is written: its text and logprobs so far (non-streaming),
+    its tool-call parser, and its ending once it has one."""
+
+    __slots__ = ("index", "parts", "logprobs", "calls", "ending")
+
+    def __init__(self, index: int, calls: OutputCalls | None) -> None:
+        self.index = index
+        self.parts: list[str] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.calls = calls
+        self.ending: Ending | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class Reply(ABC):
+    """The answer to one request: ``req.n`` choices, ``stream`` picks SSE events or one JSON
+    body. ``tools`` (when the request defined tools) parses each choice's text into calls;
+    ``strings`` names logprobs' tokens (when the request asked for logprobs).
+
+    The door calls, per choice: ``write`` (streaming) or ``collect`` (not) with each text delta
+    and the token's logprobs when asked, then ``finish`` with its ending; streaming, ``start``
+    once before the first event and ``end`` per choice, ``tail`` after the last; not streaming,
+    ``body`` once every choice ended."""
+
+    __slots__ = ("req", "stream", "model", "tools", "strings", "choices", "left", "plain")
+
+    api = ""  # "openai" or "anthropic": error shapes and metrics labels
+    content_type = b"application/json"
+    call_id_prefix = "call_"
+
+    def __init__(
+        self,
+        req: Request,
+        stream: bool,
+        model: str,
+        tools: ToolUse | None = None,
+        strings: TokenStrings | None = None,
+    ) -> None:
+        self.req = req
+        self.stream = stream
+        self.model = model
+        self.tools = tools
+        self.strings = strings
+        prefix = self.call_id_prefix
+        self.choices = [
+            ChoiceOut(i, tools.output(prefix) if tools is not None else None) for i in range(req.n)
+        ]
+        self.left = req.n  # choices not ended yet
+        # Text deltas only: the per-token path writes prebuilt bytes around the escaped text.
+        self.plain = not req.logprobs and all(c.calls is None for c in self.choices)
+
+    def collect(self, choice: int, text: str, lp: TokenLogprobs | None) -> None:
+        """A delta of a non-streamed answer."""
+        out = self.choices[choice]
+        if text:
+            out.parts.append(text)
+        if lp is not None:
+            out.logprobs.append(lp)
+
+    def finish(self, choice: int, ending: Ending) -> bool:
+        """Choice ``choice`` ended; True when it was the last one."""
+        self.choices[choice].ending = ending
+        self.left -= 1
+        return self.left == 0
+
+    def total(self) -> Ending:
+        """The request's numbers: the prompt once, the choices' tokens summed."""
+        endings = [c.ending for c in self.choices if c.ending is not None]
+        first = endings[0]
+        return Ending(
+            first.finish,
+            first.prompt_tokens,
+            sum(e.completion_tokens for e in endings),
+            first.cached_prompt,
+            first.stop_sequence,
+        )
+
+    def start(self, out: bytearray, prompt_tokens: int) -> None:  # noqa: B027 - optional
+        """The events before the first token (streaming); none by default."""
+
+    def write(self, out: bytearray, choice: int, text: str, lp: TokenLogprobs | None) -> None:
+        """A delta of a streamed answer: plain text through ``token``, else ``delta``."""
+        if self.plain:
+            self.token(out, choice, text)
+        else:
+            self.delta(out, choice, text, lp)
+
+    @abstractmethod
+    def token(self, out: bytearray, choice: int, text: str) -> None:
+        """One text delta as an event (streaming, ``plain``); never called with empty text."""
+
+    @abstractmethod
+    def delta(self, out: bytearray, choice: int, text: str, lp: TokenLogprobs | None) -> None:
+        """A text delta through the choice's tool-call parser, with its token's logprobs."""
+
+    @abstractmethod
+    def end(self, out: bytearray, choice: int) -> None:
+        """The closing events of one choice (streaming), after its ``finish``."""
+
+    def tail(self, out: bytearray) -> None:  # noqa: B027 - optional
+        """After the last choice's ``end`` (streaming)."""
+
+    @abstractmethod
+    def body(self) -> bytes:
+        """The whole response object (non-streaming), once every choice ended."""

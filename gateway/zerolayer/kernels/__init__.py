@@ -1,0 +1,5 @@
+"""The Python side of the native kernels: building them for this CPU and calling them.
+
+The sources are the repository's top-level ``kernels/`` directory, reached here as ``src`` (a link
+in a checkout, copied files in a wheel); ``qmatmul`` builds and loads the GGUF block products.
+"""
