@@ -35,6 +35,7 @@ from zerolayer.config.settings import (
     ConfigError,
     Settings,
     changed_keys,
+    describe_source,
     load_settings,
     with_values,
 )
@@ -461,11 +462,7 @@ def run(settings: Settings, config_path: str | None = None) -> int:
     _raise_fd_limit(settings.server.max_connections)
     if settings.server.workers > 1:
         return _run_workers(settings, config_path)
-    if config_path is None:
-        from zerolayer.config.settings import default_config_path
-
-        config_path = str(default_config_path())
-    log.info("configuration: %s", config_path)
+    log.info("configuration: %s", describe_source(config_path))
     uvloop.run(_serve(settings, config_path))
     return 0
 

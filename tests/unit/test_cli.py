@@ -169,6 +169,31 @@ def test_serve_flags_win_over_environment_and_file_in_zerolayer_config() -> None
     assert bad.returncode == 2 and "server.port" in bad.stderr
 
 
+def test_config_without_a_file_shows_the_built_in_defaults_from_any_directory(tmp_path) -> None:
+    # What a wheel install meets: no configs/ anywhere near. stdout stays the JSON alone.
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerolayer.cli.main", "config", "--port", "7171"],
+        cwd=tmp_path,
+        env={**clean, "ZEROLAYER_HTTP__PORT": "8181"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stderr) == (
+        0,
+        "configuration: built-in defaults (no --config given), ZEROLAYER_* variables and flags "
+        "over them\n",
+    )
+    cfg = json.loads(proc.stdout)
+    assert (cfg["server"]["port"], cfg["http"]["port"], cfg["metrics"]["port"]) == (
+        7171,
+        8181,
+        9464,
+    )
+    assert cfg["model"]["path"] == "@smollm2"
+
+
 def test_models_lists_the_named_and_cached_models(tmp_path) -> None:
     cached = tmp_path / "gguf" / "Tiny-0123456789abcdef-v2"
     cached.mkdir(parents=True)

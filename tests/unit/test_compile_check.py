@@ -188,11 +188,13 @@ def test_missing_input_is_a_usage_error(tmp_path, capsys) -> None:
     assert code == 2 and "cannot read" in err
 
 
-def test_without_file_or_config_the_default_configs_prompts_are_checked(capsys) -> None:
-    # Like `serve` without --config: configs/default.toml, which registers no prompts.
+def test_without_file_or_config_the_built_in_configs_prompts_are_checked(capsys) -> None:
+    # Like `serve` without --config: the built-in defaults, which register no prompts.
     code, out, _ = check([], capsys)
     assert code == 1
-    assert out == [f"ERROR: {ROOT / 'configs' / 'default.toml'} has no [[prompts]] entries"]
+    assert out == [
+        "ERROR: the built-in configuration (no --config given) has no [[prompts]] entries"
+    ]
 
 
 def test_without_config_the_environment_still_applies(tmp_path, capsys, monkeypatch) -> None:

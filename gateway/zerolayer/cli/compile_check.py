@@ -32,6 +32,11 @@ else:  # Python 3.10
     import tomli as tomllib
 
 
+# What the configuration is called in messages when no --config is given (``serve`` then runs
+# on the built-in defaults and the environment too).
+BUILT_IN_CONFIG = "the built-in configuration (no --config given)"
+
+
 class _UsageError(Exception):
     """Input compile-check cannot read at all (exit status 2)."""
 
@@ -81,15 +86,16 @@ def _parse_input(data: bytes, name: str, suffix: str) -> tuple[list[Any], bool] 
     return [_file_text(text)], False
 
 
-def _load_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int, Any, Path]:
-    """(tokenizer, max_prefix_tokens, settings, config file) from --model / --config."""
+def _load_tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, int, Any, str]:
+    """(tokenizer, max_prefix_tokens, settings, the configuration's name) from --model /
+    --config."""
     # The daemon's effective configuration (file and ZEROLAYER_* environment), as `serve` sees
-    # it: without --config, the default config file, like `serve` without --config.
-    from zerolayer.config.settings import ConfigError, default_config_path, load_settings
+    # it: without --config, the built-in defaults, like `serve` without --config.
+    from zerolayer.config.settings import ConfigError, load_settings
 
+    config = str(Path(args.config)) if args.config else BUILT_IN_CONFIG
     try:
-        config = Path(args.config) if args.config else default_config_path()
-        settings = load_settings(config)
+        settings = load_settings(args.config)
     except ConfigError as exc:
         raise _UsageError(str(exc)) from exc
     max_tokens = args.max_prefix_tokens
@@ -130,8 +136,9 @@ def run_compile_check(args: argparse.Namespace) -> int:
             if not hasattr(settings, "prompts"):
                 raise _UsageError("this build's configuration has no [[prompts]] key")
             tables: list[Any] = [e.model_dump() for e in settings.prompts]
-            is_toml, name = True, str(config)
-            base_dir = config.resolve().parent
+            is_toml, name = True, config
+            # As the daemon reads them: relative to the config file, else the working directory.
+            base_dir = Path(args.config).resolve().parent if args.config else Path.cwd()
         else:
             data, name, base_dir = _read_input(args.file)
             parsed = _parse_input(data, name, Path(args.file).suffix.lower())

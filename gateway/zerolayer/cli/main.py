@@ -20,7 +20,13 @@ from zerolayer.cli.compile_check import add_compile_check_subparser
 from zerolayer.client.bench import add_bench_subparser
 from zerolayer.client.connection import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
 from zerolayer.codes import FinishReason
-from zerolayer.config.settings import DEBUG_ENV, ConfigError, Settings, load_settings
+from zerolayer.config.settings import (
+    DEBUG_ENV,
+    ConfigError,
+    Settings,
+    describe_source,
+    load_settings,
+)
 from zerolayer.hooks.keys import add_keys_subparser, positive_int
 
 if TYPE_CHECKING:
@@ -28,7 +34,7 @@ if TYPE_CHECKING:
 
 # One line per command, shown by `zerolayer --help` and copied into README.md ("Commands").
 COMMANDS = """\
-zerolayer serve [MODEL] [--config FILE] [FLAGS]   run the daemon (default configs/default.toml)
+zerolayer serve [MODEL] [--config FILE] [FLAGS]   run the daemon (no --config: built-in defaults)
     [--host A] [--port N] [--http-port N] [--metrics-port N] [--dtype D] [--max-batch-size N]
     [--max-context N] [--api-key KEY]... [--tls-cert PEM --tls-key PEM] [--log-format text|json]
 zerolayer models [--json]                         list servable models (bundled, installed, cached)
@@ -97,7 +103,9 @@ SERVE_FLAGS: tuple[tuple[str, tuple[str, ...], dict[str, Any]], ...] = (
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", default=None, help="TOML file (default configs/default.toml of the source tree)"
+        "--config",
+        default=None,
+        help="TOML file (default: none, the built-in defaults, which configs/default.toml lists)",
     )
     parser.add_argument(
         "model",
@@ -264,6 +272,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     data = _settings(args).model_dump()
     data["auth"]["api_keys"] = ["***"] * len(data["auth"]["api_keys"])  # never print a key
+    print(f"configuration: {describe_source(args.config)}", file=sys.stderr)  # stdout: the JSON
     print(json.dumps(data, indent=2))
     return 0
 
@@ -310,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the daemon",
         description="Serve MODEL (default: model.path of the configuration). Precedence, "
-        "highest first: these flags, ZEROLAYER_* environment variables, the TOML file, defaults.",
+        "highest first: these flags, ZEROLAYER_* environment variables, the TOML file of "
+        "--config, the built-in defaults (all a bare `serve` needs, from any directory).",
     )
     add_serve_flags(serve)
     serve.set_defaults(func=_cmd_serve)
@@ -412,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="print the effective configuration and exit",
         description="Print the configuration `zerolayer serve` with the same arguments would "
-        "run with (flags over environment over file), API keys masked.",
+        "run with (flags over environment over file over defaults) as JSON, API keys masked; "
+        "stderr says where it comes from, as the daemon's log does.",
     )
     add_serve_flags(cfg)
     cfg.set_defaults(func=_cmd_config)

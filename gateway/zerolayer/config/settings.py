@@ -2,9 +2,10 @@
 
 Precedence, highest first: environment (``ZEROLAYER_SERVER__PORT=7071``), the TOML file, defaults.
 Every key is listed in docs/configuration.md; unknown keys and sections are errors, in the file
-and in the environment, so a typo never passes silently. Without ``--config`` the file is
-configs/default.toml of the source tree the package runs from, else of the current directory
-(a container's WORKDIR); when neither exists that is an error, not a silent fall-back.
+and in the environment, so a typo never passes silently. Without ``--config`` no file is read:
+the built-in defaults below, which configs/default.toml restates key for key (a unit test keeps
+the two equal), so an installed wheel serves from any directory; ``describe_source`` is the line
+every command shows about it.
 """
 
 from __future__ import annotations
@@ -35,13 +36,6 @@ else:  # pragma: no cover
 ENV_PREFIX = "ZEROLAYER_"
 DEBUG_ENV = "ZEROLAYER_DEBUG"  # not a setting: the CLI prints tracebacks when it is set
 NOT_SETTINGS = frozenset({DEBUG_ENV})  # ZEROLAYER_* variables that are not configuration
-
-# Searched in order when no --config is given: the source tree, then the working directory.
-DEFAULT_CONFIGS = (
-    Path(__file__).resolve().parents[3] / "configs" / "default.toml",
-    Path("configs") / "default.toml",
-)
-DEFAULT_CONFIG = DEFAULT_CONFIGS[0]
 
 
 class _Section(BaseModel):
@@ -226,13 +220,12 @@ def _describe(err: ValidationError) -> str:
     return "invalid configuration: " + "; ".join(lines)
 
 
-def default_config_path() -> Path:
-    """The file ``load_settings(None)`` reads; ConfigError when there is none."""
-    for candidate in DEFAULT_CONFIGS:
-        if candidate.is_file():
-            return candidate.resolve()
-    tried = " or ".join(str(c.resolve()) for c in DEFAULT_CONFIGS)
-    raise ConfigError(f"no --config given and no default config at {tried}; pass --config FILE")
+def describe_source(path: str | Path | None) -> str:
+    """Where ``load_settings(path)`` takes its values from, as the daemon logs it and
+    ``zerolayer config`` prints it: ``configuration: <this>``."""
+    if not path:
+        return "built-in defaults (no --config given), ZEROLAYER_* variables and flags over them"
+    return f"{Path(path).resolve()}, ZEROLAYER_* variables and flags over it"
 
 
 def _check_environment() -> None:
@@ -271,18 +264,20 @@ def _describe_env_error(exc: SettingsError) -> str:
 
 
 def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
-    """Read ``path`` (default: ``default_config_path()``) and the environment into Settings."""
+    """Read the TOML file ``path`` (None or empty: no file, the built-in defaults) and the
+    environment into Settings."""
     data: dict[str, Any] = {}
-    file = Path(path) if path else default_config_path()
-    try:
-        with open(file, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file not found: {file}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
-    # Prompt files are named relative to the config file, wherever the daemon runs.
-    resolve_prompt_files(data, file.resolve().parent)
+    if path:
+        file = Path(path)
+        try:
+            with open(file, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {file}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from exc
+        # Prompt files are named relative to the config file, wherever the daemon runs.
+        resolve_prompt_files(data, file.resolve().parent)
     for section, values in overrides.items():
         data.setdefault(section, {}).update(values)
     _check_environment()
