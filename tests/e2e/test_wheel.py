@@ -36,9 +36,10 @@ from benchmarks._support.daemon import ROOT, child_preexec, free_port
 
 PACKAGE = ROOT / "gateway" / "zerolayer"
 KERNEL_SOURCE = ROOT / "kernels" / "qmatmul.cpp"
-# Measured on the shared 2-core machine: the whole test 107-127 s, of which building and
-# installing 67-93 s (torch unpacked, transformers and the cpu extra from PyPI) and the first
-# start 28-34 s (the GGUF converted, the kernel compiled). The bounds leave room for a busy CI.
+# Measured on the shared 2-core machine: the whole test 107-141 s, of which building and
+# installing 67-102 s (torch unpacked, transformers and the cpu extra from PyPI) and the first
+# start 28-34 s (the GGUF converted, the kernel compiled), at loads of 2-3. The bounds leave
+# room for a busier CI.
 PIP_TIMEOUT_S = 300
 READY_TIMEOUT_S = 300
 QUESTION = "What is the capital of France?"
