@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -144,13 +145,21 @@ def _wait_ready(proc: subprocess.Popen[bytes], metrics_port: int, log: Path) -> 
     raise AssertionError(f"not ready in {READY_TIMEOUT_S} s:\n{log.read_text()}")
 
 
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    """pytest's tmp_path, emptied after the test: the virtualenv holds about 2 GB, and pytest
+    keeps its last three runs' directories."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
 @pytest.mark.timeout(600)
-def test_the_wheel_installed_beside_new_transformers_serves_without_config(tmp_path: Path):
+def test_the_wheel_installed_beside_new_transformers_serves_without_config(scratch: Path):
     started = time.monotonic()
-    wheel = _build_wheel(tmp_path)
+    wheel = _build_wheel(scratch)
     dist_info = _check_wheel(wheel)
 
-    venv = tmp_path / "venv"
+    venv = scratch / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], 120)
     python, pip = str(venv / "bin" / "python"), [str(venv / "bin" / "python"), "-m", "pip"]
     # This environment's exact torch build (2.13.0+cpu): a local version PyPI does not have, so
@@ -162,7 +171,7 @@ def test_the_wheel_installed_beside_new_transformers_serves_without_config(tmp_p
          PIP_TIMEOUT_S)  # fmt: skip
     installed = time.monotonic()
 
-    workdir = tmp_path / "run"  # outside the checkout: no configs/ beside it
+    workdir = scratch / "run"  # outside the checkout: no configs/ beside it
     workdir.mkdir()
     frame, http, metrics = free_port(), free_port(), free_port()
     env = {
@@ -171,9 +180,9 @@ def test_the_wheel_installed_beside_new_transformers_serves_without_config(tmp_p
         "ZEROLAYER_SERVER__PORT": str(frame),
         "ZEROLAYER_HTTP__PORT": str(http),
         "ZEROLAYER_METRICS__PORT": str(metrics),
-        "ZEROLAYER_MODEL__DATA_DIR": str(tmp_path / "data"),
+        "ZEROLAYER_MODEL__DATA_DIR": str(scratch / "data"),
     }
-    log = tmp_path / "serve.log"
+    log = scratch / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [str(venv / "bin" / "zerolayer"), "serve"],

@@ -370,3 +370,13 @@ def test_blocks_of_the_wrong_shape_are_refused(converted) -> None:
     weights["layers.0.mlp.gate_proj.weight"] = QWeight(up.blocks[:16].contiguous(), up.kind)
     with pytest.raises(ValueError, match="gate_proj"):
         model.use_blocks(weights)
+
+
+def test_the_environments_own_tools_are_found_without_an_activated_environment(tmp_path: Path):
+    # A daemon started by its full path (systemd) has only the system PATH; the ninja that pip
+    # installed beside the virtualenv's Python must still be found.
+    python = tmp_path / "venv" / "bin" / "python"
+    bin_dir = str(python.parent)
+    got = qmatmul.with_environment_tools("/usr/bin:/bin", str(python))
+    assert got.split(os.pathsep) == [bin_dir, "/usr/bin", "/bin"]
+    assert qmatmul.with_environment_tools(got, str(python)) == got  # already there: unchanged

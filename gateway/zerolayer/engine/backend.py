@@ -3,7 +3,7 @@
 A backend owns ``num_slots`` KV-cache slots of ``max_context`` positions each. The scheduler
 assigns slots, feeds prompt chunks (``prefill``) and runs batched ``decode`` steps, and calls
 ``free`` when a sequence ends. Implementations: ``synthetic`` (no model), ``cpu``
-(gateway/zerolayer/kernels/ on torch), ``neuron`` (transformers-neuronx on NeuronCores).
+(our decoder, zerolayer.models.decoder, on torch), ``neuron`` (transformers-neuronx on NeuronCores).
 
 KV ranges (the prefix store, gateway/zerolayer/engine/prefix_store.py) are optional: a backend that
 can copy the KV of a range of a slot's positions out and back into a slot at the same positions also

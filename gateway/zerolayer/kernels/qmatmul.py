@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,14 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", *arch]
 
 
+def with_environment_tools(path: str, executable: str = sys.executable) -> str:
+    """``path`` (a PATH value) with the directory of this Python first when it is not on it: the
+    ``ninja`` that pip installed with the cpu extra sits beside the virtualenv's Python, and a
+    daemon started by its full path (systemd's ExecStart) has no activated environment."""
+    here = str(Path(executable).parent)
+    return path if here in path.split(os.pathsep) else os.pathsep.join([here, path])
+
+
 def build_key(flags: list[str]) -> str:
     """Names a build: the source, torch's version and the compiler flags."""
     digest = hashlib.sha256(SOURCE.read_bytes())
@@ -92,6 +101,7 @@ def build(cache_root: Path) -> str | None:
     from zerolayer.cachedir import ensure_dir  # the project's write-once directories
 
     if not (directory / library).is_file():  # to be built: that takes a compiler and ninja
+        os.environ["PATH"] = with_environment_tools(os.environ.get("PATH", ""))
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
             return f"no C++ compiler ({compiler!r} is not on PATH)"
