@@ -8,9 +8,10 @@ A step is schedule → execute → update (``step``):
 - **execute** runs the backend on the plan (nothing else); a failing batched call is retried row
   by row so that a failure ends only the sequence that caused it.
 - **update** advances every row that sampled a token in one vectorized call on the rows
-  (zerolayer.engine.rows: counters, limits and stop ids by slot, one stop check), adds the text
-  of rows that detokenize (zerolayer.engine.sequence), offers the blocks of prompts whose prefill
-  just completed to the prefix store, frees the slots of ended sequences and returns ONE
+  (zerolayer.engine.rows: counters, limits and stop ids by slot), adds the text of rows that
+  detokenize (zerolayer.engine.sequence), decides which rows end and why, once for the step
+  (zerolayer.engine.finish: the rules noted by slot first), offers the blocks of prompts whose
+  prefill just completed to the prefix store, frees the slots of ended sequences and returns ONE
   ``StepOutput`` (zerolayer.engine.step), which the engine thread hands to ``deliver``.
 The waiting queue is bounded: ``submit`` refuses when it is full.
 """
@@ -34,16 +35,10 @@ from zerolayer.codes import FinishReason
 from zerolayer.engine.admission import QueueShares
 from zerolayer.engine.backend import Backend, PrefixKV
 from zerolayer.engine.compute import ComputeThread
+from zerolayer.engine.finish import FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
 from zerolayer.engine.prefix_store import PrefixStore
-from zerolayer.engine.rows import (
-    BY_EOS,
-    BY_GRAMMAR,
-    BY_GRAMMAR_REFUSED,
-    BY_LIMIT,
-    BY_STOP_ID,
-    Rows,
-)
-from zerolayer.engine.sequence import NOT_FINISHED, Sequence
+from zerolayer.engine.rows import Rows
+from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Logprobs, Output, StepOutput
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.tokenizer import Tokenizer
@@ -54,18 +49,6 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger("zerolayer.engine")
-
-# Rows' reasons for ending a row, as finishes.
-_REASONS = {
-    BY_EOS: FinishReason.EOS,
-    BY_STOP_ID: FinishReason.STOP,
-    BY_LIMIT: FinishReason.MAX_TOKENS,
-    BY_GRAMMAR: FinishReason.STOP,  # structured output complete
-    BY_GRAMMAR_REFUSED: FINISH_ERROR,
-}
-
-# Endings whose token is not produced (EOS, a stop id, a token the grammar refused).
-_QUIET = frozenset((BY_EOS, BY_STOP_ID, BY_GRAMMAR_REFUSED))
 
 # Called from the engine thread once per step that produced anything.
 Deliver = Callable[[StepOutput], None]
@@ -501,7 +484,6 @@ class Engine:
                     finished.append(self._end(seq, FINISH_ERROR))
                     ended.append(seq)
             self._release(ended)  # out of the decode set before the step's rows are taken
-        out = StepOutput()
         if completed or failed:  # the row set changed: each token to its slot, then in order
             joined = [s.slot for s in completed]
             rows.join(joined)
@@ -514,52 +496,70 @@ class Engine:
             else:
                 sampled = None
         if sampled is not None:
-            out, endings = self._advance(sampled, rows.joined_rows(completed))
+            counts, text = self._advance(sampled)
+        # The one place a running row's end is decided, once per step.
+        ends = decide(rows.fired, None if sampled is None else rows.index)
+        out = StepOutput()
+        if sampled is not None:
+            out = self._step_rows(sampled, counts, text, rows.joined_rows(completed), ends.quiet)
             if rows.logprob_rows:
-                out.logprobs = self._logprobs(plan, out.quiet)
+                out.logprobs = self._logprobs(plan, ends.quiet)
+        if ends.slots:
             mine: list[Sequence] = []
-            for seq, finish in endings:
-                finished.append(self._end(seq, finish))
-                mine.append(seq)
+            for slot, finish in zip(ends.slots, ends.finishes, strict=True):
+                ending = rows.seq[slot]
+                assert ending is not None, "a row with a finish rule holds no sequence"
+                finished.append(self._end(ending, finish))
+                mine.append(ending)
             self._release(mine)
         out.finished = finished
         return out
 
-    def _advance(
-        self, sampled: np.ndarray, joined: list[int]
-    ) -> tuple[StepOutput, list[tuple[Sequence, int]]]:
-        """Every row of the step (the rows' decode set, in slot order) sampled a token: advance
-        the rows at once, then add the text of the rows that detokenize. Returns the step's rows
-        and the sequences that ended, with their finish."""
+    def _advance(self, sampled: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+        """Every row of the step (the rows' decode set, in slot order) sampled a token: the rows
+        take them in at once, noting the finish rules they fire, then the rows that detokenize
+        add their text, noting a stop string or a failure (zerolayer.engine.finish). Returns
+        each row's count of tokens and the text by row."""
         rows = self._rows
-        seqs = rows.decoding_seqs
-        adv = rows.advance(sampled)
-        ends: dict[int, int] = {i: _REASONS[r] for i, r in zip(adv.ended, adv.reasons, strict=True)}
-        quiet = [i for i, r in zip(adv.ended, adv.reasons, strict=True) if r in _QUIET]
+        counts = rows.advance(sampled)
         text: dict[int, str] = {}
         if rows.text_rows:
             tokens = sampled.tolist()
+            fired = rows.fired
+            rules = fired[rows.index].tolist()
             for i, seq in rows.text_rows:
-                end = ends.get(i, NOT_FINISHED)
-                # A row its grammar completed produced its token: its text is flushed as at a
-                # limit, and it ends STOP.
-                as_text = (
-                    FinishReason.MAX_TOKENS if end == FinishReason.STOP and i not in quiet else end
-                )
+                r = rules[i]
                 try:
-                    text[i], finish = seq.text(tokens[i], as_text)
+                    # A token not produced has no text; a row that ends anyway flushes its text.
+                    text[i], stop = seq.text(None if r & UNPRODUCED else tokens[i], r != 0)
                 except Exception:  # e.g. a detokenizer failure: this sequence ends alone
                     log.exception("processing a sampled token failed; ending its sequence")
-                    text[i], finish = "", FINISH_ERROR
-                    quiet.append(i)
-                if finish != NOT_FINISHED:
-                    ends[i] = end if finish == as_text else finish
+                    text[i] = ""
+                    fired[seq.slot] |= FAILED
+                    continue
+                if stop:
+                    fired[seq.slot] |= STOP_STRING
+        return counts, text
+
+    def _step_rows(
+        self,
+        sampled: np.ndarray,
+        counts: np.ndarray,
+        text: dict[int, str],
+        joined: list[int],
+        quiet: list[int],
+    ) -> StepOutput:
+        """The step's rows as handed out, once its endings are decided: the tokens that ended
+        their rows without being produced (``quiet``) are taken back: not counted, and NO_TOKEN
+        in place of the id."""
+        rows = self._rows
         if quiet:
+            rows.unproduce(quiet)
+            counts = rows.step_counts()
             sampled = sampled.copy()
             sampled[quiet] = NO_TOKEN
         sampled.flags.writeable = False
-        out = StepOutput(rows.owners, sampled, adv.counts, joined, text, quiet)
-        return out, [(seqs[i], finish) for i, finish in ends.items()]
+        return StepOutput(rows.owners, sampled, counts, joined, text, quiet)
 
     def _logprobs(self, plan: StepPlan, quiet: list[int]) -> dict[int, Logprobs]:
         """The logprobs of the step's rows that asked (the samplers wrote them into the
