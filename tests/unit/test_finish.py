@@ -22,6 +22,7 @@ A, B, C, X = (ord(c) for c in "abcx")
 
 # The precedence, highest first, written out here so that a change to it shows in this file.
 ORDER = [
+    (finish.CANCEL, FinishReason.CANCELLED),
     (finish.STOP_STRING, FinishReason.STOP),
     (finish.FAILED, FinishReason.ERROR),
     (finish.EOS, FinishReason.EOS),
@@ -29,7 +30,7 @@ ORDER = [
     (finish.GRAMMAR, FinishReason.STOP),
     (finish.LENGTH, FinishReason.MAX_TOKENS),
 ]
-NOT_PRODUCED = {finish.FAILED, finish.EOS, finish.STOP_ID}
+NOT_PRODUCED = {finish.CANCEL, finish.FAILED, finish.EOS, finish.STOP_ID}
 
 
 # ---------------------------------------------------------------------- decide
@@ -53,7 +54,7 @@ def test_no_rule_no_ending() -> None:
 
 def test_the_higher_rule_wins_any_combination() -> None:
     """Every set of rules ends the row with the finish of its highest rule; the token is produced
-    only when no rule of FAILED, EOS, STOP_ID is in the set."""
+    only when no rule of CANCEL, FAILED, EOS, STOP_ID is in the set."""
     for size in range(2, len(ORDER) + 1):
         for combo in itertools.combinations(ORDER, size):
             rules = sum(rule for rule, _ in combo)
@@ -75,16 +76,20 @@ def test_named_precedences() -> None:
     assert one_row(finish.GRAMMAR | finish.LENGTH) == ([0], [FinishReason.STOP], [])
     # A stop string held back from earlier tokens, found when EOS ends the row: STOP.
     assert one_row(finish.STOP_STRING | finish.EOS) == ([0], [FinishReason.STOP], [0])
+    # A cancelled row ends CANCELLED whatever its token did.
+    assert one_row(finish.CANCEL | finish.EOS | finish.STOP_STRING)[1] == [FinishReason.CANCELLED]
 
 
 def test_rows_are_slots_and_quiet_rows_are_positions_in_the_step() -> None:
-    """Slots 1, 3 and 6 decode (the step's rows 0, 1, 2)."""
+    """Slots 1, 3 and 6 decode (the step's rows 0, 1, 2); slot 4 is a prefilling row that was
+    cancelled (it sampled nothing): it ends, and is no row of the step."""
     fired = np.zeros(8, np.uint8)
     fired[3] = finish.EOS
+    fired[4] = finish.CANCEL
     fired[6] = finish.LENGTH
     ends = finish.decide(fired, np.array([1, 3, 6]))
-    assert ends.slots == [3, 6]
-    assert ends.finishes == [FinishReason.EOS, FinishReason.MAX_TOKENS]
+    assert ends.slots == [3, 4, 6]
+    assert ends.finishes == [FinishReason.EOS, FinishReason.CANCELLED, FinishReason.MAX_TOKENS]
     assert ends.quiet == [1]
     assert finish.decide(fired, None).quiet == []  # no row sampled: none to take back
 
@@ -288,6 +293,43 @@ def test_a_text_failure_is_an_error_and_not_produced() -> None:
     engine.submit(s)
     got = drive(engine, sink)["s"]
     assert got["finish"] == FinishReason.ERROR and got["ids"] == [A] and got["count"] == 1
+
+
+def test_a_cancel_during_a_step_ends_the_row_cancelled_whatever_its_token() -> None:
+    """The cancel arrives while the backend computes; the row's token (EOS here, or the last
+    allowed one) is not produced, and the row ends CANCELLED in that step."""
+
+    class CancelInDecode(Scripted):
+        target = None
+
+        def decode(self, batch):  # type: ignore[no-untyped-def]
+            if self.target is not None and len(self.decodes) == 1:
+                engine.cancel(self.target)
+            return super().decode(batch)
+
+    for script, max_tokens in (([A, B, EOS], 10), ([A, B, C], 3)):
+        backend = CancelInDecode(script)
+        engine, sink = make_engine(backend)
+        s = seq("s", max_tokens=max_tokens, stops=["bc"])
+        backend.target = s
+        engine.submit(s)
+        got = drive(engine, sink)["s"]
+        assert got["finish"] == FinishReason.CANCELLED, script
+        assert got["ids"] == [A, B] and got["count"] == 2, script
+        assert len(backend.decodes) == 2 and engine.slots_used == 0
+
+
+def test_a_cancelled_prefill_runs_no_more_of_its_prompt() -> None:
+    backend = Scripted([A])
+    engine, sink = make_engine(backend, prefill_chunk=4, max_step_tokens=4)
+    s = seq("s", prompt=b"x" * 16, max_tokens=5)
+    engine.submit(s)
+    engine.step()  # the first chunk
+    engine.cancel(s)
+    got = drive(engine, sink)["s"]
+    assert got["finish"] == FinishReason.CANCELLED and got["ids"] == [] and got["count"] == 0
+    assert [c for step in backend.prefills for c in step] == [(0, 0, 4, False)]
+    assert engine.slots_used == 0
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])

@@ -10,9 +10,10 @@ A step is schedule → execute → update (``step``):
 - **update** advances every row that sampled a token in one vectorized call on the rows
   (zerolayer.engine.rows: counters, limits and stop ids by slot), adds the text of rows that
   detokenize (zerolayer.engine.sequence), decides which rows end and why, once for the step
-  (zerolayer.engine.finish: the rules noted by slot first), offers the blocks of prompts whose
-  prefill just completed to the prefix store, frees the slots of ended sequences and returns ONE
-  ``StepOutput`` (zerolayer.engine.step), which the engine thread hands to ``deliver``.
+  (zerolayer.engine.finish: the rules, a cancel included, noted by slot first), offers the
+  blocks of prompts whose prefill just completed to the prefix store, frees the slots of ended
+  sequences and returns ONE ``StepOutput`` (zerolayer.engine.step), which the engine thread
+  hands to ``deliver``.
 The waiting queue is bounded: ``submit`` refuses when it is full.
 """
 
@@ -35,7 +36,7 @@ from zerolayer.codes import FinishReason
 from zerolayer.engine.admission import QueueShares
 from zerolayer.engine.backend import Backend, PrefixKV
 from zerolayer.engine.compute import ComputeThread
-from zerolayer.engine.finish import FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
+from zerolayer.engine.finish import CANCEL, FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
 from zerolayer.engine.prefix_store import PrefixStore
 from zerolayer.engine.rows import Rows
 from zerolayer.engine.sequence import Sequence
@@ -113,7 +114,9 @@ class Engine:
         self._waiting: dict[object, collections.deque[Sequence]] = {}
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
-        self._cancel_pending = False
+        # cancel() was called: the waiting queue (schedule) and the running rows (update) are
+        # scanned for cancelled sequences, each only then.
+        self._cancel_queued = self._cancel_running = False
         self._extra: list[Finished] = []  # endings of choices without a row, for the step
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
@@ -175,9 +178,11 @@ class Engine:
             self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
-        """Stop ``seq`` at the next step; it then ends with finish CANCELLED."""
+        """Stop ``seq``: it ends with finish CANCELLED at the engine's next step. A waiting
+        sequence leaves the queue; a running one's row ends by the CANCEL rule
+        (zerolayer.engine.finish), and a token it sampled in that step is not produced."""
         seq.cancelled = True
-        self._cancel_pending = True
+        self._cancel_queued = self._cancel_running = True
         self._wake.set()
 
     def retry_after_ms(self) -> int:
@@ -258,7 +263,7 @@ class Engine:
             if 1 + len(head.choices) > len(self._free_slots):
                 break  # n choices are admitted together, when n slots are free (in turn)
             self._admit(self._next_waiting(), finished)
-        self._drop_cancelled(finished)
+        self._drop_cancelled_waiting(finished)
         if not self._running:
             return None
         rows = self._rows
@@ -269,6 +274,8 @@ class Engine:
         for seq in self._prefilling:
             if budget <= 0:
                 break
+            if seq.cancelled:  # its row ends in this step's update: no more of its prompt runs
+                continue
             start = seq.prefilled
             n = min(len(seq.prompt) - start, self._prefill_chunk, budget)
             budget -= n
@@ -364,11 +371,12 @@ class Engine:
             self._running.append(choice)
             self._prefilling.append(choice)
 
-    def _drop_cancelled(self, finished: list[Finished]) -> None:
-        if not self._cancel_pending:  # no scan per step unless cancel() was called
+    def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
+        """Cancelled sequences still waiting leave the queue now, not when a slot frees (those
+        holding a slot end in ``_update``, by the CANCEL rule)."""
+        if not self._cancel_queued:  # no scan per step unless cancel() was called
             return
-        self._cancel_pending = False
-        # Waiting sequences that were cancelled leave the queue now, not when a slot frees.
+        self._cancel_queued = False
         for key, queue in list(self._waiting.items()):
             if not any(s.cancelled for s in queue):
                 continue
@@ -383,10 +391,6 @@ class Engine:
                 self._waiting[key] = keep
             else:
                 del self._waiting[key]
-        cancelled = [s for s in self._running if s.cancelled]
-        for seq in cancelled:
-            finished.append(self._end(seq, FinishReason.CANCELLED))
-        self._release(cancelled)
 
     # ---- execute -----------------------------------------------------------------------------
 
@@ -495,6 +499,11 @@ class Engine:
                 sampled = by_slot[rows.index].copy()  # a slice is a view of the scratch
             else:
                 sampled = None
+        if self._cancel_running:  # noted before the rows take their tokens in (not produced)
+            self._cancel_running = False
+            for seq in self._running:
+                if seq.cancelled:
+                    rows.fired[seq.slot] |= CANCEL
         if sampled is not None:
             counts, text = self._advance(sampled)
         # The one place a running row's end is decided, once per step.

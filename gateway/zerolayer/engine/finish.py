@@ -1,16 +1,21 @@
 """The finish rules: whether and why a running row ends, decided in one place (``decide``).
 
 A step notes which rules fired for each row, as bits of one number per row (``Rows.fired``, by
-slot), each where its facts are: the rows (``Rows.advance``) note an end-of-sequence id, a stop
-id and the last allowed token, and the grammar's completion or refusal as the token is taken in;
-the text (``Sequence.text``) notes a stop string, or a failure. Then, once per step
-(``Engine._update``), ``decide`` turns them into the step's endings: a row ends when any rule
-fired, with the finish of the highest of them in ``PRECEDENCE``, and its sampled token is
-produced (counted, delivered, its text written) unless one of the ``UNPRODUCED`` rules fired.
+slot), each where its facts are: the engine notes a cancel; the rows (``Rows.advance``) note an
+end-of-sequence id, a stop id and the last allowed token, and the grammar's completion or refusal
+as the token is taken in; the text (``Sequence.text``) notes a stop string, or a failure. Then,
+once per step (``Engine._update``), ``decide`` turns them into the step's endings: a row ends when
+any rule fired, with the finish of the highest of them in ``PRECEDENCE``, and its sampled token
+is produced (counted, delivered, its text written) unless one of the ``UNPRODUCED`` rules fired.
 Nothing else chooses a running row's finish, and no finish is changed after it.
 
 Precedence, highest first (tests/unit/test_finish.py pins the combinations a step can meet):
 
+- CANCEL: the request path has already ended the stream (a CANCEL, a disconnect, a slow consumer,
+  the drain deadline, a refusal or failure on the path: each reaches the engine as
+  ``Engine.cancel``), so nothing the token says matters. It is noted in the update of the step
+  the cancel arrived in (a prompt still prefilling gets no further chunk), so a row cancelled
+  while the backend runs produces nothing more.
 - STOP_STRING: a stop string is only ever found in text the row produced, this token's or text
   held back from earlier tokens (a partial match, or bytes of an unfinished UTF-8 character,
   flushed when the row ends), so the row ended there, at or before this token: before the rules
@@ -45,9 +50,11 @@ EOS = 4  # an end-of-sequence id, unless the row ignores EOS
 STOP_ID = 8  # one of the row's stop ids
 GRAMMAR = 16  # the row's grammar is complete with this token
 LENGTH = 32  # the row's last allowed token: max_tokens, or the context
+CANCEL = 64  # Engine.cancel: the request path ended the stream
 
 # Each rule's finish, highest precedence first (the module docstring says why).
 PRECEDENCE: tuple[tuple[int, FinishReason], ...] = (
+    (CANCEL, FinishReason.CANCELLED),
     (STOP_STRING, FinishReason.STOP),
     (FAILED, FinishReason.ERROR),
     (EOS, FinishReason.EOS),
@@ -58,7 +65,7 @@ PRECEDENCE: tuple[tuple[int, FinishReason], ...] = (
 
 # Rules whose token is not produced: it is not counted, not delivered (NO_TOKEN), has no text,
 # and the row's grammar does not take it in.
-UNPRODUCED = FAILED | EOS | STOP_ID
+UNPRODUCED = CANCEL | FAILED | EOS | STOP_ID
 
 # The finish of every set of rules: the highest rule's (index 0, no rule, is never read).
 _FINISH: tuple[FinishReason, ...] = tuple(

@@ -337,7 +337,7 @@ class Rows:
 
     def _take_in(self, sampled: np.ndarray) -> None:
         """The processed rows take their sampled token in: the penalties' counts, and the
-        grammar, unless the token is not produced (EOS, a stop id), which notes in
+        grammar, unless the token is not produced (EOS, a stop id, a cancel), which notes in
         ``fired`` its completion (GRAMMAR) or its refusal of the token (FAILED)."""
         tokens = sampled.tolist()
         counts, seen = self.counts, self.seen

@@ -3,7 +3,7 @@
 A step's rows are the decoding rows in slot order, the rows whose prompt finished its prefill
 in this step included (``joined``: they produced their first token). Per row: the owner, the
 token id it produced (``NO_TOKEN`` when the token ended its row unproduced: EOS, a stop id, a
-failure; zerolayer.engine.finish), how many tokens it has produced so far, and, for
+cancel, a failure; zerolayer.engine.finish), how many tokens it has produced so far, and, for
 rows that detokenize, its text delta. Besides the rows: the sequences that ended in this step and
 why, each with its final token count (a sequence may end without a row: cancelled, refused at
 admission, failed). Rows that asked for
