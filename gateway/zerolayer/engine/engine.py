@@ -8,10 +8,12 @@ A step is schedule → execute → update (``step``):
 - **execute** runs the backend on the plan (nothing else); a failing batched call is retried row
   by row so that a failure ends only the sequence that caused it.
 - **update** advances every row that sampled a token in one vectorized call on the rows
-  (zerolayer.engine.rows: counters, limits and stop ids by slot, one stop check), adds the text
-  of rows that detokenize (zerolayer.engine.sequence), offers the blocks of prompts whose prefill
-  just completed to the prefix store, frees the slots of ended sequences and returns ONE
-  ``StepOutput`` (zerolayer.engine.step), which the engine thread hands to ``deliver``.
+  (zerolayer.engine.rows: counters, limits and stop ids by slot), adds the text of rows that
+  detokenize (zerolayer.engine.sequence), decides which rows end and why, once for the step
+  (zerolayer.engine.finish: the rules, a cancel included, noted by slot first), offers the
+  blocks of prompts whose prefill just completed to the prefix store, frees the slots of ended
+  sequences and returns ONE ``StepOutput`` (zerolayer.engine.step), which the engine thread
+  hands to ``deliver``.
 The waiting queue is bounded: ``submit`` refuses when it is full.
 """
 
@@ -34,16 +36,10 @@ from zerolayer.codes import FinishReason
 from zerolayer.engine.admission import QueueShares
 from zerolayer.engine.backend import Backend, PrefixKV
 from zerolayer.engine.compute import ComputeThread
+from zerolayer.engine.finish import CANCEL, FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
 from zerolayer.engine.prefix_store import PrefixStore
-from zerolayer.engine.rows import (
-    BY_EOS,
-    BY_GRAMMAR,
-    BY_GRAMMAR_REFUSED,
-    BY_LIMIT,
-    BY_STOP_ID,
-    Rows,
-)
-from zerolayer.engine.sequence import NOT_FINISHED, Sequence
+from zerolayer.engine.rows import Rows
+from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Logprobs, Output, StepOutput
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.tokenizer import Tokenizer
@@ -54,18 +50,6 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger("zerolayer.engine")
-
-# Rows' reasons for ending a row, as finishes.
-_REASONS = {
-    BY_EOS: FinishReason.EOS,
-    BY_STOP_ID: FinishReason.STOP,
-    BY_LIMIT: FinishReason.MAX_TOKENS,
-    BY_GRAMMAR: FinishReason.STOP,  # structured output complete
-    BY_GRAMMAR_REFUSED: FINISH_ERROR,
-}
-
-# Endings whose token is not produced (EOS, a stop id, a token the grammar refused).
-_QUIET = frozenset((BY_EOS, BY_STOP_ID, BY_GRAMMAR_REFUSED))
 
 # Called from the engine thread once per step that produced anything.
 Deliver = Callable[[StepOutput], None]
@@ -130,7 +114,9 @@ class Engine:
         self._waiting: dict[object, collections.deque[Sequence]] = {}
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
-        self._cancel_pending = False
+        # cancel() was called: the waiting queue (schedule) and the running rows (update) are
+        # scanned for cancelled sequences, each only then.
+        self._cancel_queued = self._cancel_running = False
         self._extra: list[Finished] = []  # endings of choices without a row, for the step
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
@@ -192,9 +178,11 @@ class Engine:
             self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
-        """Stop ``seq`` at the next step; it then ends with finish CANCELLED."""
+        """Stop ``seq``: it ends with finish CANCELLED at the engine's next step. A waiting
+        sequence leaves the queue; a running one's row ends by the CANCEL rule
+        (zerolayer.engine.finish), and a token it sampled in that step is not produced."""
         seq.cancelled = True
-        self._cancel_pending = True
+        self._cancel_queued = self._cancel_running = True
         self._wake.set()
 
     def retry_after_ms(self) -> int:
@@ -275,7 +263,7 @@ class Engine:
             if 1 + len(head.choices) > len(self._free_slots):
                 break  # n choices are admitted together, when n slots are free (in turn)
             self._admit(self._next_waiting(), finished)
-        self._drop_cancelled(finished)
+        self._drop_cancelled_waiting(finished)
         if not self._running:
             return None
         rows = self._rows
@@ -286,6 +274,8 @@ class Engine:
         for seq in self._prefilling:
             if budget <= 0:
                 break
+            if seq.cancelled:  # its row ends in this step's update: no more of its prompt runs
+                continue
             start = seq.prefilled
             n = min(len(seq.prompt) - start, self._prefill_chunk, budget)
             budget -= n
@@ -381,11 +371,12 @@ class Engine:
             self._running.append(choice)
             self._prefilling.append(choice)
 
-    def _drop_cancelled(self, finished: list[Finished]) -> None:
-        if not self._cancel_pending:  # no scan per step unless cancel() was called
+    def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
+        """Cancelled sequences still waiting leave the queue now, not when a slot frees (those
+        holding a slot end in ``_update``, by the CANCEL rule)."""
+        if not self._cancel_queued:  # no scan per step unless cancel() was called
             return
-        self._cancel_pending = False
-        # Waiting sequences that were cancelled leave the queue now, not when a slot frees.
+        self._cancel_queued = False
         for key, queue in list(self._waiting.items()):
             if not any(s.cancelled for s in queue):
                 continue
@@ -400,10 +391,6 @@ class Engine:
                 self._waiting[key] = keep
             else:
                 del self._waiting[key]
-        cancelled = [s for s in self._running if s.cancelled]
-        for seq in cancelled:
-            finished.append(self._end(seq, FinishReason.CANCELLED))
-        self._release(cancelled)
 
     # ---- execute -----------------------------------------------------------------------------
 
@@ -501,7 +488,6 @@ class Engine:
                     finished.append(self._end(seq, FINISH_ERROR))
                     ended.append(seq)
             self._release(ended)  # out of the decode set before the step's rows are taken
-        out = StepOutput()
         if completed or failed:  # the row set changed: each token to its slot, then in order
             joined = [s.slot for s in completed]
             rows.join(joined)
@@ -513,53 +499,76 @@ class Engine:
                 sampled = by_slot[rows.index].copy()  # a slice is a view of the scratch
             else:
                 sampled = None
+        if self._cancel_running:  # noted before the rows take their tokens in (not produced)
+            self._cancel_running = False
+            for seq in self._running:
+                if seq.cancelled:
+                    rows.fired[seq.slot] |= CANCEL
         if sampled is not None:
-            out, endings = self._advance(sampled, rows.joined_rows(completed))
+            counts, text = self._advance(sampled)
+        # The one place a running row's end is decided, once per step.
+        ends = decide(rows.fired, None if sampled is None else rows.index)
+        out = StepOutput()
+        if sampled is not None:
+            out = self._step_rows(sampled, counts, text, rows.joined_rows(completed), ends.quiet)
             if rows.logprob_rows:
-                out.logprobs = self._logprobs(plan, out.quiet)
+                out.logprobs = self._logprobs(plan, ends.quiet)
+        if ends.slots:
             mine: list[Sequence] = []
-            for seq, finish in endings:
-                finished.append(self._end(seq, finish))
-                mine.append(seq)
+            for slot, finish in zip(ends.slots, ends.finishes, strict=True):
+                ending = rows.seq[slot]
+                assert ending is not None, "a row with a finish rule holds no sequence"
+                finished.append(self._end(ending, finish))
+                mine.append(ending)
             self._release(mine)
         out.finished = finished
         return out
 
-    def _advance(
-        self, sampled: np.ndarray, joined: list[int]
-    ) -> tuple[StepOutput, list[tuple[Sequence, int]]]:
-        """Every row of the step (the rows' decode set, in slot order) sampled a token: advance
-        the rows at once, then add the text of the rows that detokenize. Returns the step's rows
-        and the sequences that ended, with their finish."""
+    def _advance(self, sampled: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+        """Every row of the step (the rows' decode set, in slot order) sampled a token: the rows
+        take them in at once, noting the finish rules they fire, then the rows that detokenize
+        add their text, noting a stop string or a failure (zerolayer.engine.finish). Returns
+        each row's count of tokens and the text by row."""
         rows = self._rows
-        seqs = rows.decoding_seqs
-        adv = rows.advance(sampled)
-        ends: dict[int, int] = {i: _REASONS[r] for i, r in zip(adv.ended, adv.reasons, strict=True)}
-        quiet = [i for i, r in zip(adv.ended, adv.reasons, strict=True) if r in _QUIET]
+        counts = rows.advance(sampled)
         text: dict[int, str] = {}
         if rows.text_rows:
             tokens = sampled.tolist()
+            fired = rows.fired
+            rules = fired[rows.index].tolist()
             for i, seq in rows.text_rows:
-                end = ends.get(i, NOT_FINISHED)
-                # A row its grammar completed produced its token: its text is flushed as at a
-                # limit, and it ends STOP.
-                as_text = (
-                    FinishReason.MAX_TOKENS if end == FinishReason.STOP and i not in quiet else end
-                )
+                r = rules[i]
                 try:
-                    text[i], finish = seq.text(tokens[i], as_text)
+                    # A token not produced has no text; a row that ends anyway flushes its text.
+                    text[i], stop = seq.text(None if r & UNPRODUCED else tokens[i], r != 0)
                 except Exception:  # e.g. a detokenizer failure: this sequence ends alone
                     log.exception("processing a sampled token failed; ending its sequence")
-                    text[i], finish = "", FINISH_ERROR
-                    quiet.append(i)
-                if finish != NOT_FINISHED:
-                    ends[i] = end if finish == as_text else finish
+                    text[i] = ""
+                    fired[seq.slot] |= FAILED
+                    continue
+                if stop:
+                    fired[seq.slot] |= STOP_STRING
+        return counts, text
+
+    def _step_rows(
+        self,
+        sampled: np.ndarray,
+        counts: np.ndarray,
+        text: dict[int, str],
+        joined: list[int],
+        quiet: list[int],
+    ) -> StepOutput:
+        """The step's rows as handed out, once its endings are decided: the tokens that ended
+        their rows without being produced (``quiet``) are taken back: not counted, and NO_TOKEN
+        in place of the id."""
+        rows = self._rows
         if quiet:
+            rows.unproduce(quiet)
+            counts = rows.step_counts()
             sampled = sampled.copy()
             sampled[quiet] = NO_TOKEN
         sampled.flags.writeable = False
-        out = StepOutput(rows.owners, sampled, adv.counts, joined, text, quiet)
-        return out, [(seqs[i], finish) for i, finish in ends.items()]
+        return StepOutput(rows.owners, sampled, counts, joined, text, quiet)
 
     def _logprobs(self, plan: StepPlan, quiet: list[int]) -> dict[int, Logprobs]:
         """The logprobs of the step's rows that asked (the samplers wrote them into the

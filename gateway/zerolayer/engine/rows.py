@@ -5,8 +5,8 @@ parameters, limits, stop ids, where its prompt ends); ``join`` puts prefilled ro
 decode set and ``leave`` takes ended rows out of it; nothing is rebuilt per step. Per step the
 engine asks for the decode batch (``batch``: views of the arrays while the decoding slots are
 consecutive, which the lowest-free-slot rule makes the usual case) and ``advance``s every row
-that sampled a token in one vectorized call, which also applies the one stop check of the
-engine. The logits processing (gateway/zerolayer/engine/sampling.py: penalties, logit bias,
+that sampled a token in one vectorized call, which also notes the finish rules its token fires
+(``fired``). The logits processing (gateway/zerolayer/engine/sampling.py: penalties, logit bias,
 min_tokens, logprobs, a grammar's matcher) is per-row state here too, by slot: written at ``add``;
 the token counts the penalties read ([slots, vocab], allocated with the first penalised row) and the
 grammar's state advance in ``advance``, the one place a sampled token is taken in. A batch or
@@ -20,34 +20,17 @@ rows are never moved, so nothing per row is copied when others come and go.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from zerolayer.engine.finish import EOS, FAILED, GRAMMAR, LENGTH, STOP_ID, UNPRODUCED
 from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.types import DecodeBatch
 
 if TYPE_CHECKING:
     from zerolayer.engine.sampling import Processing
     from zerolayer.structured import RowMatcher
-
-# Why an advanced row ended (``Advance.reason``); a row that goes on has GOES_ON. BY_GRAMMAR:
-# its grammar is complete (the token is produced); BY_GRAMMAR_REFUSED: the grammar refused the
-# sampled token (a bug: the mask allows only what the grammar accepts).
-GOES_ON, BY_EOS, BY_STOP_ID, BY_LIMIT, BY_GRAMMAR, BY_GRAMMAR_REFUSED = range(6)
-_NO_ENDS: dict[int, int] = {}  # the grammar endings of a step without processed rows (read-only)
-
-
-@dataclass(slots=True)
-class Advance:
-    """What one ``Rows.advance`` did, by position in the step's rows: ``counts[i]`` tokens
-    produced so far, and the positions that ended (``ended``) with why (``reasons``, same
-    order). A row ended by EOS or a stop id did not produce its token (not counted)."""
-
-    counts: np.ndarray  # int32 [rows]
-    ended: list[int]
-    reasons: list[int]
 
 
 class Rows:
@@ -80,6 +63,11 @@ class Rows:
         self.stop_ids = np.full((n, 0), -1, np.int32)  # padded with -1; grows to the widest
         self._ignoring = 0  # rows with ignore_eos set / with stop ids: checked only when any
         self._stopping = 0
+        # The finish rules that fired for each row's token in the step under way (bits of
+        # zerolayer.engine.finish). 0 between steps: a row with any ends, and ``remove`` clears it.
+        self.fired = np.zeros(n, np.uint8)
+        # EOS per id, as the rule's bit (``advance`` reads the bits of a step's tokens at once).
+        self._eos_bit = self.eos * np.uint8(EOS)
         self.seq: list[Sequence | None] = [None] * n
         # Logits processing by slot (gateway/zerolayer/engine/sampling.py), read only for rows with
         # ``processed``.
@@ -169,6 +157,7 @@ class Rows:
 
     def remove(self, slot: int) -> None:
         """``slot``'s sequence ended: its row is cleared (and leaves the decode set)."""
+        self.fired[slot] = 0
         if self.ignore_eos[slot]:
             self.ignore_eos[slot] = False
             self._ignoring -= 1
@@ -308,57 +297,59 @@ class Rows:
         )
         self._sampling = None  # the batch's arrays: made by ``batch`` when this row set decodes
 
-    def advance(self, sampled: np.ndarray) -> Advance:
+    def advance(self, sampled: np.ndarray) -> np.ndarray:
         """Every row of the decode set sampled ``sampled`` (slot order): feed it back as the
-        row's next input, count it, and apply the stop rules, in this order: EOS (unless the row
-        ignores it), a stop id (neither produces its token), then the row's limit."""
+        row's next input, count and record it, and note in ``fired`` the finish rules it fires
+        (EOS unless the row ignores it, a stop id, the row's last allowed token); the processed
+        rows take it in (``_take_in``). Returns each row's count of tokens produced, this one
+        included: whether it ends its row, and whether it is produced, is decided after the text
+        (zerolayer.engine.finish), and ``unproduce`` takes back the ones that are not."""
         index = self.index
         self.token[index] = sampled
         self.pos[index] += 1
         self.left[index] -= 1
         left = self.left[index]
-        eos = self.eos.take(sampled)
-        if self._ignoring:
-            eos &= ~self.ignore_eos[index]
-        hit = eos
-        if self._stopping:
-            hit = eos | (self.stop_ids[index] == sampled[:, None]).any(axis=1)
-        ended = hit | (left <= 0)
         counts = self.cap[index] - left
         self._ids.put(self._last_id + counts, sampled)
-        grammar = _NO_ENDS
+        rules = self._eos_bit.take(sampled)
+        if self._ignoring:
+            rules[self.ignore_eos[index]] = 0
+        if self._stopping:
+            hit = (self.stop_ids[index] == sampled[:, None]).any(axis=1)
+            np.bitwise_or(rules, STOP_ID, out=rules, where=hit)
+        np.bitwise_or(rules, LENGTH, out=rules, where=left <= 0)
+        if np.count_nonzero(rules):  # count_nonzero: no ufunc reduction set-up per step
+            self.fired[index] |= rules
         if self._proc_rows:
-            grammar = self._take_in(sampled, hit)
-            for i in grammar:
-                ended[i] = True
-        if not np.count_nonzero(ended):  # count_nonzero: no ufunc reduction set-up per step
-            return Advance(counts, [], [])
-        if np.count_nonzero(hit):
-            counts -= hit  # EOS and stop ids end a row without producing their token
-            self.left[index] += hit
-        rows = np.flatnonzero(ended).tolist()
-        reasons = [
-            (BY_EOS if e else BY_STOP_ID) if h else grammar.get(i, BY_LIMIT)
-            for i, e, h in zip(rows, eos[rows].tolist(), hit[rows].tolist(), strict=True)
-        ]
-        return Advance(counts, rows, reasons)
+            self._take_in(sampled)
+        return counts
 
-    def _take_in(self, sampled: np.ndarray, hit: np.ndarray) -> dict[int, int]:
+    def unproduce(self, rows: list[int]) -> None:
+        """The tokens these decode rows (positions in the row set) sampled in this step ended
+        them without being produced (zerolayer.engine.finish.UNPRODUCED): they are not counted."""
+        self.left[[self.decoding[i] for i in rows]] += 1
+
+    def step_counts(self) -> np.ndarray:
+        """Each decoding row's count of tokens produced (int32 [rows], slot order)."""
+        index = self.index
+        counts: np.ndarray = self.cap[index] - self.left[index]
+        return counts
+
+    def _take_in(self, sampled: np.ndarray) -> None:
         """The processed rows take their sampled token in: the penalties' counts, and the
-        grammar (unless EOS or a stop id ended the row). Returns the rows the grammar ended,
-        with why (BY_GRAMMAR: complete; BY_GRAMMAR_REFUSED)."""
-        ended: dict[int, int] = {}
+        grammar, unless the token is not produced (EOS, a stop id, a cancel), which notes in
+        ``fired`` its completion (GRAMMAR) or its refusal of the token (FAILED)."""
         tokens = sampled.tolist()
         counts, seen = self.counts, self.seen
+        fired = self.fired
         for i, slot in self._proc_rows:
             token = tokens[i]
             if self.penalised[slot] and counts is not None and seen is not None:
                 counts[slot, token] += 1
                 seen[slot, token] = True
             m = self.matcher[slot]
-            if m is not None and not hit[i]:
+            if m is not None and not fired[slot] & UNPRODUCED:
                 if not m.accept(token):
-                    ended[i] = BY_GRAMMAR_REFUSED
+                    fired[slot] |= FAILED
                 elif m.finished:
-                    ended[i] = BY_GRAMMAR
-        return ended
+                    fired[slot] |= GRAMMAR

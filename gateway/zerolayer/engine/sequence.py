@@ -3,7 +3,8 @@
 The counters of a running sequence (tokens produced, position, last token) are not here: they
 live in the engine's rows (zerolayer.engine.rows), by slot. What is here is what only one
 sequence can do for itself: turn its tokens into UTF-8-safe text deltas, hold back text that
-may start a stop sequence, and find one.
+may start a stop sequence, and find one (whether that ends the row, and why, is decided with the
+other finish rules: zerolayer.engine.finish).
 """
 
 from __future__ import annotations
@@ -12,14 +13,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zerolayer.codes import FinishReason
 from zerolayer.engine.types import SamplingRow
 from zerolayer.tokenizer import Detokenizer
 
 if TYPE_CHECKING:
     from zerolayer.structured import Grammar
-
-NOT_FINISHED = -2  # a finish value: the sequence goes on
 
 
 class Sequence:
@@ -66,36 +64,37 @@ class Sequence:
         self.choices: list[Sequence] = []
         self.parent: Sequence | None = None
 
-    def text(self, token: int, finish: int) -> tuple[str, int]:
-        """The text delta of ``token``, which the engine's stop check gave ``finish``, and the
-        finish it ends up with (a stop sequence in the text makes it STOP). A token that ended
-        the sequence by EOS or a stop id is not text; the withheld text then comes out."""
+    def text(self, token: int | None, last: bool) -> tuple[str, bool]:
+        """The text delta of ``token`` (None: the step's token is not produced, so it has no
+        text), and whether a stop sequence was found (the delta then ends before it). ``last``:
+        the row ends in this step whatever its text says, so the text held back comes out (the
+        detokenizer's unfinished bytes and a partial stop sequence), scanned for a stop sequence
+        as well."""
         assert self.detok is not None
-        if finish in (FinishReason.EOS, FinishReason.STOP):  # the token is not produced
-            return self._flush("", finish)
-        text = self.detok.push(token)
-        if self.stop_sequences:
-            text, hit = self._scan_stops(text)
-            if hit:
-                return text, FinishReason.STOP
-        if finish == NOT_FINISHED:
-            return text, finish
-        return self._flush(text, finish)
+        text = ""
+        if token is not None:
+            text = self.detok.push(token)
+            if self.stop_sequences:
+                text, hit = self._scan_stops(text)
+                if hit:
+                    return text, True
+        if last:
+            return self._flush(text)
+        return text, False
 
-    def _flush(self, text: str, finish: int) -> tuple[str, int]:
-        """The sequence ends with ``finish``: ``text`` and whatever the detokenizer and the stop
-        scan held (a stop sequence in it makes the finish STOP)."""
+    def _flush(self, text: str) -> tuple[str, bool]:
+        """The row ends: ``text`` and whatever the detokenizer and the stop scan held, and
+        whether a stop sequence is in it."""
         assert self.detok is not None
         rest = self.detok.flush()
+        hit = False
         if self.stop_sequences:
             rest, hit = self._scan_stops(rest)
             text += rest + ("" if hit else self.held)
-            if hit:
-                finish = FinishReason.STOP
         else:
             text += rest
         self.held = ""
-        return text, finish
+        return text, hit
 
     def _scan_stops(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop sequence matched). Text that could be the

@@ -2,10 +2,11 @@
 
 A step's rows are the decoding rows in slot order, the rows whose prompt finished its prefill
 in this step included (``joined``: they produced their first token). Per row: the owner, the
-token id it produced (``NO_TOKEN`` when it produced none: it ended on EOS or a stop id), how
-many tokens it has produced so far, and, for rows that detokenize, its text delta. Besides the
-rows: the sequences that ended in this step and why, each with its final token count (a
-sequence may end without a row: cancelled, refused at admission, failed). Rows that asked for
+token id it produced (``NO_TOKEN`` when the token ended its row unproduced: EOS, a stop id, a
+cancel, a failure; zerolayer.engine.finish), how many tokens it has produced so far, and, for
+rows that detokenize, its text delta. Besides the rows: the sequences that ended in this step and
+why, each with its final token count (a sequence may end without a row: cancelled, refused at
+admission, failed). Rows that asked for
 logprobs have their ``Logprobs`` (gateway/zerolayer/engine/sampling.py says of which distribution).
 """
 
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from zerolayer.codes import FinishReason
-from zerolayer.engine.sequence import NOT_FINISHED
+from zerolayer.engine.finish import NOT_FINISHED
 
 NO_TOKEN = -1
 FINISH_ERROR = FinishReason.ERROR  # a sequence ended in an engine failure (the door: INTERNAL)
