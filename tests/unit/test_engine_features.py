@@ -18,7 +18,8 @@ from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
 from zerolayer.engine.engine import NO_TOKEN, Engine, Sequence
 from zerolayer.engine.sampling import Sampler, child_seed
 from zerolayer.engine.step import StepOutput
-from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.sampling_params import SamplingParams, sampling_rows
 from zerolayer.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -63,14 +64,9 @@ class LogitsBackend(Backend, PrefixKV):
             logits = torch.stack(
                 [logits_at(self.kv[chunks[i].slot, :e]) for i, e in zip(last, end, strict=True)]
             )
-            s = [chunks[i].sampling for i in last]
             out[last] = self.sampler.sample_rows(
                 logits,
-                np.array([r.temperature for r in s], np.float32),
-                np.array([r.top_k for r in s], np.int32),
-                np.array([r.top_p for r in s], np.float32),
-                np.array([r.seed for r in s], np.uint64),
-                np.array([r.seeded for r in s], np.bool_),
+                sampling_rows(chunks[i].sampling for i in last),
                 np.array(end, np.int64),
                 [chunks[i].processing for i in last],
             )
@@ -81,10 +77,10 @@ class LogitsBackend(Backend, PrefixKV):
         for slot, token, pos in zip(batch.slots, batch.tokens, batch.positions, strict=True):
             self.kv[slot, pos] = token
             rows.append(logits_at(self.kv[slot, : pos + 1]))
-        return self.sampler.sample_processed(
-            torch.stack(rows), batch.temperature, batch.top_k, batch.top_p, batch.seeds,
-            batch.seeded, batch.positions.astype(np.int64) + 1, batch.processing,
-        ).ids  # fmt: skip
+        positions = batch.positions.astype(np.int64) + 1
+        return self.sampler.sample(
+            torch.stack(rows), batch.sampling, positions, batch.processing
+        ).ids
 
     def save_kv(self, slot: int, start: int, end: int) -> object:
         return self.kv[slot, start:end].copy()
@@ -130,7 +126,7 @@ def prompt(text: str) -> np.ndarray:
 
 
 def make(owner: str, text: str, max_tokens: int = 8, grammar=None, **sampling) -> Sequence:  # noqa: ANN001
-    return Sequence(owner, prompt(text), max_tokens, SamplingRow(**sampling), grammar=grammar)
+    return Sequence(owner, prompt(text), max_tokens, SamplingParams(**sampling), grammar=grammar)
 
 
 def drive(engine: Engine, limit: int = 500) -> tuple[dict, dict, dict, list[StepOutput]]:
@@ -210,7 +206,10 @@ def test_feature_rows_and_free_rows_in_one_batch_match_their_references() -> Non
             {"bias": {EOS: 40.0}, "min_tokens": 3},
         ),
         "grammar": ({}, {"allowed": xy, "grammar_length": 5}),
-        "logprobs": ({"logprobs": 4, "frequency_penalty": 0.3}, {"frequency": 0.3}),
+        "logprobs": (
+            {"logprobs": True, "top_logprobs": 4, "frequency_penalty": 0.3},
+            {"frequency": 0.3},
+        ),
     }
     engine = engine_on(LogitsBackend(num_slots=8))
     for name, (sampling, _) in rows.items():
@@ -250,16 +249,15 @@ def test_a_plain_batch_carries_no_processing() -> None:
 
     engine = engine_on(Watching())
     engine.submit(make("a", "one", 5))
-    engine.submit(make("b", "two", 5, temperature=0.7, seed=3, seeded=True))
+    engine.submit(make("b", "two", 5, temperature=0.7, seed=3))
     drive(engine)
     assert seen and all(p is None for p in seen)
 
 
 def choices(n: int, text: str, seed: int, max_tokens: int = 12) -> list[Sequence]:
-    first = make("c0", text, max_tokens, temperature=1.0, seed=seed, seeded=True)
+    first = make("c0", text, max_tokens, temperature=1.0, seed=seed)
     for c in range(1, n):
-        other = make(f"c{c}", text, max_tokens, temperature=1.0, seed=child_seed(seed, c),
-                     seeded=True)  # fmt: skip
+        other = make(f"c{c}", text, max_tokens, temperature=1.0, seed=child_seed(seed, c))
         other.parent = first
         first.choices.append(other)
     return [first, *first.choices]
@@ -287,7 +285,7 @@ def test_n_choices_share_one_prefill_and_each_equals_its_own_seeded_request() ->
     for c in range(3):
         alone = engine_on(LogitsBackend())
         seed = child_seed(99, c)
-        alone.submit(make("x", text, 12, temperature=1.0, seed=seed, seeded=True))
+        alone.submit(make("x", text, 12, temperature=1.0, seed=seed))
         for k in range(3):
             alone.submit(make(f"noise{k}", f"noise {k}", 12, temperature=1.0))
         assert drive(alone)[0]["x"] == outs[c]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.sampling import SAMPLING_FIELDS, with_sampling
 from zerolayer.codes import ErrorCode, Refusal
 from zerolayer.hooks import HookError
 from zerolayer.request_path.request import Request
@@ -14,7 +15,7 @@ from zerolayer.request_path.validation import RANGES, check_keys, validate
 def refused(**kw) -> Refusal:
     kw.setdefault("max_tokens", 4)
     with pytest.raises(Refusal) as err:
-        validate(Request(**kw))
+        validate(Request(**with_sampling(kw)))
     assert err.value.code == ErrorCode.INVALID_REQUEST
     return err.value
 
@@ -64,9 +65,8 @@ def test_out_of_range_is_refused_naming_the_field(field: str, value: object) -> 
     ],
 )
 def test_edges_are_accepted_and_normalized(field: str, value: object, stored: object) -> None:
-    req = Request(max_tokens=4)
-    setattr(req, field, value)
-    assert getattr(validate(req), field) == stored
+    req = validate(Request(**with_sampling({"max_tokens": 4, field: value})))
+    assert getattr(req.sampling if field in SAMPLING_FIELDS else req, field) == stored
 
 
 def test_stop_sequence_count() -> None:

@@ -142,7 +142,7 @@ class Processing:
     allowing token ``32 j + i`` (the layout xgrammar and llguidance fill); ``constrained`` says
     which rows it applies to (other rows' words are ignored). ``logprobs`` is the number of
     alternatives a row wants (0..20), -1 for none. ``sampled`` is the sampler's result for this
-    batch (``Sampler.sample_processed`` writes it), where the caller reads the logprobs.
+    batch (``Sampler.sample`` writes it), where the caller reads the logprobs.
     """
 
     counts: np.ndarray | None = None  # int32 [b, vocab]
@@ -276,43 +276,24 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,  # [b, vocab]
-        temperature: np.ndarray,  # float32 [b]
-        top_k: np.ndarray,  # int32 [b]
-        top_p: np.ndarray,  # float32 [b]
-        seeds: np.ndarray,  # uint64 [b]
-        seeded: np.ndarray,  # bool [b]
+        params: np.ndarray,  # SAMPLING_ROW [b]: each row's sampling parameters
         positions: np.ndarray,  # int [b]: position of the token being sampled
-    ) -> np.ndarray:
-        """Sampled token ids, int32 [b], without any processing."""
-        return self.sample_processed(
-            logits, temperature, top_k, top_p, seeds, seeded, positions, None
-        ).ids
-
-    def sample_processed(
-        self,
-        logits: torch.Tensor,  # [b, vocab]
-        temperature: np.ndarray,  # float32 [b]
-        top_k: np.ndarray,  # int32 [b]
-        top_p: np.ndarray,  # float32 [b]
-        seeds: np.ndarray,  # uint64 [b]
-        seeded: np.ndarray,  # bool [b]
-        positions: np.ndarray,  # int [b]
-        proc: Processing | None,
+        proc: Processing | None = None,
     ) -> Sampled:
         """The module docstring's steps; the result is also ``proc.sampled``."""
         if proc is not None:
             logits = process_logits(logits, proc)
-        seeded = np.asarray(seeded, dtype=bool)
+        # Each column as an array of its own (astype copies: a column of the records is strided).
+        seeded = params["seeded"]
         uniforms = self._rng.random(len(seeded))
         if seeded.any():
-            uniforms[seeded] = seeded_uniform(
-                np.asarray(seeds)[seeded], np.asarray(positions)[seeded]
-            )
+            uniforms[seeded] = seeded_uniform(params["seed"][seeded], np.asarray(positions)[seeded])
+        temperature = params["temperature"].astype(np.float32)
         ids = sample_with_uniforms(
             logits,
-            torch.from_numpy(np.asarray(temperature, dtype=np.float32)),
-            torch.from_numpy(np.asarray(top_k, dtype=np.int64)),
-            torch.from_numpy(np.asarray(top_p, dtype=np.float32)),
+            torch.from_numpy(temperature),
+            torch.from_numpy(params["top_k"].astype(np.int64)),
+            torch.from_numpy(params["top_p"].astype(np.float32)),
             torch.from_numpy(uniforms),
         )
         out = Sampled(ids.numpy().astype(np.int32))
@@ -328,11 +309,7 @@ class Sampler:
     def sample_rows(
         self,
         logits: torch.Tensor,  # [r, vocab]
-        temperature: np.ndarray,  # float32 [r]
-        top_k: np.ndarray,  # int32 [r]
-        top_p: np.ndarray,  # float32 [r]
-        seeds: np.ndarray,  # uint64 [r]
-        seeded: np.ndarray,  # bool [r]
+        params: np.ndarray,  # SAMPLING_ROW [r]
         positions: np.ndarray,  # int [r]
         procs: Sequence[Processing | None],  # one per row (each of batch size 1), or None
     ) -> np.ndarray:
@@ -342,15 +319,9 @@ class Sampler:
         ids = np.empty(len(procs), np.int32)
         plain = [i for i, proc in enumerate(procs) if proc is None]
         if plain:
-            ids[plain] = self.sample(
-                logits[plain], temperature[plain], top_k[plain], top_p[plain], seeds[plain],
-                seeded[plain], positions[plain],
-            )  # fmt: skip
+            ids[plain] = self.sample(logits[plain], params[plain], positions[plain]).ids
         for i, proc in enumerate(procs):
             if proc is not None:
                 one = slice(i, i + 1)
-                ids[i] = self.sample_processed(
-                    logits[one], temperature[one], top_k[one], top_p[one], seeds[one],
-                    seeded[one], positions[one], proc,
-                ).ids[0]  # fmt: skip
+                ids[i] = self.sample(logits[one], params[one], positions[one], proc).ids[0]
         return ids

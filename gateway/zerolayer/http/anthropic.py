@@ -38,6 +38,7 @@ from zerolayer.request_path.validation import (
     load_object,
     validate,
 )
+from zerolayer.sampling_params import SamplingParams
 
 _CONVERSATION = ("model", "messages", "system", "tools", "tool_choice", "thinking")
 MESSAGES_KEYS = frozenset(
@@ -187,9 +188,11 @@ def parse_messages(body: bytes, served: str) -> MessagesReply:
         raise invalid("max_tokens is required", "max_tokens")
     req = Request(
         max_tokens=get_int(obj, "max_tokens", 0),
-        temperature=get_float(obj, "temperature", 1.0),
-        top_p=get_float(obj, "top_p", 1.0),
-        top_k=get_int(obj, "top_k", 0),
+        sampling=SamplingParams(
+            temperature=get_float(obj, "temperature", 1.0),
+            top_p=get_float(obj, "top_p", 1.0),
+            top_k=get_int(obj, "top_k", 0),
+        ),
         stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
         want_text=True,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -50,6 +51,7 @@ from zerolayer.request_path.validation import (
     present,
     validate,
 )
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.structured import Constraint
 
 # Accepted because they do not change the result.
@@ -148,20 +150,21 @@ def _structured(obj: JsonObject) -> Constraint | None:
 
 def _sampling(obj: JsonObject, req: Request) -> None:
     """The fields both endpoints share, read into ``req`` (their ranges: ``validate``)."""
-    req.temperature = get_float(obj, "temperature", 1.0)
-    req.top_p = get_float(obj, "top_p", 1.0)
-    req.top_k = get_int(obj, "top_k", 0)
-    if "seed" in obj:
-        req.seed = get_int(obj, "seed", 0)
+    req.sampling = SamplingParams(
+        temperature=get_float(obj, "temperature", 1.0),
+        top_p=get_float(obj, "top_p", 1.0),
+        top_k=get_int(obj, "top_k", 0),
+        seed=get_int(obj, "seed", 0) if "seed" in obj else None,
+        presence_penalty=get_float(obj, "presence_penalty", 0.0),
+        frequency_penalty=get_float(obj, "frequency_penalty", 0.0),
+        repetition_penalty=get_float(obj, "repetition_penalty", 1.0),
+        min_tokens=get_int(obj, "min_tokens", 0),
+        logit_bias=_logit_bias(obj),
+    )
     req.prompt_id = get_int(obj, "prompt_id", 0)
     req.ignore_eos = get_bool(obj, "ignore_eos")
     req.stop_sequences = get_stops(obj, "stop", allow_string=True)
     req.n = get_int(obj, "n", 1)
-    req.presence_penalty = get_float(obj, "presence_penalty", 0.0)
-    req.frequency_penalty = get_float(obj, "frequency_penalty", 0.0)
-    req.repetition_penalty = get_float(obj, "repetition_penalty", 1.0)
-    req.min_tokens = get_int(obj, "min_tokens", 0)
-    req.logit_bias = _logit_bias(obj)
     req.constraint = _structured(obj)
 
 
@@ -298,8 +301,11 @@ def parse_chat(body: bytes, served: str, strings: TokenStrings | None = None) ->
     model = check_model(obj, served)
     req = Request(max_tokens=_max_tokens(obj, None), want_text=True)
     _sampling(obj, req)
-    req.logprobs = get_bool(obj, "logprobs")
-    req.top_logprobs = get_int(obj, "top_logprobs", 0)
+    req.sampling = replace(
+        req.sampling,
+        logprobs=get_bool(obj, "logprobs"),
+        top_logprobs=get_int(obj, "top_logprobs", 0),
+    )
     req.messages, req.system = _messages(obj)
     use = _tools(obj, req)
     stream, include_usage = _stream_flags(obj)
@@ -320,7 +326,7 @@ def parse_completion(
         k = get_int(obj, "logprobs", 0)
         if not 0 <= k <= MAX_TOP_LOGPROBS:
             raise invalid(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
-        req.logprobs, req.top_logprobs = True, k
+        req.sampling = replace(req.sampling, logprobs=True, top_logprobs=k)
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -509,7 +515,7 @@ class ChatReply(_OpenAIReply):
                     for call in calls
                 ]
         logprobs = None
-        if self.req.logprobs:
+        if self.req.sampling.logprobs:
             assert self.strings is not None
             logprobs = {"content": [chat_entry(self.strings, lp) for lp in c.logprobs]}
         return {"message": message, "logprobs": logprobs}
@@ -527,7 +533,7 @@ class CompletionReply(_OpenAIReply):
 
     def _setup(self) -> None:
         self._logprobs: list[CompletionLogprobs] = []
-        if self.req.logprobs:
+        if self.req.sampling.logprobs:
             strings = self.strings
             assert strings is not None
             self._logprobs = [CompletionLogprobs(strings) for _ in range(self.req.n)]

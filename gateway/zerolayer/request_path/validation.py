@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -83,19 +83,16 @@ def validate(req: Request) -> Request:
     parser ends with this; returns ``req``."""
     if req.max_tokens is not None and not 1 <= req.max_tokens <= U32_MAX:
         raise _out_of_range("max_tokens", req.max_tokens)
+    s = req.sampling
     # Written so that NaN fails: every comparison with NaN is false.
-    if not 0.0 <= req.temperature <= 2.0:
-        raise _out_of_range("temperature", req.temperature)
-    if not 0.0 < req.top_p <= 1.0:
-        raise _out_of_range("top_p", req.top_p)
-    if not -1 <= req.top_k <= INT32_MAX:
-        raise _out_of_range("top_k", req.top_k)
-    if req.top_k < 0:
-        req.top_k = 0
-    if req.seed is not None:
-        if not -(2**63) <= req.seed <= U64_MAX:
-            raise _out_of_range("seed", req.seed)
-        req.seed &= U64_MAX
+    if not 0.0 <= s.temperature <= 2.0:
+        raise _out_of_range("temperature", s.temperature)
+    if not 0.0 < s.top_p <= 1.0:
+        raise _out_of_range("top_p", s.top_p)
+    if not -1 <= s.top_k <= INT32_MAX:
+        raise _out_of_range("top_k", s.top_k)
+    if s.seed is not None and not -(2**63) <= s.seed <= U64_MAX:
+        raise _out_of_range("seed", s.seed)
     if not 0 <= req.prompt_id <= U32_MAX:
         raise _out_of_range("prompt_id", req.prompt_id)
     if len(req.stop_sequences) > MAX_STOP_SEQUENCES:
@@ -103,29 +100,34 @@ def validate(req: Request) -> Request:
     if len(req.stop_ids) > MAX_STOP_IDS:
         raise invalid(f"at most {MAX_STOP_IDS} stop token ids", "stop_ids")
     _validate_processing(req)
+    if s.top_k < 0 or (s.seed is not None and s.seed < 0):
+        req.sampling = replace(
+            s, top_k=max(s.top_k, 0), seed=None if s.seed is None else s.seed & U64_MAX
+        )
     return req
 
 
 def _validate_processing(req: Request) -> None:
     """The logits-processing fields of issue #27 (gateway/zerolayer/engine/sampling.py), same rules
     as above."""
+    s = req.sampling
     for name in ("presence_penalty", "frequency_penalty"):
-        if not -2.0 <= getattr(req, name) <= 2.0:
-            raise _out_of_range(name, getattr(req, name))
-    if not 0.0 < req.repetition_penalty <= 2.0:
-        raise _out_of_range("repetition_penalty", req.repetition_penalty)
-    if req.logit_bias:
-        for token, value in req.logit_bias.items():
+        if not -2.0 <= getattr(s, name) <= 2.0:
+            raise _out_of_range(name, getattr(s, name))
+    if not 0.0 < s.repetition_penalty <= 2.0:
+        raise _out_of_range("repetition_penalty", s.repetition_penalty)
+    if s.logit_bias:
+        for token, value in s.logit_bias.items():
             if not -100.0 <= value <= 100.0:
                 raise invalid(
                     f"logit_bias[{token}] must be {RANGES['logit_bias'].text}, got {value!r}",
                     "logit_bias",
                 )
-    if not 0 <= req.min_tokens <= U32_MAX:
-        raise _out_of_range("min_tokens", req.min_tokens)
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise _out_of_range("top_logprobs", req.top_logprobs)
-    if req.top_logprobs and not req.logprobs:
+    if not 0 <= s.min_tokens <= U32_MAX:
+        raise _out_of_range("min_tokens", s.min_tokens)
+    if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise _out_of_range("top_logprobs", s.top_logprobs)
+    if s.top_logprobs and not s.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
     if not 1 <= req.n <= U32_MAX:
         raise _out_of_range("n", req.n)

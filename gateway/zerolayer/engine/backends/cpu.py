@@ -23,6 +23,7 @@ from zerolayer.engine.sampling import Sampler
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.models.decoder import KVCache, eager_attention_len
 from zerolayer.models.loader import LoadedModel, load_model
+from zerolayer.sampling_params import sampling_rows
 from zerolayer.tokenizer import Tokenizer
 
 log = logging.getLogger("zerolayer.engine")
@@ -143,17 +144,12 @@ class CpuBackend(Backend, PrefixKV[KVRange]):
         last_rows = [i for i, chunk in enumerate(chunks) if chunk.last]
         if last_rows:
             rows = [chunks[i] for i in last_rows]
-            s = [c.sampling for c in rows]
             out[last_rows] = self.sampler.sample_rows(
                 torch.stack([logits[i] for i in last_rows]),
-                temperature=np.array([r.temperature for r in s], np.float32),
-                top_k=np.array([r.top_k for r in s], np.int32),
-                top_p=np.array([r.top_p for r in s], np.float32),
-                seeds=np.array([r.seed for r in s], np.uint64),
-                seeded=np.array([r.seeded for r in s], bool),
+                sampling_rows(c.sampling for c in rows),
                 # The sampled token will sit right after the chunk.
-                positions=np.array([c.start + len(c.tokens) for c in rows], np.int64),
-                procs=[c.processing for c in rows],
+                np.array([c.start + len(c.tokens) for c in rows], np.int64),
+                [c.processing for c in rows],
             )
         return out
 
@@ -187,16 +183,7 @@ class CpuBackend(Backend, PrefixKV[KVRange]):
             torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)),
             self.cache,
         )
-        return self.sampler.sample_processed(
-            logits,
-            temperature=batch.temperature,
-            top_k=batch.top_k,
-            top_p=batch.top_p,
-            seeds=batch.seeds,
-            seeded=batch.seeded,
-            positions=positions + 1,
-            proc=batch.processing,
-        ).ids
+        return self.sampler.sample(logits, batch.sampling, positions + 1, batch.processing).ids
 
     def free(self, slot: int) -> None:
         self._check_slot(slot)

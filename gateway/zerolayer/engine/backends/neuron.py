@@ -38,6 +38,7 @@ import numpy as np
 from zerolayer.config.settings import EngineConfig, ModelConfig
 from zerolayer.engine.backend import Backend, ModelInfo
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.sampling_params import sampling_rows
 from zerolayer.tokenizer import Tokenizer
 
 log = logging.getLogger("zerolayer.neuron")
@@ -357,14 +358,9 @@ class NeuronBackend(Backend):
         if not done:
             return out
         rows = [i for i, _ in done]
-        sampling = [chunks[i].sampling for i in rows]
         sampled = self._sampler.sample_rows(
             self._torch.stack([row for _, row in done]),
-            np.array([s.temperature for s in sampling], np.float32),
-            np.array([s.top_k for s in sampling], np.int32),
-            np.array([s.top_p for s in sampling], np.float32),
-            np.array([s.seed for s in sampling], np.uint64),
-            np.array([s.seeded for s in sampling], np.bool_),
+            sampling_rows(chunks[i].sampling for i in rows),
             # The sampled token's position: right after the prompt.
             np.array([chunks[i].start + len(chunks[i].tokens) for i in rows], np.int64),
             [chunks[i].processing for i in rows],
@@ -389,13 +385,9 @@ class NeuronBackend(Backend):
         for slot, (_, pos) in rows.items():
             self._length[slot] = pos + 1
         index = self._torch.from_numpy(batch.slots.astype(np.int64))
-        return self._sampler.sample_processed(
+        return self._sampler.sample(
             logits.index_select(0, index),
-            batch.temperature,
-            batch.top_k,
-            batch.top_p,
-            batch.seeds,
-            batch.seeded,
+            batch.sampling,
             batch.positions.astype(np.int64) + 1,
             batch.processing,
         ).ids
