@@ -225,7 +225,10 @@ WEATHER = {
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"logit_bias": {"a": 5}}, "logit_bias"),
         ({"logit_bias": {"1": 500}}, "logit_bias"),
-        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"logit_bias": {"+1": 5}}, "logit_bias"),  # keys: canonical decimal integers only
+        ({"logit_bias": {" 5": 5}}, "logit_bias"),
+        ({"logit_bias": {"1_0": 5}}, "logit_bias"),
+        ({"logit_bias": {"05": 5}}, "logit_bias"),
         ({"logit_bias": [1]}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"functions": []}, "functions"),

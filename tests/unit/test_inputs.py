@@ -111,6 +111,15 @@ def test_ids_at_both_ends_of_the_vocabulary_are_accepted() -> None:
     assert prepare(prompt_ids=edge).stop_ids == frozenset()
 
 
+@pytest.mark.parametrize("token", [-1, INFO.vocab_size, 2**31, 10**30])
+def test_logit_bias_ids_outside_the_vocabulary_are_refused_here(token: int) -> None:
+    """The one vocabulary check of logit_bias keys, whatever door parsed them (a JSON key such as
+    "-1" or "1000000000000000000000000000000" is a token id to every parser, refused here)."""
+    assert prepare(logit_bias={0: 1.0, INFO.vocab_size - 1: -1.0}).sampling.logit_bias
+    err = refused(logit_bias={0: 1.0, token: 5.0})
+    assert err.field == "logit_bias" and f"key {token} is outside the vocabulary" in err.message
+
+
 def _tool(description: str) -> dict:
     parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
     return {"type": "function", "function": {"name": "f", "description": description,

@@ -693,6 +693,18 @@ def test_json_bad_types_and_ranges(key: str, value: object) -> None:
     assert key in json_error(obj).message
 
 
+@pytest.mark.parametrize("key", ["+5", " 5", "5 ", "1_0", "05", "-0", "\u0663", "1e3", "x"])
+def test_json_logit_bias_keys_other_than_canonical_decimals_are_refused(key: str) -> None:
+    # As on the HTTP door: "+5", " 5" and "1_0" used to be read here (the last as 10).
+    err = json_error({"max_tokens": 1, "prompt": "x", "logit_bias": {key: 1.0}})
+    assert err.field == "logit_bias" and repr(key) in err.message
+
+
+def test_json_logit_bias_keys_are_token_ids_the_vocabulary_check_is_the_input_processors() -> None:
+    req = parse_json({"max_tokens": 1, "prompt": "x", "logit_bias": {"0": 1, "-1": 2, "42": None}})
+    assert req.sampling.logit_bias == {0: 1.0, -1: 2.0}  # null: absent; -1: refused by inputs
+
+
 @pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 1.0, "1", True])
 def test_json_seed_out_of_range(seed: object) -> None:
     assert "seed" in json_error({"max_tokens": 1, "prompt": "x", "seed": seed}).message

@@ -9,7 +9,7 @@ from tests.support.sampling import SAMPLING_FIELDS, with_sampling
 from zerolayer.codes import ErrorCode, Refusal
 from zerolayer.hooks import HookError
 from zerolayer.request_path.request import Request
-from zerolayer.request_path.validation import RANGES, check_keys, validate
+from zerolayer.request_path.validation import FIELDS, check_keys, range_of, validate
 
 
 def refused(**kw) -> Refusal:
@@ -42,7 +42,7 @@ def refused(**kw) -> Refusal:
 )
 def test_out_of_range_is_refused_naming_the_field(field: str, value: object) -> None:
     err = refused(**{field: value})
-    assert err.field == field and field in err.message and RANGES[field].text in err.message
+    assert err.field == field and field in err.message and range_of(field).text in err.message
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,29 @@ def test_refusal_fields_and_the_hook_name() -> None:
     assert err.reason == "rate_limited" and str(err) == "slow down"
     unknown = Refusal(99, "boom")
     assert unknown.code == ErrorCode.INTERNAL and "unknown error code 99" in unknown.message
+
+
+def test_the_range_texts_are_made_from_the_bounds() -> None:
+    texts = {name: range_of(name).text for name in ("max_tokens", "top_p", "seed", "top_k")}
+    assert texts == {
+        "max_tokens": "an integer in [1, 4294967295]",
+        "top_p": "a number in (0, 1]",
+        "seed": "an integer in [-2**63, 2**64)",
+        "top_k": "an integer in [-1, 2147483647] (0 or -1 = off)",
+    }
+
+
+def test_every_sampling_parameter_has_its_parser_and_range_in_the_one_table() -> None:
+    # A field added to SamplingParams without a FIELDS entry would be neither read from JSON nor
+    # checked: the table is the whole list.
+    assert FIELDS.keys() >= SAMPLING_FIELDS
+
+
+@pytest.mark.parametrize(
+    ("bias", "value"),
+    [({7: 100.5}, 100.5), ({7: float("nan")}, float("nan")), ({1: 1.0, 2: -101.0}, -101.0)],
+)
+def test_a_logit_bias_value_out_of_range_is_named(bias: dict, value: float) -> None:
+    err = refused(logit_bias=bias)
+    assert err.field == "logit_bias"
+    assert f"must be {range_of('logit_bias').text}, got {value!r}" in err.message

@@ -29,13 +29,12 @@ from zerolayer.request_path.request import NO_STOP_IDS, Request
 from zerolayer.request_path.validation import (
     check_keys,
     get_bool,
-    get_float,
     get_int,
-    get_logit_bias,
     get_messages,
     get_stops,
     get_text,
     load_object,
+    read_common,
     validate,
 )
 from zerolayer.sampling_params import SamplingParams
@@ -126,8 +125,8 @@ def _parse_processing(payload: memoryview, at: int) -> tuple[dict[str, Any], int
     return fields, bias_end
 
 
-# The keys of a JSON REQUEST (docs/protocol.md); their values follow
-# zerolayer.request_path.validation.
+# The keys of a JSON REQUEST (docs/protocol.md); the shared ones are read by
+# zerolayer.request_path.validation.read_common, as on the HTTP door.
 JSON_KEYS = frozenset(
     {
         "max_tokens",
@@ -161,27 +160,10 @@ def _parse_json_request(payload: memoryview) -> Request:
         raise invalid("max_tokens is required", "max_tokens")
     if ("messages" in obj) == ("prompt" in obj):
         raise invalid("exactly one of messages and prompt is required", "messages")
-    req = Request(
-        max_tokens=get_int(obj, "max_tokens", 0),
-        sampling=SamplingParams(
-            temperature=get_float(obj, "temperature", 0.0),
-            top_p=get_float(obj, "top_p", 1.0),
-            top_k=get_int(obj, "top_k", 0),
-            seed=get_int(obj, "seed", 0) if "seed" in obj else None,
-            logprobs=get_bool(obj, "logprobs", False),
-            top_logprobs=get_int(obj, "top_logprobs", 0),
-            presence_penalty=get_float(obj, "presence_penalty", 0.0),
-            frequency_penalty=get_float(obj, "frequency_penalty", 0.0),
-            repetition_penalty=get_float(obj, "repetition_penalty", 1.0),
-            logit_bias=get_logit_bias(obj),
-            min_tokens=get_int(obj, "min_tokens", 0),
-        ),
-        prompt_id=get_int(obj, "prompt_id", 0),
-        stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
-        want_text=True,
-        use_cache=get_bool(obj, "cache", True),
-        n=get_int(obj, "n", 1),
-    )
+    req = Request(max_tokens=get_int(obj, "max_tokens", 0), want_text=True)
+    read_common(obj, req, temperature=0.0)  # the frame protocol's default: greedy
+    req.stop_sequences = get_stops(obj, "stop_sequences", allow_string=False)
+    req.use_cache = get_bool(obj, "cache", True)
     if "system" in obj:
         req.system = get_text(obj["system"], "system") or None
     if "prompt" in obj:
