@@ -231,6 +231,7 @@ WEATHER = {
         ({"logit_bias": {"05": 5}}, "logit_bias"),
         ({"logit_bias": [1]}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"n": 2**32 - 1}, "n"),  # refused before a reply makes its choices (OpenAI's 128)
         ({"functions": []}, "functions"),
         ({"audio": {}}, "audio"),
         ({"temperature": "hot"}, "temperature"),

@@ -38,6 +38,9 @@ def refused(**kw) -> Refusal:
         ("seed", -(2**63) - 1),
         ("prompt_id", -1),
         ("prompt_id", 2**32),
+        ("n", 0),
+        ("n", 129),
+        ("n", 2**32 - 1),
     ],
 )
 def test_out_of_range_is_refused_naming_the_field(field: str, value: object) -> None:

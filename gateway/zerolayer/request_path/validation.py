@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from zerolayer.codes import Refusal, invalid
+from zerolayer.config.settings import MAX_N
 from zerolayer.request_path.request import Request
 from zerolayer.sampling_params import SamplingParams
 
@@ -158,15 +159,16 @@ class Field:
 #: /v1/messages too). top_p: (0, 1]; top_k: 0 or -1 = off (vLLM). seed: any int64 or uint64 (a
 #: negative seed is taken as its two's complement, as OpenAI's int64 seeds). presence/frequency
 #: penalties: OpenAI's [-2, 2]; repetition_penalty: Hugging Face's multiplicative penalty, (0, 2]
-#: (1 = off); logit_bias values: OpenAI's [-100, 100]; top_logprobs: OpenAI's [0, 20]. n: at
-#: least 1 here, at most ``engine.max_n`` (the input processor's: it is configured). max_tokens
+#: (1 = off); logit_bias values: OpenAI's [-100, 100]; top_logprobs: OpenAI's [0, 20]. n:
+#: OpenAI's [1, 128] here (a door makes a reply for each choice as it parses), at most
+#: ``engine.max_n`` (the input processor's: it is configured, up to 128). max_tokens
 #: is each door's to read (required on frames and /v1/messages, optional with an alias on the
 #: OpenAI API); every other field is read by ``read_common``. ``REQUEST_FIELDS`` are the
 #: Request's own, the others its ``SamplingParams``' (every one of which is here).
 FIELDS: dict[str, Field] = {
     "max_tokens": Field(as_int, Range(INTEGER, 1, U32_MAX)),
     "prompt_id": Field(as_int, Range(INTEGER, 0, U32_MAX, note="(0 = none)")),
-    "n": Field(as_int, Range(INTEGER, 1, U32_MAX)),
+    "n": Field(as_int, Range(INTEGER, 1, MAX_N)),
     "temperature": Field(as_number, Range(NUMBER, 0.0, 2.0)),
     "top_p": Field(as_number, Range(NUMBER, 0.0, 1.0, lo_open=True)),
     "top_k": Field(as_int, Range(INTEGER, -1, INT32_MAX, note="(0 or -1 = off)")),
