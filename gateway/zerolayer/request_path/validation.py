@@ -7,7 +7,9 @@ Anthropic body) into a ``zerolayer.request_path.request.Request`` — a JSON doo
 fields with ``read_common``, each by its one parser, in the table's order —, then calls
 ``validate(req)``, which reads each field's range from the same table: the same values are
 accepted and refused, with the same message, whichever door they came through
-(tests/e2e/test_validation_doors.py sends each boundary through every door). A
+(tests/unit/test_validation_properties.py feeds the same generated requests to the frame JSON
+and the OpenAI parsers; tests/e2e/test_validation_doors.py sends each boundary through every
+door). A
 refusal is a ``zerolayer.codes.Refusal`` naming the field; the doors map it to their wire form.
 What depends on the model (token ids inside the vocabulary — logit_bias keys too —, prompt +
 max_tokens inside the context, a registered prompt's id) is the input processor's
