@@ -483,7 +483,7 @@ def run_inprocess(
     from zerolayer.config.settings import EngineConfig, ModelConfig
     from zerolayer.engine.backends.cpu import create_cpu_backend
     from zerolayer.engine.engine import Engine, Sequence
-    from zerolayer.engine.types import SamplingRow
+    from zerolayer.sampling_params import SamplingParams
 
     engine_cfg = EngineConfig(
         max_batch_size=max(STATIC_BATCH, streams),
@@ -515,7 +515,9 @@ def run_inprocess(
 
         def submit() -> None:
             i = pending.pop()
-            engine.submit(Sequence(i, np.asarray(batch[i], np.int32), args.tokens, SamplingRow()))
+            engine.submit(
+                Sequence(i, np.asarray(batch[i], np.int32), args.tokens, SamplingParams())
+            )
 
         for _ in range(min(streams, len(batch))):
             submit()

@@ -55,8 +55,8 @@ def engine_step_cost(
     from zerolayer.engine.engine import Engine, Sequence
     from zerolayer.engine.outbox import Outbox
     from zerolayer.engine.step import StepOutput
-    from zerolayer.engine.types import SamplingRow
     from zerolayer.ops.metrics import Metrics
+    from zerolayer.sampling_params import SamplingParams
     from zerolayer.tokenizer import ByteTokenizer
 
     finished = threading.Event()
@@ -128,7 +128,7 @@ def engine_step_cost(
         cpu0, steps0 = cpu_seconds(os.getpid(), tid), engine.steps
         for i in range(streams):
             prompt = rng.integers(0, VOCAB, 16).astype(np.int32)
-            engine.submit(Sequence(i, prompt, tokens, SamplingRow()))
+            engine.submit(Sequence(i, prompt, tokens, SamplingParams()))
         finished.wait(120)
         cpu, steps = cpu_seconds(os.getpid(), tid) - cpu0, engine.steps - steps0
     finally:

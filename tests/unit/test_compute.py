@@ -11,7 +11,7 @@ import pytest
 from zerolayer.engine.backends.synthetic import SyntheticBackend
 from zerolayer.engine.compute import ComputeThread
 from zerolayer.engine.engine import Engine, Sequence, StepOutput
-from zerolayer.engine.types import SamplingRow
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import ByteTokenizer
 
 
@@ -56,7 +56,7 @@ def test_engine_loop_runs_on_the_thread_that_built_the_backend():
     engine.start(compute)
     try:
         assert engine.alive
-        engine.submit(Sequence("a", ByteTokenizer().encode_prompt("hi"), 8, SamplingRow()))
+        engine.submit(Sequence("a", ByteTokenizer().encode_prompt("hi"), 8, SamplingParams()))
         assert done.wait(5)
         assert loop_threads == {builder}
     finally:

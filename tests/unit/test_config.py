@@ -59,6 +59,7 @@ def test_environment_overrides_file(tmp_path, monkeypatch):
         ("[server]\nprot = 1\n", "server.prot"),
         ("[nonsense]\nx = 1\n", "nonsense"),
         ("[engine]\nmax_batch_size = 0\n", "engine.max_batch_size"),
+        ("[engine]\nmax_n = 129\n", "engine.max_n"),  # OpenAI's limit on n: 128
     ],
 )
 def test_invalid_config_names_the_key(tmp_path, toml, key):

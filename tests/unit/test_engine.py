@@ -18,8 +18,9 @@ from zerolayer.engine.engine import (
     Output,
     Sequence,
 )
-from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.frames.protocol import FinishReason
+from zerolayer.sampling_params import SamplingParams, sampling_rows
 from zerolayer.tokenizer import ByteTokenizer, Detokenizer
 
 TOK = ByteTokenizer()
@@ -73,7 +74,7 @@ def seq(owner, prompt=b"hi", max_tokens=10, text=True, stops=(), stop_ids=(), **
         owner,
         np.frombuffer(prompt, np.uint8).astype(np.int32),
         max_tokens,
-        SamplingRow(**sampling),
+        SamplingParams(**sampling),
         stop_ids=frozenset(stop_ids),
         stop_sequences=tuple(stops),
         detokenizer=Detokenizer(TOK) if (text or stops) else None,
@@ -297,7 +298,7 @@ def test_synthetic_is_a_function_of_prompt_seed_position():
     engine.submit(seq("a", prompt=b"same", max_tokens=20))
     engine.submit(seq("b", prompt=b"same", max_tokens=20))
     engine.submit(seq("c", prompt=b"other", max_tokens=20))
-    engine.submit(seq("d", prompt=b"same", max_tokens=20, seed=5, seeded=True))
+    engine.submit(seq("d", prompt=b"same", max_tokens=20, seed=5))
     res = run(engine, sink)
     assert res["a"]["ids"] == res["b"]["ids"]
     assert res["a"]["ids"] != res["c"]["ids"]
@@ -497,16 +498,13 @@ def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
 
     backend = SyntheticBackend(num_slots=4, vocab_size=300, max_context=512)
     for slot in range(4):
-        chunk = PrefillChunk(slot, np.array([slot, 7], np.int32), 0, True, SamplingRow())
+        chunk = PrefillChunk(slot, np.array([slot, 7], np.int32), 0, True, SamplingParams())
         backend.prefill([chunk])
 
     def batch(slots: np.ndarray, positions: np.ndarray) -> DecodeBatch:
         b = len(slots)
-        return DecodeBatch(
-            slots, np.zeros(b, np.int32), positions, np.zeros(b, np.float32),
-            np.ones(b, np.float32), np.zeros(b, np.int32), np.zeros(b, np.uint64),
-            np.zeros(b, np.bool_),
-        )  # fmt: skip
+        greedy = sampling_rows([SamplingParams()] * b)
+        return DecodeBatch(slots, np.zeros(b, np.int32), positions, greedy)
 
     slots = np.array([0, 2, 3], np.int32)
     positions = np.array([2, 9, 4], np.int32)
@@ -517,7 +515,7 @@ def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
             slots, positions = np.array([1, 2], np.int32), positions[:2]  # new rows
         if step == 200:
             backend.free(1)
-            chunk = PrefillChunk(1, np.array([99], np.int32), 0, True, SamplingRow())
+            chunk = PrefillChunk(1, np.array([99], np.int32), 0, True, SamplingParams())
             backend.prefill([chunk])
         want = synthetic_tokens(backend._digest[slots], positions + 1)
         got = backend.decode(batch(slots, positions))
@@ -538,7 +536,7 @@ def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
         d = np.array([d0], np.uint64)
         token = -1
         if chunk.last:
-            if chunk.sampling.seeded:
+            if chunk.sampling.seed is not None:
                 d = _mix(d ^ np.uint64(chunk.sampling.seed))
             end = np.array([chunk.start + len(chunk.tokens)], np.uint64)
             token = int(synthetic_tokens(d, end)[0])
@@ -556,7 +554,7 @@ def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
             n = int(rng.integers(1, 9))
             last = bool(rng.integers(0, 2))
             seed = int(rng.integers(0, 2**63)) * 2 + 1
-            sampling = SamplingRow(seed=seed, seeded=bool(rng.integers(0, 2)))
+            sampling = SamplingParams(seed=seed if rng.integers(0, 2) else None)
             ids = rng.integers(0, 300, n).astype(np.int32)
             chunks.append(PrefillChunk(slot, ids, starts[slot], last, sampling))
             starts[slot] = 0 if last else starts[slot] + n
@@ -636,9 +634,11 @@ def test_admission_is_round_robin_across_fairness_keys():
     )  # A: 12 < its share
     order: list[str] = []
     for i in range(12):
-        engine.submit(Sequence(f"a{i}", np.array([1, 2], np.int32), 4, SamplingRow(), fair_key="A"))
+        engine.submit(
+            Sequence(f"a{i}", np.array([1, 2], np.int32), 4, SamplingParams(), fair_key="A")
+        )
     engine.step()  # a0 and a1 take both slots
-    engine.submit(Sequence("b", np.array([1, 2], np.int32), 4, SamplingRow(), fair_key="B"))
+    engine.submit(Sequence("b", np.array([1, 2], np.int32), 4, SamplingParams(), fair_key="B"))
     for _ in range(200):
         for out in engine.step().outputs():
             if out.finish != NOT_FINISHED:

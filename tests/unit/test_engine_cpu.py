@@ -9,7 +9,7 @@ import pytest
 from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backends.cpu import create_cpu_backend
 from zerolayer.engine.engine import NO_TOKEN, NOT_FINISHED, Engine, Sequence
-from zerolayer.engine.types import SamplingRow
+from zerolayer.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,12 @@ def run(backend, tokenizer, seqs: list[Sequence]) -> dict[object, list[int]]:
 
 
 def seq(owner, prompt: str, tokenizer, n=24, **sampling) -> Sequence:
-    return Sequence(owner, tokenizer.encode_prompt(prompt), n, SamplingRow(**sampling))
+    return Sequence(owner, tokenizer.encode_prompt(prompt), n, SamplingParams(**sampling))
 
 
 def test_seeded_request_same_alone_and_among_31_others(cpu):
     backend, tokenizer, _ = cpu
-    target = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234, seeded=True)
+    target = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     alone = run(backend, tokenizer, [seq("t", "The same seeded request", tokenizer, **target)])
     rng = np.random.default_rng(0)
     others = [
@@ -114,7 +114,7 @@ def test_bfloat16_engine_matches_the_model_stepped_by_hand(cpu_bf16):
     backend, tokenizer = cpu_bf16
     assert backend.cache.k.dtype == torch.bfloat16
     prompt = tokenizer.encode_prompt("bfloat16 greedy prompt")
-    got = run(backend, tokenizer, [Sequence("b", prompt, 12, SamplingRow())])["b"]
+    got = run(backend, tokenizer, [Sequence("b", prompt, 12, SamplingParams())])["b"]
     # The same request through the kernels directly, one row, argmax of each step's logits.
     model, cache, slot = backend.model, backend.cache, 0
     want: list[int] = []
@@ -169,9 +169,9 @@ def test_logprobs_and_bias_on_the_cpu_backend_match_the_model_stepped_by_hand(cp
     engine = Engine(
         backend, tokenizer, lambda o: None, max_queue=8, max_step_tokens=256, prefill_chunk=64
     )
-    engine.submit(Sequence("lp", prompt, 6, SamplingRow(logprobs=5)))
-    engine.submit(Sequence("bias", prompt, 6, SamplingRow(logit_bias={77: 100.0})))
-    engine.submit(Sequence("free", prompt, 6, SamplingRow(temperature=0.8)))
+    engine.submit(Sequence("lp", prompt, 6, SamplingParams(logprobs=True, top_logprobs=5)))
+    engine.submit(Sequence("bias", prompt, 6, SamplingParams(logit_bias={77: 100.0})))
+    engine.submit(Sequence("free", prompt, 6, SamplingParams(temperature=0.8)))
     ids: dict[str, list[int]] = {"lp": [], "bias": [], "free": []}
     lps = []
     for _ in range(100):

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from zerolayer.codes import FinishReason
-from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
+from zerolayer.engine.backend import Backend, LogitsBackend, ModelInfo, PrefixKV
 from zerolayer.engine.engine import NO_TOKEN, Engine, Sequence
-from zerolayer.engine.sampling import Sampler, child_seed
+from zerolayer.engine.sampling import child_seed
 from zerolayer.engine.step import StepOutput
-from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -40,51 +41,33 @@ def logits_at(history: np.ndarray) -> torch.Tensor:
     return x
 
 
-class LogitsBackend(Backend, PrefixKV):
-    """KV = the ids at each position of a slot; logits = ``logits_at`` of the slot's ids."""
+class HistoryBackend(LogitsBackend, PrefixKV):
+    """KV = the ids at each position of a slot; logits = ``logits_at`` of the slot's ids (the
+    engine's one sampler does the rest, as on a model backend)."""
 
     def __init__(self, num_slots: int = 6, max_context: int = 128) -> None:
+        super().__init__(0)
         self.num_slots = num_slots
         self.info = ModelInfo("logits", VOCAB, EOS, max_context)
         self.kv = np.full((num_slots, max_context), -1, np.int32)
-        self.sampler = Sampler(0)
         self.chunks: list[tuple[int, int, int]] = []  # (slot, start, length) of every chunk
 
-    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
-        out = np.full(len(chunks), -1, np.int32)
+    def prefill_logits(self, chunks: list[PrefillChunk]) -> torch.Tensor | None:
         last = []
-        for i, c in enumerate(chunks):
+        for c in chunks:
+            end = c.start + len(c.tokens)
             self.chunks.append((c.slot, c.start, len(c.tokens)))
-            self.kv[c.slot, c.start : c.start + len(c.tokens)] = c.tokens
+            self.kv[c.slot, c.start : end] = c.tokens
             if c.last:
-                last.append(i)
-        if last:
-            end = [chunks[i].start + len(chunks[i].tokens) for i in last]
-            logits = torch.stack(
-                [logits_at(self.kv[chunks[i].slot, :e]) for i, e in zip(last, end, strict=True)]
-            )
-            s = [chunks[i].sampling for i in last]
-            out[last] = self.sampler.sample_rows(
-                logits,
-                np.array([r.temperature for r in s], np.float32),
-                np.array([r.top_k for r in s], np.int32),
-                np.array([r.top_p for r in s], np.float32),
-                np.array([r.seed for r in s], np.uint64),
-                np.array([r.seeded for r in s], np.bool_),
-                np.array(end, np.int64),
-                [chunks[i].processing for i in last],
-            )
-        return out
+                last.append(logits_at(self.kv[c.slot, :end]))
+        return torch.stack(last) if last else None
 
-    def decode(self, batch: DecodeBatch) -> np.ndarray:
+    def decode_logits(self, batch: DecodeBatch) -> torch.Tensor:
         rows = []
         for slot, token, pos in zip(batch.slots, batch.tokens, batch.positions, strict=True):
             self.kv[slot, pos] = token
             rows.append(logits_at(self.kv[slot, : pos + 1]))
-        return self.sampler.sample_processed(
-            torch.stack(rows), batch.temperature, batch.top_k, batch.top_p, batch.seeds,
-            batch.seeded, batch.positions.astype(np.int64) + 1, batch.processing,
-        ).ids  # fmt: skip
+        return torch.stack(rows)
 
     def save_kv(self, slot: int, start: int, end: int) -> object:
         return self.kv[slot, start:end].copy()
@@ -130,7 +113,7 @@ def prompt(text: str) -> np.ndarray:
 
 
 def make(owner: str, text: str, max_tokens: int = 8, grammar=None, **sampling) -> Sequence:  # noqa: ANN001
-    return Sequence(owner, prompt(text), max_tokens, SamplingRow(**sampling), grammar=grammar)
+    return Sequence(owner, prompt(text), max_tokens, SamplingParams(**sampling), grammar=grammar)
 
 
 def drive(engine: Engine, limit: int = 500) -> tuple[dict, dict, dict, list[StepOutput]]:
@@ -210,9 +193,12 @@ def test_feature_rows_and_free_rows_in_one_batch_match_their_references() -> Non
             {"bias": {EOS: 40.0}, "min_tokens": 3},
         ),
         "grammar": ({}, {"allowed": xy, "grammar_length": 5}),
-        "logprobs": ({"logprobs": 4, "frequency_penalty": 0.3}, {"frequency": 0.3}),
+        "logprobs": (
+            {"logprobs": True, "top_logprobs": 4, "frequency_penalty": 0.3},
+            {"frequency": 0.3},
+        ),
     }
-    engine = engine_on(LogitsBackend(num_slots=8))
+    engine = engine_on(HistoryBackend(num_slots=8))
     for name, (sampling, _) in rows.items():
         grammar = Allowing(xy, 5) if name == "grammar" else None
         engine.submit(make(name, f"prompt {name}", 10, grammar, **sampling))
@@ -243,23 +229,22 @@ def test_feature_rows_and_free_rows_in_one_batch_match_their_references() -> Non
 def test_a_plain_batch_carries_no_processing() -> None:
     seen: list[object] = []
 
-    class Watching(LogitsBackend):
+    class Watching(HistoryBackend):
         def decode(self, batch: DecodeBatch) -> np.ndarray:
             seen.append(batch.processing)
             return super().decode(batch)
 
     engine = engine_on(Watching())
     engine.submit(make("a", "one", 5))
-    engine.submit(make("b", "two", 5, temperature=0.7, seed=3, seeded=True))
+    engine.submit(make("b", "two", 5, temperature=0.7, seed=3))
     drive(engine)
     assert seen and all(p is None for p in seen)
 
 
 def choices(n: int, text: str, seed: int, max_tokens: int = 12) -> list[Sequence]:
-    first = make("c0", text, max_tokens, temperature=1.0, seed=seed, seeded=True)
+    first = make("c0", text, max_tokens, temperature=1.0, seed=seed)
     for c in range(1, n):
-        other = make(f"c{c}", text, max_tokens, temperature=1.0, seed=child_seed(seed, c),
-                     seeded=True)  # fmt: skip
+        other = make(f"c{c}", text, max_tokens, temperature=1.0, seed=child_seed(seed, c))
         other.parent = first
         first.choices.append(other)
     return [first, *first.choices]
@@ -267,7 +252,7 @@ def choices(n: int, text: str, seed: int, max_tokens: int = 12) -> list[Sequence
 
 def test_n_choices_share_one_prefill_and_each_equals_its_own_seeded_request() -> None:
     text = "a prompt long enough to prefill in two chunks " * 2
-    backend = LogitsBackend(num_slots=6)
+    backend = HistoryBackend(num_slots=6)
     engine = Engine(backend, TOK, lambda _: None, max_queue=8, max_step_tokens=256,
                     prefill_chunk=40)  # fmt: skip
     group = choices(3, text, seed=99)
@@ -285,16 +270,16 @@ def test_n_choices_share_one_prefill_and_each_equals_its_own_seeded_request() ->
     # Each choice equals a request of its own with its seed, alone on a fresh engine, and in
     # another batch: its tokens depend on its seed alone.
     for c in range(3):
-        alone = engine_on(LogitsBackend())
+        alone = engine_on(HistoryBackend())
         seed = child_seed(99, c)
-        alone.submit(make("x", text, 12, temperature=1.0, seed=seed, seeded=True))
+        alone.submit(make("x", text, 12, temperature=1.0, seed=seed))
         for k in range(3):
             alone.submit(make(f"noise{k}", f"noise {k}", 12, temperature=1.0))
         assert drive(alone)[0]["x"] == outs[c]
 
 
 def test_n_choices_wait_for_n_free_slots() -> None:
-    backend = LogitsBackend(num_slots=3)
+    backend = HistoryBackend(num_slots=3)
     engine = engine_on(backend)
     engine.submit(make("busy", "holds a slot", 6))
     engine.step()
@@ -306,7 +291,7 @@ def test_n_choices_wait_for_n_free_slots() -> None:
 
 
 def test_cancelling_choice_0_before_its_prefill_cancels_the_waiting_choices() -> None:
-    engine = engine_on(LogitsBackend(num_slots=4))
+    engine = engine_on(HistoryBackend(num_slots=4))
     group = choices(3, "cancel me", seed=5)
     engine.submit(group[0])
     engine.cancel(group[0])

@@ -21,9 +21,9 @@ from tests.support.smollm2 import SLOW_TIMEOUT_S
 from zerolayer.config.settings import ModelConfig
 from zerolayer.engine.backends.cpu import CpuBackend
 from zerolayer.engine.engine import Sequence
-from zerolayer.engine.types import SamplingRow
 from zerolayer.models import bundled
 from zerolayer.models.loader import LoadedModel, ModelLoadError, load_model
+from zerolayer.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,7 +75,7 @@ def test_greedy_ids_match_transformers_on_the_same_gguf(loaded: LoadedModel, ref
     assert all(p[0] == tok.bos_token_id for p in prompts)
     backend = CpuBackend(loaded, num_slots=4, max_context=512)
     seqs = [
-        Sequence(i, np.array(p, np.int32), NEW_TOKENS, SamplingRow(), ignore_eos=True)
+        Sequence(i, np.array(p, np.int32), NEW_TOKENS, SamplingParams(), ignore_eos=True)
         for i, p in enumerate(prompts)
     ]
     got = run_engine(backend, loaded.tokenizer, seqs)

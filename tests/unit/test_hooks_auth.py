@@ -29,6 +29,7 @@ from zerolayer.hooks.keys import (
     load_keys,
     revoke_key,
 )
+from zerolayer.sampling_params import SamplingParams
 
 
 def cli(*argv: str) -> argparse.Namespace:
@@ -54,7 +55,7 @@ def auth_chain(keys_file, **ratelimit) -> Chain:
 
 def make_ctx(principal: Principal, max_tokens: int = 8) -> RequestContext:
     return RequestContext(
-        principal, "m", np.arange(4, dtype=np.int32), 0, max_tokens, 0.0, 1.0, 0, None, (), (),
+        principal, "m", np.arange(4, dtype=np.int32), 0, max_tokens, SamplingParams(), (), (),
         False, {},
     )  # fmt: skip
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import redis
 
+from tests.support.sampling import SAMPLING_FIELDS, with_sampling
 from zerolayer.config.hooks import CacheConfig, RateLimitConfig
 from zerolayer.config.settings import AuthConfig
 from zerolayer.hooks import CachedResponse, Chain, Completion, Principal, RequestContext
@@ -27,17 +28,22 @@ def make_ctx(**kw) -> RequestContext:
         prompt_ids=np.array([1, 2, 3, 4], dtype=np.int32),
         prompt_id=0,
         max_tokens=16,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=None,
         stop_ids=(),
         stop_sequences=(),
         want_text=True,
         state={},
     )
     fields.update(kw)
-    return RequestContext(**fields)
+    return RequestContext(**with_sampling(fields))
+
+
+def vary(ctx: RequestContext, field: str, value: object) -> RequestContext:
+    """``ctx`` with one field (a sampling parameter too) changed."""
+    if field in SAMPLING_FIELDS:
+        return dataclasses.replace(
+            ctx, sampling=dataclasses.replace(ctx.sampling, **{field: value})
+        )
+    return dataclasses.replace(ctx, **{field: value})
 
 
 def cache_chain(**cache) -> Chain:
@@ -113,11 +119,9 @@ def test_every_input_is_part_of_the_key():
     }
     keys = {cache_key(base)}
     for field, value in variants.items():
-        keys.add(cache_key(dataclasses.replace(base, **{field: value})))
+        keys.add(cache_key(vary(base, field, value)))
     assert len(keys) == len(variants) + 1
-    assert cache_key(dataclasses.replace(base, seed=None)) != cache_key(
-        dataclasses.replace(base, seed=0)
-    )
+    assert cache_key(vary(base, "seed", None)) != cache_key(vary(base, "seed", 0))
     # Stop sequences are length-delimited: ("ab", "c") is not ("a", "bc").
     a = dataclasses.replace(base, stop_sequences=("ab", "c"))
     b = dataclasses.replace(base, stop_sequences=("a", "bc"))

@@ -26,6 +26,7 @@ from zerolayer.hooks import (
     RequestContext,
     hook,
 )
+from zerolayer.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,10 +47,7 @@ def make_ctx(principal=None, prompt=(1, 2, 3), max_tokens=8, temperature=0.0, se
         prompt_ids=np.asarray(prompt, dtype=np.int32),
         prompt_id=0,
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-        seed=seed,
+        sampling=SamplingParams(temperature=temperature, seed=seed),
         stop_ids=(),
         stop_sequences=(),
         want_text=True,

@@ -28,6 +28,7 @@ from zerolayer.hooks import (
     RequestContext,
 )
 from zerolayer.hooks.ratelimit import MemoryRateStore, RateLimiter
+from zerolayer.sampling_params import SamplingParams
 
 
 class FakeClock:
@@ -40,8 +41,8 @@ class FakeClock:
 
 def make_ctx(principal: Principal, prompt_len: int = 10, max_tokens: int = 20) -> RequestContext:
     return RequestContext(
-        principal, "m", np.zeros(prompt_len, dtype=np.int32), 0, max_tokens, 0.7, 1.0, 0, None,
-        (), (), False, {},
+        principal, "m", np.zeros(prompt_len, dtype=np.int32), 0, max_tokens,
+        SamplingParams(temperature=0.7), (), (), False, {},
     )  # fmt: skip
 
 

@@ -102,7 +102,8 @@ def refused(fn, *args) -> HttpError:
 def test_chat_defaults_follow_openai():
     r = chat()
     req = r.req
-    assert (req.temperature, req.top_p, req.top_k, req.seed) == (1.0, 1.0, 0, None)
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (1.0, 1.0, 0, None)
     assert req.max_tokens is None  # what fits beside the prompt, found by the path
     assert req.want_text and req.messages == USER and req.system is None
     assert not r.stream and not r.include_usage
@@ -151,14 +152,15 @@ def test_chat_fields():
         {"role": "user", "content": "go"},
     ]
     assert req.max_tokens == 7
-    assert (req.temperature, req.top_p, req.top_k) == (0.2, 0.5, 0)
-    assert req.seed == 2**64 - 1
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k) == (0.2, 0.5, 0)
+    assert s.seed == 2**64 - 1
     assert req.stop_sequences == ("\n", "END")
     assert req.ignore_eos and req.prompt_id == 3
     assert r.stream and r.include_usage
-    assert (req.n, req.logprobs, req.top_logprobs, req.min_tokens) == (3, True, 5, 2)
-    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0.5, -0.5, 1.2)
-    assert req.logit_bias == {7: -100.0, 9: 2.5}
+    assert (req.n, s.logprobs, s.top_logprobs, s.min_tokens) == (3, True, 5, 2)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert s.logit_bias == {7: -100.0, 9: 2.5}
     assert req.constraint is not None and req.constraint.kind == "json_schema"
     assert chat(stop="x").req.stop_sequences == ("x",)
     assert chat(response_format={"type": "text"}).req.constraint is None
@@ -223,9 +225,13 @@ WEATHER = {
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"logit_bias": {"a": 5}}, "logit_bias"),
         ({"logit_bias": {"1": 500}}, "logit_bias"),
-        ({"logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"logit_bias": {"+1": 5}}, "logit_bias"),  # keys: canonical decimal integers only
+        ({"logit_bias": {" 5": 5}}, "logit_bias"),
+        ({"logit_bias": {"1_0": 5}}, "logit_bias"),
+        ({"logit_bias": {"05": 5}}, "logit_bias"),
         ({"logit_bias": [1]}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"n": 2**32 - 1}, "n"),  # refused before a reply makes its choices (OpenAI's 128)
         ({"functions": []}, "functions"),
         ({"audio": {}}, "audio"),
         ({"temperature": "hot"}, "temperature"),
@@ -293,9 +299,9 @@ def test_completion_prompts():
     r = comp(prompt="x")
     assert r.req.max_tokens == 16  # OpenAI's default
     r = comp(prompt="x", logprobs=3, n=2, structured_outputs={"regex": "[ab]+"})
-    assert (r.req.logprobs, r.req.top_logprobs, r.req.n) == (True, 3, 2)
+    assert (r.req.sampling.logprobs, r.req.sampling.top_logprobs, r.req.n) == (True, 3, 2)
     assert r.req.constraint.kind == "regex"
-    assert comp(prompt="x", logprobs=0).req.logprobs
+    assert comp(prompt="x", logprobs=0).req.sampling.logprobs
     for fields, param in (
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
@@ -533,7 +539,8 @@ def test_models_list_reads_in_both_sdks():
 def test_messages_defaults_and_fields():
     r = messages()
     req = r.req
-    assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (8, 1.0, 1.0, 0)
+    s = req.sampling
+    assert (req.max_tokens, s.temperature, s.top_p, s.top_k) == (8, 1.0, 1.0, 0)
     assert req.max_tokens == 8 and req.messages == USER and not r.stream
     r = messages(
         system=[{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}],
@@ -552,7 +559,8 @@ def test_messages_defaults_and_fields():
     req = r.req
     assert req.system == "S1\nS2" and len(req.messages) == 3
     assert req.stop_sequences == ("\n\nHuman:",)
-    assert (req.temperature, req.top_p, req.top_k) == (0.0, 0.9, 40)
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.9, 40)
     assert r.stream
 
 
@@ -604,7 +612,8 @@ def test_messages_ranges_are_every_doors():
     # One table for every door (zerolayer.request_path.validation): OpenAI's temperature range and
     # vLLM's top_k -1 hold on /v1/messages too.
     req = messages(temperature=2.0, top_k=-1).req
-    assert (req.temperature, req.top_k) == (2.0, 0)
+    s = req.sampling
+    assert (s.temperature, s.top_k) == (2.0, 0)
 
 
 def test_messages_stream_matches_the_sdk_types():

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from tests.support.sampling import with_sampling
 from zerolayer.codes import ErrorCode, Refusal
 from zerolayer.engine.backend import ModelInfo
 from zerolayer.request_path.inputs import InputProcessor
@@ -24,7 +25,7 @@ def prepare(registry: PromptRegistry | None = None, **kw):  # noqa: ANN201
     kw.setdefault("max_tokens", 4)
     if "prompt_ids" not in kw and "messages" not in kw:
         kw.setdefault("prompt_text", "hi")
-    return InputProcessor(TOK, INFO, registry).prepare(Request(**kw))
+    return InputProcessor(TOK, INFO, registry).prepare(Request(**with_sampling(kw)))
 
 
 def refused(**kw) -> Refusal:
@@ -38,7 +39,7 @@ def test_text_prompt_is_tokenized_and_sampling_carried() -> None:
     assert prep.prompt.tolist() == TOK.encode_prompt("abc").tolist()
     assert prep.prompt.dtype == np.int32
     assert (prep.sampling.temperature, prep.sampling.top_k, prep.sampling.seed) == (0.5, 3, 9)
-    assert prep.sampling.seeded and prep.deterministic and prep.detokenizer is not None
+    assert prep.sampling.seed is not None and prep.deterministic and prep.detokenizer is not None
     assert not prepare(temperature=0.7).deterministic
 
 
@@ -108,6 +109,15 @@ def test_ids_at_both_ends_of_the_vocabulary_are_accepted() -> None:
     assert prep.prompt.tolist() == edge.tolist()
     assert prep.stop_ids == frozenset(edge.tolist())
     assert prepare(prompt_ids=edge).stop_ids == frozenset()
+
+
+@pytest.mark.parametrize("token", [-1, INFO.vocab_size, 2**31, 10**30])
+def test_logit_bias_ids_outside_the_vocabulary_are_refused_here(token: int) -> None:
+    """The one vocabulary check of logit_bias keys, whatever door parsed them (a JSON key such as
+    "-1" or "1000000000000000000000000000000" is a token id to every parser, refused here)."""
+    assert prepare(logit_bias={0: 1.0, INFO.vocab_size - 1: -1.0}).sampling.logit_bias
+    err = refused(logit_bias={0: 1.0, token: 5.0})
+    assert err.field == "logit_bias" and f"key {token} is outside the vocabulary" in err.message
 
 
 def _tool(description: str) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zerolayer.engine.backends.cpu import ATTENTION_BUDGET, CpuBackend, plan_prefill_groups
-from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.models.architectures import DecoderConfig
 from zerolayer.models.decoder import (
     Decoder,
@@ -23,6 +23,7 @@ from zerolayer.models.decoder import (
     attention_bucket,
 )
 from zerolayer.models.loader import LoadedModel
+from zerolayer.sampling_params import SamplingParams, sampling_rows
 from zerolayer.tokenizer import ByteTokenizer
 
 CFG = DecoderConfig(
@@ -81,7 +82,7 @@ def tokens(n: int, seed: int) -> torch.Tensor:
 
 def greedy_chunk(slot: int, ids: np.ndarray, start: int = 0, last: bool = True) -> PrefillChunk:
     return PrefillChunk(
-        slot=slot, tokens=ids.astype(np.int32), start=start, last=last, sampling=SamplingRow()
+        slot=slot, tokens=ids.astype(np.int32), start=start, last=last, sampling=SamplingParams()
     )
 
 
@@ -91,11 +92,10 @@ def decode_batch(slots: list[int], toks: list[int], positions: list[int], **kw) 
         slots=np.array(slots, np.int32),
         tokens=np.array(toks, np.int32),
         positions=np.array(positions, np.int32),
-        temperature=np.full(b, kw.get("temperature", 0.0), np.float32),
-        top_p=np.ones(b, np.float32),
-        top_k=np.zeros(b, np.int32),
-        seeds=np.array(kw.get("seeds", [0] * b), np.uint64),
-        seeded=np.array(kw.get("seeded", [False] * b), bool),
+        sampling=sampling_rows(
+            SamplingParams(temperature=kw.get("temperature", 0.0), seed=seed)
+            for seed in kw.get("seeds", [None] * b)
+        ),
     )
 
 
@@ -238,7 +238,7 @@ def test_backend_seeded_decode_independent_of_batch() -> None:
     for slot in range(4):
         backend.prefill([greedy_chunk(slot, tokens(9 + slot, slot).numpy())])
     kw = {"temperature": 1.5}
-    alone = backend.decode(decode_batch([2], [70], [11], seeded=[True], seeds=[99], **kw))
+    alone = backend.decode(decode_batch([2], [70], [11], seeds=[99], **kw))
     for others in range(3):
         backend2 = make_backend(sampler_seed=None)
         for slot in range(4):
@@ -248,8 +248,7 @@ def test_backend_seeded_decode_independent_of_batch() -> None:
             slots,
             [70] * len(slots),
             [9 + s for s in slots],
-            seeded=[False] * others + [True],
-            seeds=[0] * others + [99],
+            seeds=[None] * others + [99],
             **kw,
         )
         assert backend2.decode(batch)[-1] == alone[0]

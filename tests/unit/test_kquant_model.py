@@ -18,10 +18,10 @@ from tests.support.engine_run import run_engine
 from zerolayer.config.settings import ModelConfig
 from zerolayer.engine.backends.cpu import CpuBackend
 from zerolayer.engine.engine import Sequence
-from zerolayer.engine.types import SamplingRow
 from zerolayer.kernels.qmatmul import QStack, QWeight
 from zerolayer.models.decoder import KVCache
 from zerolayer.models.loader import load_model
+from zerolayer.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,7 +99,7 @@ def test_greedy_ids_through_the_engine_identical(loaded, ours, streams: int) -> 
     prompts = [_prompt(n, 10 + n) for n in (9, 23, 5, 17)[:streams]]
     backend = CpuBackend(ours, num_slots=4, max_context=256)
     seqs = [
-        Sequence(i, p.numpy().astype(np.int32), NEW_TOKENS, SamplingRow(), ignore_eos=True)
+        Sequence(i, p.numpy().astype(np.int32), NEW_TOKENS, SamplingParams(), ignore_eos=True)
         for i, p in enumerate(prompts)
     ]
     got = run_engine(backend, ours.tokenizer, seqs)  # steps of at most 64 tokens: all blocks

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.support import gate_hooks
+from tests.support.sampling import with_sampling
 from zerolayer.codes import ErrorCode, FinishReason, Refusal
 from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig
 from zerolayer.config.settings import AuthConfig
@@ -101,7 +102,7 @@ def limiter(path: RequestPath) -> RateLimiter:
 
 
 def request(**kw) -> Request:
-    return Request(max_tokens=kw.pop("max_tokens", 5), prompt_text="hello", **kw)
+    return Request(max_tokens=kw.pop("max_tokens", 5), prompt_text="hello", **with_sampling(kw))
 
 
 def run_engine(path: RequestPath, steps: int = 50) -> None:

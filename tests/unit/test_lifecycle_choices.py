@@ -11,6 +11,7 @@ from zerolayer.hooks import Completion, Principal
 from zerolayer.request_path.lifecycle import RequestPath
 from zerolayer.request_path.request import Request
 from zerolayer.request_path.stream import Stream
+from zerolayer.sampling_params import SamplingParams
 
 
 class ChoiceDoor:
@@ -74,7 +75,9 @@ def test_three_choices_one_request_for_the_hooks() -> None:
     path, door = make_path(async_gate=False), ChoiceDoor()
     done = recording(path)
     st = Stream(door, 7, "openai")
-    req = Request(max_tokens=4, prompt_text="hello", n=2, seed=11, temperature=1.0)
+    req = Request(
+        max_tokens=4, prompt_text="hello", n=2, sampling=SamplingParams(seed=11, temperature=1.0)
+    )
     path.open(st, Principal("anonymous"), req)
     assert st.group is not None and [m.choice for m in st.group] == [0, 1]
     run_engine(path)
@@ -90,7 +93,9 @@ def test_three_choices_one_request_for_the_hooks() -> None:
 def test_a_refusal_ends_every_choice() -> None:
     path, door = make_path(async_gate=False), ChoiceDoor()
     st = Stream(door, 3, "openai")
-    req = Request(max_tokens=4, prompt_text="hello", n=2, logit_bias={999: 1.0})
+    req = Request(
+        max_tokens=4, prompt_text="hello", n=2, sampling=SamplingParams(logit_bias={999: 1.0})
+    )
     path.open(st, Principal("anonymous"), req)
     assert sorted(door.endings) == [(3, 0, "error", ErrorCode.INVALID_REQUEST),
                                     (3, 1, "error", ErrorCode.INVALID_REQUEST)]  # fmt: skip

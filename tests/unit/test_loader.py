@@ -11,10 +11,11 @@ from safetensors.torch import save_file
 
 from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backends.cpu import create_cpu_backend
-from zerolayer.engine.types import PrefillChunk, SamplingRow
+from zerolayer.engine.types import PrefillChunk
 from zerolayer.models import HFTokenizer, ModelLoadError, builtin, load_checkpoint, load_model
 from zerolayer.models.architectures import DecoderConfig
 from zerolayer.models.decoder import Decoder
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import ByteTokenizer
 
 HF_CONFIG = {
@@ -278,7 +279,7 @@ def test_builtin_backend_generates_same_tokens_each_run(
         assert backend.num_slots == 2
         assert backend.info.max_context == 256 and backend.info.eos_token_id == ByteTokenizer.EOS
         prompt = tok.encode_prompt("Hello, world")
-        row = SamplingRow(temperature=1.0, seed=7, seeded=True)
+        row = SamplingParams(temperature=1.0, seed=7)
         chunk = PrefillChunk(slot=1, tokens=prompt, start=0, last=True, sampling=row)
         outputs.append(int(backend.prefill([chunk])[0]))
     assert outputs[0] == outputs[1]

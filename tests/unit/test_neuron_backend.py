@@ -31,7 +31,8 @@ from zerolayer.engine.backends.neuron import (
     create_neuron_backend,
 )
 from zerolayer.engine.engine import NO_TOKEN, Engine, Sequence
-from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.sampling_params import SamplingParams, sampling_rows
 
 VOCAB = 64
 REPO = Path(__file__).resolve().parents[2]
@@ -270,8 +271,8 @@ def make(
     return create_neuron_backend(model_cfg, engine_cfg)
 
 
-def greedy() -> SamplingRow:
-    return SamplingRow()
+def greedy() -> SamplingParams:
+    return SamplingParams()
 
 
 def chunk(slot: int, tokens: list[int], start: int = 0, last: bool = True) -> PrefillChunk:
@@ -284,11 +285,7 @@ def decode_batch(rows: list[tuple[int, int, int]], **sampling: Any) -> DecodeBat
         slots=np.array([r[0] for r in rows], np.int32),
         tokens=np.array([r[1] for r in rows], np.int32),
         positions=np.array([r[2] for r in rows], np.int32),
-        temperature=np.full(b, sampling.get("temperature", 0.0), np.float32),
-        top_p=np.full(b, 1.0, np.float32),
-        top_k=np.zeros(b, np.int32),
-        seeds=np.full(b, sampling.get("seed", 0), np.uint64),
-        seeded=np.full(b, sampling.get("seeded", False), np.bool_),
+        sampling=sampling_rows([SamplingParams(**sampling)] * b),
     )
 
 
@@ -600,7 +597,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(fake_tnx: Recorder, checkp
     prompt = [5, 6, 7]
     for slot in (0, 1, 2):
         backend.prefill([chunk(slot, prompt)])
-    hot = {"temperature": 5.0, "seed": 1234, "seeded": True}
+    hot = {"temperature": 5.0, "seed": 1234}
     together = backend.decode(decode_batch([(s, 9, 3) for s in (0, 1, 2)], **hot))
     assert len(set(together.tolist())) == 1
     for slot in (0, 1, 2):
@@ -609,7 +606,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(fake_tnx: Recorder, checkp
     alone = backend.decode(decode_batch([(1, 9, 3)], **hot))
     assert alone.tolist() == together[:1].tolist()
     draws = {
-        int(backend.decode(decode_batch([(1, 9, 3)], temperature=5.0, seed=s, seeded=True))[0])
+        int(backend.decode(decode_batch([(1, 9, 3)], temperature=5.0, seed=s))[0])
         for s in range(40)
     }
     assert len(draws) > 1  # temperature sampling really draws
@@ -637,7 +634,7 @@ def test_engine_drives_the_backend_end_to_end(fake_tnx: Recorder, checkpoint: Pa
     )
     prompts = [[3, 5, 6, 7, 8], [4, 9, 10, 11, 12, 13, 14], [5, 20, 21, 22]]
     for i, p in enumerate(prompts):
-        engine.submit(Sequence(i, np.asarray(p, np.int32), 5, SamplingRow()))
+        engine.submit(Sequence(i, np.asarray(p, np.int32), 5, SamplingParams()))
     for _ in range(60):
         outputs.extend(engine.step().outputs())
         if engine.running == 0 and engine.waiting == 0:

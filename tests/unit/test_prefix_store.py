@@ -19,12 +19,13 @@ from zerolayer.engine.backend import Backend, ModelInfo
 from zerolayer.engine.backends.synthetic import SyntheticBackend
 from zerolayer.engine.engine import Sequence
 from zerolayer.engine.prefix_store import BLOCK_TOKENS, PrefixStore
-from zerolayer.engine.types import PrefillChunk, SamplingRow
+from zerolayer.engine.types import PrefillChunk
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import ByteTokenizer, Tokenizer
 
 B = BLOCK_TOKENS
 TOK = ByteTokenizer()
-SAMPLED = SamplingRow(temperature=1.0, seed=1234, seeded=True)
+SAMPLED = SamplingParams(temperature=1.0, seed=1234)
 
 
 def ids(n: int, seed: int) -> np.ndarray:
@@ -36,7 +37,7 @@ def synthetic(slots: int = 4) -> SyntheticBackend:
 
 
 def prefilled(backend: Backend, prompt: np.ndarray, slot: int = 0) -> None:
-    backend.prefill([PrefillChunk(slot, prompt, 0, True, SamplingRow())])
+    backend.prefill([PrefillChunk(slot, prompt, 0, True, SamplingParams())])
 
 
 def offered(store: PrefixStore, prompt: np.ndarray, slot: int = 0) -> int:
@@ -92,9 +93,9 @@ def test_loaded_blocks_give_the_tokens_prefilling_them_gives() -> None:
     shared, user = ids(3 * B, 6), ids(7, 7)
     offered(store, shared)
     full = np.concatenate([shared, user])
-    expected = backend.prefill([PrefillChunk(1, full, 0, True, SamplingRow())])
+    expected = backend.prefill([PrefillChunk(1, full, 0, True, SamplingParams())])
     assert store.load(full, 2) == 3 * B
-    got = backend.prefill([PrefillChunk(2, user, 3 * B, True, SamplingRow())])
+    got = backend.prefill([PrefillChunk(2, user, 3 * B, True, SamplingParams())])
     assert got.tolist() == expected.tolist()
     assert backend._kv[2, : len(full)].tolist() == backend._kv[1, : len(full)].tolist()
 
@@ -211,7 +212,7 @@ class Runs:
     """Sequences run one at a time, each with one shared prefix store and without any; records
     both outputs, the tokens reused and the prompts seen."""
 
-    def __init__(self, backend: Backend, tok: Tokenizer, row: SamplingRow) -> None:
+    def __init__(self, backend: Backend, tok: Tokenizer, row: SamplingParams) -> None:
         self.backend, self.tok, self.row = backend, tok, row
         self.store = PrefixStore(backend, 1 << 30)
         self.prompts: list[np.ndarray] = []
@@ -245,7 +246,7 @@ def check_identical(backend: Backend, tok: Tokenizer, words: list[np.ndarray]) -
     seeded = Runs(backend, tok, SAMPLED)
     seeded.run(a, 8)
     seeded.run(b, 8)  # diverges inside a block
-    runs = Runs(backend, tok, SamplingRow())
+    runs = Runs(backend, tok, SamplingParams())
     runs.run(a, 8)
     runs.run(b, 8)
     runs.run(shared, 8)  # a prompt that is only the shared start
@@ -324,7 +325,7 @@ def test_the_engine_prefills_only_what_the_store_does_not_have() -> None:
     offered(store, prompt)
     engine = Engine(backend, TOK, lambda *_: None, max_queue=4, max_step_tokens=512,
                     prefill_chunk=256, prefix_store=store)  # fmt: skip
-    seq = Sequence("a", np.concatenate([prompt, ids(4, 51)]), 2, SamplingRow())
+    seq = Sequence("a", np.concatenate([prompt, ids(4, 51)]), 2, SamplingParams())
     engine.submit(seq)
     plan = engine.schedule([])
     assert plan is not None and seq.reused == 3 * B

@@ -20,7 +20,7 @@ from zerolayer.engine.backend import Backend, ModelInfo
 from zerolayer.engine.backends.synthetic import SyntheticBackend
 from zerolayer.engine.engine import Sequence
 from zerolayer.engine.prefix_store import BLOCK_TOKENS, PrefixStore
-from zerolayer.engine.types import DecodeBatch, PrefillChunk, SamplingRow
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.request_path.prompts import (
     MAX_PROMPT_CHARS,
     CompiledPrompt,
@@ -31,6 +31,7 @@ from zerolayer.request_path.prompts import (
     system_ids,
     text_problems,
 )
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import ByteTokenizer, Tokenizer
 
 TOK = ByteTokenizer()
@@ -326,7 +327,7 @@ def test_compile_on_cpu_backend_pins_the_kv_of_all_but_the_last_token(builtin) -
     assert c.kv_bytes == 2 * layers * kv_heads * c.pinned_tokens * head_dim * 4  # float32 k, v
     assert facts == [{"id": 3, "name": "terse", "tokens": len(c.ids), "kv_bytes": c.kv_bytes}]
     # The pinned KV equals a straight prefill of the same ids in one chunk in another slot.
-    backend.prefill([PrefillChunk(1, c.ids[:-1], 0, False, SamplingRow())])
+    backend.prefill([PrefillChunk(1, c.ids[:-1], 0, False, SamplingParams())])
     assert store.load(np.concatenate([c.ids, [65]]).astype(np.int32), 0) == c.pinned_tokens
     n = c.pinned_tokens
     for kv in (backend.cache.k, backend.cache.v):
@@ -348,13 +349,13 @@ def registered_and_inline(
     c: CompiledPrompt,
     full: np.ndarray,
     max_tokens: int,
-    sampling: SamplingRow | None = None,
+    sampling: SamplingParams | None = None,
 ) -> tuple[list, list]:
     """Outputs of ``full`` with the store holding the registered prompt (and nothing else: its
     LRU capacity is 0) and without any store, greedy unless given."""
     assert extends(full, c.ids), "the prompt's ids must prefix the request's"
     backend = store.backend
-    row = sampling or SamplingRow()
+    row = sampling or SamplingParams()
 
     def registered() -> Sequence:
         return Sequence(1, full, max_tokens, row)
@@ -372,7 +373,7 @@ def registered_and_inline(
 # Seeded sampling at temperature 1 draws from the whole distribution, so it notices a changed
 # logit even where greedy output is the same token over and over (as on the built-in model's
 # random weights).
-SAMPLED = SamplingRow(temperature=1.0, seed=1234, seeded=True)
+SAMPLED = SamplingParams(temperature=1.0, seed=1234)
 
 
 def requests_for(tok: Tokenizer, c: CompiledPrompt) -> list[np.ndarray]:

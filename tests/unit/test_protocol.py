@@ -114,8 +114,9 @@ def test_round_trip_binary_request_token_ids() -> None:
     ftype, flags, stream, payload = decode_one("server", wire)
     assert (ftype, flags, stream) == (FrameType.REQUEST, 0, 5)
     req = requests.parse_request(flags, payload)
-    assert req.max_tokens == 12 and req.top_k == 3 and req.prompt_id == 4
-    assert req.seed == 0  # seed 0 with the seed bit set is a real seed, not "none"
+    s = req.sampling
+    assert req.max_tokens == 12 and s.top_k == 3 and req.prompt_id == 4
+    assert s.seed == 0  # seed 0 with the seed bit set is a real seed, not "none"
     assert req.stop_ids.tolist() == [9, 10]
     assert req.prompt_ids.tolist() == [1, -2, 2**31 - 1]
     assert req.prompt_text is None and not req.want_text
@@ -127,7 +128,8 @@ def test_round_trip_binary_request_text_prompt() -> None:
     )
     req = requests.parse_request(0, decode_one("server", wire)[3])
     assert req.prompt_text == "héllo ✓" and req.prompt_ids is None
-    assert (req.temperature, req.top_p, req.seed, req.want_text) == (0.25, 0.5, 2**64 - 1, True)
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.seed, req.want_text) == (0.25, 0.5, 2**64 - 1, True)
     assert req.stop_ids.dtype == np.int32 and len(req.stop_ids) == 0
 
 
@@ -157,16 +159,18 @@ def test_round_trip_json_request() -> None:
     req = requests.parse_request(flags, payload)
     assert req.want_text
     assert req.messages == body["messages"] and req.system == "You are terse."
-    assert (req.max_tokens, req.temperature, req.top_p, req.top_k) == (64, 0.7, 0.9, 50)
-    assert (req.seed, req.prompt_id) == (123, 2)
+    s = req.sampling
+    assert (req.max_tokens, s.temperature, s.top_p, s.top_k) == (64, 0.7, 0.9, 50)
+    assert (s.seed, req.prompt_id) == (123, 2)
     assert req.stop_sequences == ("\n\n", "END")
 
 
 def test_round_trip_json_prompt_defaults() -> None:
     req = parse_json({"max_tokens": 1, "prompt": "x"})
     assert req.prompt_text == "x" and req.messages is None and req.system is None
-    assert (req.temperature, req.top_p, req.top_k) == (0.0, 1.0, 0)
-    assert req.seed is None and req.prompt_id == 0
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k) == (0.0, 1.0, 0)
+    assert s.seed is None and req.prompt_id == 0
     assert req.stop_sequences == ()
 
 
@@ -587,8 +591,9 @@ def test_request_bad_top_p(top_p: float) -> None:
 
 
 def test_request_seed_ignored_without_option_bit() -> None:
-    assert requests.parse_request(0, binary_payload(seed=77)).seed is None
-    assert requests.parse_request(0, binary_payload(seed=77, options=p.OPT_SEED)).seed == 77
+    assert requests.parse_request(0, binary_payload(seed=77)).sampling.seed is None
+    with_bit = requests.parse_request(0, binary_payload(seed=77, options=p.OPT_SEED))
+    assert with_bit.sampling.seed == 77
 
 
 def test_request_refusal_names_its_field() -> None:
@@ -688,6 +693,18 @@ def test_json_bad_types_and_ranges(key: str, value: object) -> None:
     assert key in json_error(obj).message
 
 
+@pytest.mark.parametrize("key", ["+5", " 5", "5 ", "1_0", "05", "-0", "\u0663", "1e3", "x"])
+def test_json_logit_bias_keys_other_than_canonical_decimals_are_refused(key: str) -> None:
+    # As on the HTTP door: "+5", " 5" and "1_0" used to be read here (the last as 10).
+    err = json_error({"max_tokens": 1, "prompt": "x", "logit_bias": {key: 1.0}})
+    assert err.field == "logit_bias" and repr(key) in err.message
+
+
+def test_json_logit_bias_keys_are_token_ids_the_vocabulary_check_is_the_input_processors() -> None:
+    req = parse_json({"max_tokens": 1, "prompt": "x", "logit_bias": {"0": 1, "-1": 2, "42": None}})
+    assert req.sampling.logit_bias == {0: 1.0, -1: 2.0}  # null: absent; -1: refused by inputs
+
+
 @pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 1.0, "1", True])
 def test_json_seed_out_of_range(seed: object) -> None:
     assert "seed" in json_error({"max_tokens": 1, "prompt": "x", "seed": seed}).message
@@ -696,7 +713,7 @@ def test_json_seed_out_of_range(seed: object) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2**64 - 1, -1, -(2**63)])
 def test_json_seed_in_range(seed: int) -> None:
     # A negative seed (OpenAI's are int64) is its two's complement, as on the HTTP door.
-    assert parse_json({"max_tokens": 1, "prompt": "x", "seed": seed}).seed == seed % 2**64
+    assert parse_json({"max_tokens": 1, "prompt": "x", "seed": seed}).sampling.seed == seed % 2**64
 
 
 def test_json_nulls_are_absent_and_minus_one_top_k_is_off() -> None:
@@ -705,7 +722,8 @@ def test_json_nulls_are_absent_and_minus_one_top_k_is_off() -> None:
     req = parse_json(
         {"max_tokens": 1, "prompt": "x", "temperature": None, "seed": None, "top_k": -1}
     )
-    assert (req.temperature, req.seed, req.top_k) == (0.0, None, 0)
+    s = req.sampling
+    assert (s.temperature, s.seed, s.top_k) == (0.0, None, 0)
 
 
 @pytest.mark.parametrize("stops", ["\n", [1], [""], ["ok", None], {"a": 1}, [["x"]]])

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from benchmarks._support.fuzzframes import corpus_files, read_corpus
 from zerolayer.codes import DONE_REASONS, Refusal
 from zerolayer.engine.backend import ModelInfo
-from zerolayer.engine.types import SamplingRow
 from zerolayer.frames import protocol as p
 from zerolayer.frames import requests
 from zerolayer.frames.protocol import ErrorCode, FrameType, ProtocolError
 from zerolayer.request_path.inputs import InputProcessor
 from zerolayer.request_path.request import Request
+from zerolayer.sampling_params import SAMPLING_ROW, SamplingParams
 from zerolayer.tokenizer import ByteTokenizer
 
 MAX = 1 << 20
@@ -43,10 +43,10 @@ Case = tuple[bytes, tuple[Any, ...]]
 def request_fields(req: Request) -> tuple[Any, ...]:
     return (
         req.max_tokens,
-        req.temperature,
-        req.top_p,
-        req.top_k,
-        req.seed,
+        req.sampling.temperature,
+        req.sampling.top_p,
+        req.sampling.top_k,
+        req.sampling.seed,
         req.prompt_id,
         tuple(req.stop_ids.tolist()),
         None if req.prompt_ids is None else tuple(req.prompt_ids.tolist()),
@@ -402,7 +402,7 @@ def test_binary_request_with_random_fields_raises_only_invalid_request(
     except Refusal as exc:
         assert exc.code == ErrorCode.INVALID_REQUEST
     else:
-        assert req.max_tokens >= 1 and req.temperature >= 0 and 0 < req.top_p <= 1
+        assert req.max_tokens >= 1 and req.sampling.temperature >= 0 and 0 < req.sampling.top_p <= 1
 
 
 json_values = st.recursive(
@@ -500,13 +500,11 @@ def _find_all(text: str, needle: str) -> list[int]:
 INFO = ModelInfo("m", 259, 257, 4096)
 
 
-def _engine_columns(sampling: SamplingRow) -> None:
-    """Store a row the way the engine does; numpy raises on an int out of range."""
+def _engine_columns(sampling: SamplingParams) -> None:
+    """Store a row the way the engine does (zerolayer.engine.rows); numpy raises on a value out
+    of range."""
     with np.errstate(over="raise"):
-        np.zeros(1, np.float32)[0] = sampling.temperature
-        np.ones(1, np.float32)[0] = sampling.top_p
-    np.zeros(1, np.int32)[0] = sampling.top_k
-    np.zeros(1, np.uint64)[0] = sampling.seed
+        np.zeros(1, SAMPLING_ROW)[0] = sampling.row()
 
 
 @FUZZ

@@ -180,10 +180,10 @@ def check_decoded(f: dict[str, Any], ftype: int, flags: int, stream: int, payloa
             assert req.messages == obj.get("messages")
             assert req.prompt_text == obj.get("prompt")
             assert req.system == obj.get("system")
-            assert req.temperature == obj.get("temperature", 0.0)
-            assert req.top_p == obj.get("top_p", 1.0)
-            assert req.top_k == obj.get("top_k", 0)
-            assert req.seed == obj.get("seed")
+            assert req.sampling.temperature == obj.get("temperature", 0.0)
+            assert req.sampling.top_p == obj.get("top_p", 1.0)
+            assert req.sampling.top_k == obj.get("top_k", 0)
+            assert req.sampling.seed == obj.get("seed")
             assert req.prompt_id == obj.get("prompt_id", 0)
             assert req.stop_sequences == tuple(obj.get("stop_sequences", ()))
             assert req.use_cache == obj.get("cache", True)
@@ -191,22 +191,22 @@ def check_decoded(f: dict[str, Any], ftype: int, flags: int, stream: int, payloa
         assert flags == 0
         assert req.max_tokens == f["max_tokens"]
         # The stated floats are exact in binary32, so equality is the right check.
-        assert req.temperature == f["temperature"]
-        assert req.top_p == f["top_p"]
-        assert req.top_k == f["top_k"]
-        assert req.seed == f["seed"]
+        assert req.sampling.temperature == f["temperature"]
+        assert req.sampling.top_p == f["top_p"]
+        assert req.sampling.top_k == f["top_k"]
+        assert req.sampling.seed == f["seed"]
         assert req.prompt_id == f["prompt_id"]
         assert req.stop_ids.tolist() == f["stop_ids"]
         assert req.want_text == f["text_deltas"]
         assert req.use_cache == f.get("cache", True)
-        assert req.logprobs == f.get("logprobs", False)
-        assert req.top_logprobs == f.get("top_logprobs", 0)
-        assert req.presence_penalty == f.get("presence_penalty", 0.0)
-        assert req.frequency_penalty == f.get("frequency_penalty", 0.0)
-        assert req.repetition_penalty == f.get("repetition_penalty", 1.0)
-        assert req.min_tokens == f.get("min_tokens", 0)
+        assert req.sampling.logprobs == f.get("logprobs", False)
+        assert req.sampling.top_logprobs == f.get("top_logprobs", 0)
+        assert req.sampling.presence_penalty == f.get("presence_penalty", 0.0)
+        assert req.sampling.frequency_penalty == f.get("frequency_penalty", 0.0)
+        assert req.sampling.repetition_penalty == f.get("repetition_penalty", 1.0)
+        assert req.sampling.min_tokens == f.get("min_tokens", 0)
         bias = {int(k): v for k, v in f.get("logit_bias", {}).items()} or None
-        assert req.logit_bias == bias
+        assert req.sampling.logit_bias == bias
         if "prompt_text" in f:
             assert req.prompt_text == f["prompt_text"] and req.prompt_ids is None
         else:

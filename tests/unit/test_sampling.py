@@ -7,20 +7,20 @@ import pytest
 import torch
 
 from zerolayer.engine.sampling import Sampler, sample_with_uniforms, seeded_uniform, splitmix64
+from zerolayer.sampling_params import SAMPLING_ROW
 
 VOCAB = 500
 
 
 def _rows(b: int, **kw: object) -> dict[str, np.ndarray]:
-    params = {
-        "temperature": np.full(b, kw.get("temperature", 1.0), np.float32),
-        "top_k": np.full(b, kw.get("top_k", 0), np.int32),
-        "top_p": np.full(b, kw.get("top_p", 1.0), np.float32),
-        "seeds": np.arange(b, dtype=np.uint64) + np.uint64(kw.get("seed", 1)),
-        "seeded": np.full(b, kw.get("seeded", True), bool),
-        "positions": np.full(b, kw.get("position", 7), np.int64),
-    }
-    return params
+    """``Sampler.sample``'s row arguments: ``params`` (SAMPLING_ROW [b]) and ``positions``."""
+    params = np.zeros(b, SAMPLING_ROW)
+    params["temperature"] = kw.get("temperature", 1.0)
+    params["top_k"] = kw.get("top_k", 0)
+    params["top_p"] = kw.get("top_p", 1.0)
+    params["seed"] = np.arange(b, dtype=np.uint64) + np.uint64(kw.get("seed", 1))
+    params["seeded"] = kw.get("seeded", True)
+    return {"params": params, "positions": np.full(b, kw.get("position", 7), np.int64)}
 
 
 def test_splitmix64_known_values() -> None:
@@ -43,7 +43,7 @@ def test_seeded_uniform_range_and_dependence() -> None:
 
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(16, VOCAB)
-    ids = Sampler(0).sample(logits, **_rows(16, temperature=0.0, seeded=False))
+    ids = Sampler(0).sample(logits, **_rows(16, temperature=0.0, seeded=False)).ids
     assert ids.dtype == np.int32
     np.testing.assert_array_equal(ids, logits.argmax(-1).numpy())
 
@@ -52,16 +52,16 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     logits = torch.randn(16, VOCAB)
     sampler = Sampler(0)
     expected = logits.argmax(-1).numpy()
-    np.testing.assert_array_equal(sampler.sample(logits, **_rows(16, top_k=1)), expected)
-    np.testing.assert_array_equal(sampler.sample(logits, **_rows(16, top_p=1e-6)), expected)
+    np.testing.assert_array_equal(sampler.sample(logits, **_rows(16, top_k=1)).ids, expected)
+    np.testing.assert_array_equal(sampler.sample(logits, **_rows(16, top_p=1e-6)).ids, expected)
     np.testing.assert_array_equal(
-        sampler.sample(logits, **_rows(16, top_p=1e-6, temperature=5.0, seeded=False)), expected
+        sampler.sample(logits, **_rows(16, top_p=1e-6, temperature=5.0, seeded=False)).ids, expected
     )
 
 
 def test_sampling_is_not_greedy_at_high_temperature() -> None:
     logits = torch.randn(64, VOCAB)
-    ids = Sampler(0).sample(logits, **_rows(64, temperature=10.0))
+    ids = Sampler(0).sample(logits, **_rows(64, temperature=10.0)).ids
     assert (ids != logits.argmax(-1).numpy()).sum() > 32
 
 
@@ -70,7 +70,7 @@ def test_top_k_restricts_to_k_best() -> None:
     best5 = set(torch.topk(logits[0], 5).indices.tolist())
     seen = set()
     for seed in range(200):
-        ids = Sampler().sample(logits, **_rows(1, top_k=5, temperature=100.0, seed=seed))
+        ids = Sampler().sample(logits, **_rows(1, top_k=5, temperature=100.0, seed=seed)).ids
         seen.add(int(ids[0]))
     assert seen <= best5
     assert len(seen) == 5
@@ -81,7 +81,7 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     logits = probs.log()
     seen = set()
     for seed in range(300):
-        ids = Sampler().sample(logits, **_rows(1, top_p=0.7, seed=seed))
+        ids = Sampler().sample(logits, **_rows(1, top_p=0.7, seed=seed)).ids
         seen.add(int(ids[0]))
     assert seen == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops there
 
@@ -91,25 +91,25 @@ def test_seeded_row_independent_of_batch(params: dict) -> None:
     torch.manual_seed(1)
     row = torch.randn(1, VOCAB)
     others = torch.randn(32, VOCAB)
-    alone = Sampler(0).sample(row, **_rows(1, seed=1234, position=99, **params))
+    alone = Sampler(0).sample(row, **_rows(1, seed=1234, position=99, **params)).ids
     for where in (0, 13, 32):
         batch = torch.cat([others[:where], row, others[where:]])
         p = _rows(33, seeded=False, temperature=0.8, top_k=7, **{"position": 3})
-        p["seeded"][where] = True
-        p["seeds"][where] = 1234
+        target = p["params"][where : where + 1]  # a view: writes go into the batch's rows
+        target["seeded"], target["seed"] = True, 1234
+        target["temperature"] = params.get("temperature", 1.0)
+        target["top_k"] = params.get("top_k", 0)
+        target["top_p"] = params.get("top_p", 1.0)
         p["positions"][where] = 99
-        p["temperature"][where] = params.get("temperature", 1.0)
-        p["top_k"][where] = params.get("top_k", 0)
-        p["top_p"][where] = params.get("top_p", 1.0)
-        assert Sampler(where + 1).sample(batch, **p)[where] == alone[0]
+        assert Sampler(where + 1).sample(batch, **p).ids[where] == alone[0]
 
 
 def test_seeded_rows_reproducible_unseeded_vary() -> None:
     logits = torch.zeros(1, VOCAB)  # uniform distribution
-    seeded = {int(Sampler(i).sample(logits, **_rows(1, seed=42))[0]) for i in range(5)}
+    seeded = {int(Sampler(i).sample(logits, **_rows(1, seed=42)).ids[0]) for i in range(5)}
     assert len(seeded) == 1
     sampler = Sampler(0)
-    unseeded = {int(sampler.sample(logits, **_rows(1, seeded=False))[0]) for _ in range(20)}
+    unseeded = {int(sampler.sample(logits, **_rows(1, seeded=False)).ids[0]) for _ in range(20)}
     assert len(unseeded) > 5
 
 
@@ -117,8 +117,8 @@ def test_distribution_matches_probabilities() -> None:
     probs = np.array([0.6, 0.3, 0.1])
     logits = torch.tensor(np.log(probs), dtype=torch.float32)[None].repeat(4000, 1)
     p = _rows(4000, seed=0)
-    p["seeds"] = np.arange(4000, dtype=np.uint64) * np.uint64(7919)
-    ids = Sampler().sample(logits, **p)
+    p["params"]["seed"] = np.arange(4000, dtype=np.uint64) * np.uint64(7919)
+    ids = Sampler().sample(logits, **p).ids
     freq = np.bincount(ids, minlength=3) / len(ids)
     np.testing.assert_allclose(freq, probs, atol=0.03)
 

@@ -23,6 +23,7 @@ from zerolayer.engine.sampling import (
     process_logits,
     unpack_bitmask,
 )
+from zerolayer.sampling_params import SamplingParams, sampling_rows
 
 VOCAB = 300
 SLOTS = 8
@@ -170,20 +171,11 @@ def test_grammar_rows_only_sample_allowed_tokens_free_rows_unchanged() -> None:
     allowed = [{3, 50, 77} if r % 2 else None for r in range(b)]
     mask, constrained = _bitmask(allowed, VOCAB)
     sampler = Sampler(0)
-    args = {
-        "temperature": np.full(b, 1.5, np.float32),
-        "top_k": np.zeros(b, np.int32),
-        "top_p": np.ones(b, np.float32),
-        "seeds": np.arange(b, dtype=np.uint64),
-        "seeded": np.ones(b, bool),
-    }
-    free = sampler.sample(logits, positions=np.zeros(b), **args)
+    params = sampling_rows(SamplingParams(temperature=1.5, seed=r) for r in range(b))
+    free = sampler.sample(logits, params, np.zeros(b)).ids
     for step in range(30):
-        out = sampler.sample_processed(
-            logits,
-            positions=np.full(b, step),
-            proc=Processing(allowed=mask, constrained=constrained),
-            **args,
+        out = sampler.sample(
+            logits, params, np.full(b, step), Processing(allowed=mask, constrained=constrained)
         )
         for r in range(1, b, 2):
             assert int(out.ids[r]) in {3, 50, 77}
@@ -198,15 +190,15 @@ def test_logprobs_are_log_softmax_after_processing_and_temperature() -> None:
     temperature = np.array([1.0, 0.5, 0.0, 2.0], np.float32)
     want = np.array([5, 20, 0, -1], np.int32)
     bias = [None, {7: 3.0}, None, None]
-    out = Sampler(1).sample_processed(
+    params = sampling_rows(
+        SamplingParams(temperature=float(t), top_k=k, top_p=p)
+        for t, k, p in zip(temperature, [0, 10, 0, 0], [1.0, 1.0, 1.0, 0.5], strict=True)
+    )
+    out = Sampler(1).sample(
         logits,
-        temperature=temperature,
-        top_k=np.array([0, 10, 0, 0], np.int32),
-        top_p=np.array([1.0, 1.0, 1.0, 0.5], np.float32),
-        seeds=np.zeros(b, np.uint64),
-        seeded=np.zeros(b, bool),
-        positions=np.zeros(b),
-        proc=Processing(bias=SparseRows.from_rows(bias), logprobs=want),
+        params,
+        np.zeros(b),
+        Processing(bias=SparseRows.from_rows(bias), logprobs=want),
     )
     assert out.top_ids is not None and out.top_logprobs is not None and out.logprob is not None
     assert out.top_ids.shape == (b, 20)
@@ -253,20 +245,11 @@ def test_seeded_row_with_every_feature_is_independent_of_the_batch(where: int) -
                 constrained=constrained,
                 logprobs=np.full(b, 3, np.int32),
             )
-            seeded = np.zeros(b, bool)
-            seeded[at] = True
-            seeds = np.zeros(b, np.uint64)
-            seeds[at] = 777
-            out = sampler.sample_processed(
-                batch,
-                temperature=np.full(b, 0.9, np.float32),
-                top_k=np.full(b, 50, np.int32),
-                top_p=np.full(b, 0.95, np.float32),
-                seeds=seeds,
-                seeded=seeded,
-                positions=np.full(b, 10 + step),
-                proc=proc,
+            params = sampling_rows(
+                SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=777 if r == at else None)
+                for r in range(b)
             )
+            out = sampler.sample(batch, params, np.full(b, 10 + step), proc)
             tokens.append(int(out.ids[at]))
             for r in range(b):  # the engine's rows count every sampled token of a row
                 outputs[r].append(int(out.ids[r]))

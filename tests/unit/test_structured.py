@@ -180,7 +180,7 @@ def _constrained_run(grammars, tokenizer, constraints: dict[str, object]) -> dic
 
     from zerolayer.engine.backends.synthetic import SyntheticBackend
     from zerolayer.engine.engine import Engine, Sequence
-    from zerolayer.engine.types import SamplingRow
+    from zerolayer.sampling_params import SamplingParams
     from zerolayer.tokenizer import Detokenizer
 
     backend = SyntheticBackend(len(constraints), tokenizer.vocab_size, 256)
@@ -191,7 +191,12 @@ def _constrained_run(grammars, tokenizer, constraints: dict[str, object]) -> dic
         prompt = np.array(tokenizer.encode_prompt(f"Answer {name}:"), np.int32)
         engine.submit(
             Sequence(
-                name, prompt, 40, SamplingRow(), detokenizer=Detokenizer(tokenizer), grammar=grammar
+                name,
+                prompt,
+                40,
+                SamplingParams(),
+                detokenizer=Detokenizer(tokenizer),
+                grammar=grammar,
             )  # fmt: skip
         )
     out: dict = {name: {"text": "", "finish": None, "ids": []} for name in constraints}

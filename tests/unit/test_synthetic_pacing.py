@@ -7,7 +7,7 @@ import numpy as np
 from zerolayer.engine.backends import synthetic
 from zerolayer.engine.backends.synthetic import SyntheticBackend
 from zerolayer.engine.engine import Engine, Sequence
-from zerolayer.engine.types import SamplingRow
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import ByteTokenizer
 
 
@@ -30,7 +30,7 @@ def _run(monkeypatch, prompts: list[int], arrive_at: dict[int, int], steps: int,
         for i, at in arrive_at.items():
             if at == step:
                 prompt = np.arange(1, prompts[i] + 1, dtype=np.int32)
-                engine.submit(Sequence(i, prompt, 6, SamplingRow()))
+                engine.submit(Sequence(i, prompt, 6, SamplingParams()))
         before = len(pauses)
         engine.step()
         per_step.append(pauses[before:])

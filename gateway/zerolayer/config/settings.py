@@ -88,6 +88,12 @@ class HttpConfig(_Section):
     cors_origins: list[str] = []
 
 
+# The most choices one request may ask for whatever ``engine.max_n`` says (OpenAI's limit on
+# ``n``): a door answers for every choice, so a request's n is bounded before anything is made
+# for it (zerolayer.request_path.validation: n's range).
+MAX_N = 128
+
+
 class EngineConfig(_Section):
     backend: Literal["cpu", "synthetic", "neuron"] = "cpu"
     max_batch_size: int = Field(32, ge=1)
@@ -96,7 +102,7 @@ class EngineConfig(_Section):
     max_step_tokens: int = Field(512, ge=1)
     prefill_chunk: int = Field(256, ge=1)
     max_context: int = Field(2048, ge=16)
-    max_n: int = Field(8, ge=1)  # most choices (``n``) one request may ask for (issue #27)
+    max_n: int = Field(8, ge=1, le=MAX_N)  # most choices (``n``) a request may ask for (#27)
     synthetic_step_ms: float = Field(0.0, ge=0)
     synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)

@@ -2,8 +2,10 @@
 
 A backend owns ``num_slots`` KV-cache slots of ``max_context`` positions each. The scheduler
 assigns slots, feeds prompt chunks (``prefill``) and runs batched ``decode`` steps, and calls
-``free`` when a sequence ends. Implementations: ``synthetic`` (no model), ``cpu``
-(our decoder, zerolayer.models.decoder, on torch), ``neuron`` (transformers-neuronx on NeuronCores).
+``free`` when a sequence ends. Implementations: ``synthetic`` (no model), and the model backends
+``cpu`` (zerolayer.models.decoder on torch) and ``neuron`` (transformers-neuronx on
+NeuronCores), which are ``LogitsBackend``s: they return logits, and the one sampler takes it from
+there.
 
 KV ranges (the prefix store, gateway/zerolayer/engine/prefix_store.py) are optional: a backend that
 can copy the KV of a range of a slot's positions out and back into a slot at the same positions also
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
+
+if TYPE_CHECKING:  # torch only where a model runs (this module is the synthetic backend's too)
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,43 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Release devices and threads at shutdown."""
+
+
+class LogitsBackend(Backend):
+    """A backend whose model gives logits: ``prefill`` and ``decode`` run its forward passes
+    (``prefill_logits``, ``decode_logits``), then the engine's one sampler
+    (zerolayer.engine.sampling) turns the logits into tokens with each row's own parameters: a
+    prompt's last chunk's ``SamplingParams``, a decode batch's ``SAMPLING_ROW`` records, and the
+    rows' logits processing. A model backend implements the two forward passes and nothing of
+    sampling."""
+
+    def __init__(self, sampler_seed: int | None = None) -> None:
+        from zerolayer.engine.sampling import Sampler  # torch: imported when a model is built
+
+        self.sampler = Sampler(sampler_seed)  # the RNG of unseeded rows
+
+    @abstractmethod
+    def prefill_logits(self, chunks: list[PrefillChunk]) -> torch.Tensor | None:
+        """Write each chunk into its slot's cache. Returns the logits [r, vocab] at the final
+        position of the r chunks with ``last`` set, in the chunks' order (None when r = 0)."""
+
+    @abstractmethod
+    def decode_logits(self, batch: DecodeBatch) -> torch.Tensor:
+        """Run one decode step (``batch.size`` >= 1). Returns logits [batch.size, vocab], row i
+        for ``batch.slots[i]``."""
+
+    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+        out = np.full(len(chunks), -1, np.int32)
+        logits = self.prefill_logits(chunks)
+        if logits is not None:
+            last = [i for i, chunk in enumerate(chunks) if chunk.last]
+            out[last] = self.sampler.sample_chunks(logits, [chunks[i] for i in last])
+        return out
+
+    def decode(self, batch: DecodeBatch) -> np.ndarray:
+        if batch.size == 0:
+            return np.empty(0, np.int32)
+        return self.sampler.sample_batch(self.decode_logits(batch), batch)
 
 
 # A backend's copy of a KV range: opaque to everyone else, who only hands it back.

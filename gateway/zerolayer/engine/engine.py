@@ -668,10 +668,6 @@ def _one_row(batch: DecodeBatch, i: int) -> DecodeBatch:
         slots=batch.slots[s],
         tokens=batch.tokens[s],
         positions=batch.positions[s],
-        temperature=batch.temperature[s],
-        top_p=batch.top_p[s],
-        top_k=batch.top_k[s],
-        seeds=batch.seeds[s],
-        seeded=batch.seeded[s],
+        sampling=batch.sampling[s],
         processing=None if batch.processing is None else batch.processing.select(i),
     )

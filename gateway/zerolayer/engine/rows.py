@@ -19,7 +19,7 @@ rows are never moved, so nothing per row is copied when others come and go.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +27,7 @@ import numpy as np
 from zerolayer.engine.finish import EOS, FAILED, GRAMMAR, LENGTH, STOP_ID, UNPRODUCED
 from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.types import DecodeBatch
+from zerolayer.sampling_params import SAMPLING_ROW
 
 if TYPE_CHECKING:
     from zerolayer.engine.sampling import Processing
@@ -50,12 +51,9 @@ class Rows:
         # repetition penalties will read them): ids[slot, :produced(slot)].
         self.ids = np.zeros((n, max_context), np.int32)
         self._ids = self.ids.reshape(-1)  # the same, flat: ids[slot, i] = _ids[slot * ctx + i]
-        # Sampling parameters (DecodeBatch's per-row fields).
-        self.temperature = np.zeros(n, np.float32)
-        self.top_p = np.ones(n, np.float32)
-        self.top_k = np.zeros(n, np.int32)
-        self.seeds = np.zeros(n, np.uint64)
-        self.seeded = np.zeros(n, np.bool_)
+        # The sampling parameters the sampler reads for every row (a DecodeBatch's ``sampling``):
+        # one SAMPLING_ROW record per slot, a column per parameter.
+        self.sampling = np.zeros(n, SAMPLING_ROW)
         # Stop rules beyond the limits: EOS (unless ignored) and the row's stop ids.
         self.eos = np.zeros(max(vocab_size, 1 + max(eos, default=0)), np.bool_)
         self.eos[list(eos)] = True
@@ -76,7 +74,7 @@ class Rows:
         self.presence = np.zeros(n, np.float32)
         self.frequency = np.zeros(n, np.float32)
         self.repetition = np.ones(n, np.float32)
-        self.bias: list[dict[int, float] | None] = [None] * n
+        self.bias: list[Mapping[int, float] | None] = [None] * n
         self.min_tokens = np.zeros(n, np.int32)
         self.top_logprobs = np.full(n, -1, np.int32)  # -1: no logprobs
         self.matcher: list[RowMatcher | None] = [None] * n
@@ -91,13 +89,14 @@ class Rows:
         # The decoding slots, ascending, and what follows from them (rebuilt when they change):
         # their sequences, those sequences' owners (the same list object while the rows stay
         # the same), the rows that detokenize, the index of the rows into the arrays (a slice
-        # when the slots are consecutive, else an index array) and the batch's sampling arrays.
+        # when the slots are consecutive, else an index array) and the batch's slots and
+        # sampling rows.
         self.decoding: list[int] = []
         self.decoding_seqs: list[Sequence] = []
         self.owners: list[object] = []
         self.text_rows: list[tuple[int, Sequence]] = []
         self.index: slice | np.ndarray = slice(0, 0)
-        self._sampling: tuple[np.ndarray, ...] | None = None
+        self._sampling: tuple[np.ndarray, np.ndarray] | None = None
         self._last_id = np.empty(0, np.intp)  # per decode row: where its id 0 goes in _ids, - 1
         self._proc_rows: list[tuple[int, int]] = []  # (row, slot) of the processed decode rows
         self.scratch = np.zeros(n, np.int32)  # a token per slot, to put a step's rows in order
@@ -111,11 +110,7 @@ class Rows:
         prompt_len, sampling, stop_ids = len(seq.prompt), seq.sampling, seq.stop_ids
         self.pos[slot] = prompt_len - 1  # the first decode input follows the prompt's last id
         self.cap[slot] = self.left[slot] = min(seq.max_tokens, self.max_context - prompt_len)
-        self.temperature[slot] = sampling.temperature
-        self.top_p[slot] = sampling.top_p
-        self.top_k[slot] = sampling.top_k
-        self.seeds[slot] = sampling.seed
-        self.seeded[slot] = sampling.seeded
+        self.sampling[slot] = sampling.row()
         self.ignore_eos[slot] = seq.ignore_eos
         self._ignoring += seq.ignore_eos
         if stop_ids:
@@ -126,10 +121,7 @@ class Rows:
                 self.stop_ids = grown
             self.stop_ids[slot, : len(stop_ids)] = sorted(stop_ids)
             self._stopping += 1
-        if (
-            sampling.penalised or sampling.logit_bias or sampling.min_tokens
-            or sampling.logprobs >= 0 or seq.grammar is not None
-        ):  # fmt: skip
+        if sampling.processed or seq.grammar is not None:
             self._add_processing(slot, seq)
 
     def _add_processing(self, slot: int, seq: Sequence) -> None:
@@ -142,8 +134,8 @@ class Rows:
         self.repetition[slot] = sampling.repetition_penalty
         self.bias[slot] = sampling.logit_bias or None
         self.min_tokens[slot] = sampling.min_tokens
-        self.top_logprobs[slot] = sampling.logprobs
-        self.logprob_rows += sampling.logprobs >= 0
+        self.top_logprobs[slot] = sampling.logprob_count
+        self.logprob_rows += sampling.logprobs
         if sampling.penalised:
             if self.counts is None or self.seen is None:
                 shape = (len(self.seq), self.vocab)
@@ -216,16 +208,12 @@ class Rows:
         i = self.index
         if self._sampling is None:  # made when the row set first decodes (not at a join whose
             self._sampling = (  # rows leave again before the next step)
-                np.array(self.decoding, np.int32), self.temperature[i].copy(),
-                self.top_p[i].copy(), self.top_k[i].copy(), self.seeds[i].copy(),
-                self.seeded[i].copy(),
-            )  # fmt: skip
-        slots, temperature, top_p, top_k, seeds, seeded = self._sampling
+                np.array(self.decoding, np.int32),
+                self.sampling[i].copy(),
+            )
+        slots, sampling = self._sampling
         processing = self.processing(self.decoding) if self._proc_rows else None
-        return DecodeBatch(
-            slots, self.token[i], self.pos[i], temperature, top_p, top_k, seeds, seeded,
-            processing,
-        )  # fmt: skip
+        return DecodeBatch(slots, self.token[i], self.pos[i], sampling, processing)
 
     def processing(self, slots: list[int]) -> Processing | None:
         """The logits processing of rows ``slots`` (in this order) for their next token, or None

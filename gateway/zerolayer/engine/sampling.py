@@ -40,7 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.kernels.splitmix import splitmix64
+from zerolayer.sampling_params import sampling_rows
 
 
 def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -142,7 +144,7 @@ class Processing:
     allowing token ``32 j + i`` (the layout xgrammar and llguidance fill); ``constrained`` says
     which rows it applies to (other rows' words are ignored). ``logprobs`` is the number of
     alternatives a row wants (0..20), -1 for none. ``sampled`` is the sampler's result for this
-    batch (``Sampler.sample_processed`` writes it), where the caller reads the logprobs.
+    batch (``Sampler.sample`` writes it), where the caller reads the logprobs.
     """
 
     counts: np.ndarray | None = None  # int32 [b, vocab]
@@ -273,46 +275,28 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = np.random.default_rng(seed)
 
+    @torch.inference_mode()
     def sample(
         self,
         logits: torch.Tensor,  # [b, vocab]
-        temperature: np.ndarray,  # float32 [b]
-        top_k: np.ndarray,  # int32 [b]
-        top_p: np.ndarray,  # float32 [b]
-        seeds: np.ndarray,  # uint64 [b]
-        seeded: np.ndarray,  # bool [b]
+        params: np.ndarray,  # SAMPLING_ROW [b]: each row's sampling parameters
         positions: np.ndarray,  # int [b]: position of the token being sampled
-    ) -> np.ndarray:
-        """Sampled token ids, int32 [b], without any processing."""
-        return self.sample_processed(
-            logits, temperature, top_k, top_p, seeds, seeded, positions, None
-        ).ids
-
-    def sample_processed(
-        self,
-        logits: torch.Tensor,  # [b, vocab]
-        temperature: np.ndarray,  # float32 [b]
-        top_k: np.ndarray,  # int32 [b]
-        top_p: np.ndarray,  # float32 [b]
-        seeds: np.ndarray,  # uint64 [b]
-        seeded: np.ndarray,  # bool [b]
-        positions: np.ndarray,  # int [b]
-        proc: Processing | None,
+        proc: Processing | None = None,
     ) -> Sampled:
         """The module docstring's steps; the result is also ``proc.sampled``."""
         if proc is not None:
             logits = process_logits(logits, proc)
-        seeded = np.asarray(seeded, dtype=bool)
+        # Each column as an array of its own (astype copies: a column of the records is strided).
+        seeded = params["seeded"]
         uniforms = self._rng.random(len(seeded))
         if seeded.any():
-            uniforms[seeded] = seeded_uniform(
-                np.asarray(seeds)[seeded], np.asarray(positions)[seeded]
-            )
+            uniforms[seeded] = seeded_uniform(params["seed"][seeded], np.asarray(positions)[seeded])
+        temperature = params["temperature"].astype(np.float32)
         ids = sample_with_uniforms(
             logits,
-            torch.from_numpy(np.asarray(temperature, dtype=np.float32)),
-            torch.from_numpy(np.asarray(top_k, dtype=np.int64)),
-            torch.from_numpy(np.asarray(top_p, dtype=np.float32)),
+            torch.from_numpy(temperature),
+            torch.from_numpy(params["top_k"].astype(np.int64)),
+            torch.from_numpy(params["top_p"].astype(np.float32)),
             torch.from_numpy(uniforms),
         )
         out = Sampled(ids.numpy().astype(np.int32))
@@ -325,32 +309,26 @@ class Sampler:
         proc.sampled = out
         return out
 
-    def sample_rows(
-        self,
-        logits: torch.Tensor,  # [r, vocab]
-        temperature: np.ndarray,  # float32 [r]
-        top_k: np.ndarray,  # int32 [r]
-        top_p: np.ndarray,  # float32 [r]
-        seeds: np.ndarray,  # uint64 [r]
-        seeded: np.ndarray,  # bool [r]
-        positions: np.ndarray,  # int [r]
-        procs: Sequence[Processing | None],  # one per row (each of batch size 1), or None
-    ) -> np.ndarray:
-        """Token ids int32 [r] for rows that each bring their own processing (a prefill's last
-        chunks): the plain rows sampled together, each processed row alone (its result in its
+    def sample_batch(self, logits: torch.Tensor, batch: DecodeBatch) -> np.ndarray:
+        """Token ids int32 [b] for a decode batch from its logits [b, vocab]: its rows'
+        parameters and processing, each token sampled for the position after its input."""
+        positions = batch.positions.astype(np.int64) + 1
+        return self.sample(logits, batch.sampling, positions, batch.processing).ids
+
+    def sample_chunks(self, logits: torch.Tensor, chunks: Sequence[PrefillChunk]) -> np.ndarray:
+        """Token ids int32 [r] for r prompts' last chunks from the logits [r, vocab] at their
+        final positions. Each chunk brings its own parameters and processing (a batch of one):
+        the plain rows are sampled together, each processed row alone (its result in its
         ``Processing.sampled``). Seeded rows draw the same as in any batch."""
-        ids = np.empty(len(procs), np.int32)
-        plain = [i for i, proc in enumerate(procs) if proc is None]
+        params = sampling_rows(c.sampling for c in chunks)
+        # The sampled token sits right after the chunk.
+        positions = np.array([c.start + len(c.tokens) for c in chunks], np.int64)
+        ids = np.empty(len(chunks), np.int32)
+        plain = [i for i, c in enumerate(chunks) if c.processing is None]
         if plain:
-            ids[plain] = self.sample(
-                logits[plain], temperature[plain], top_k[plain], top_p[plain], seeds[plain],
-                seeded[plain], positions[plain],
-            )  # fmt: skip
-        for i, proc in enumerate(procs):
-            if proc is not None:
+            ids[plain] = self.sample(logits[plain], params[plain], positions[plain]).ids
+        for i, c in enumerate(chunks):
+            if c.processing is not None:
                 one = slice(i, i + 1)
-                ids[i] = self.sample_processed(
-                    logits[one], temperature[one], top_k[one], top_p[one], seeds[one],
-                    seeded[one], positions[one], proc,
-                ).ids[0]  # fmt: skip
+                ids[i] = self.sample(logits[one], params[one], positions[one], c.processing).ids[0]
         return ids

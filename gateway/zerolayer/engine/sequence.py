@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zerolayer.engine.types import SamplingRow
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import Detokenizer
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class Sequence:
         owner: object,
         prompt: np.ndarray,
         max_tokens: int,
-        sampling: SamplingRow,
+        sampling: SamplingParams,
         stop_ids: frozenset[int] = frozenset(),
         stop_sequences: tuple[str, ...] = (),
         detokenizer: Detokenizer | None = None,

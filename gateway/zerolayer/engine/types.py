@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from zerolayer.sampling_params import SamplingParams
+
 if TYPE_CHECKING:  # torch only where a batch has processing (zerolayer.engine.sampling)
     from zerolayer.engine.sampling import Processing
 
@@ -20,42 +22,17 @@ class PrefillChunk:
 
     ``tokens`` occupy positions ``start .. start + len(tokens) - 1`` of ``slot``. When ``last`` is
     true the chunk ends the prompt and the backend samples the first output token from its final
-    position with the row's sampling parameters.
+    position with the row's sampling parameters (``sampling``).
     """
 
     slot: int
     tokens: np.ndarray  # int32 [n]
     start: int
     last: bool
-    sampling: SamplingRow
+    sampling: SamplingParams
     # The row's logits processing for its first token (a last chunk of a row that needs it:
     # zerolayer.engine.rows), a batch of one; None = plain sampling.
     processing: Processing | None = None
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """Sampling parameters of one sequence. temperature 0 = greedy; top_k 0 and top_p 1 = off.
-    The logits processing (gateway/zerolayer/engine/sampling.py; off at the defaults): penalties, a
-    sparse logit_bias, min_tokens, and logprobs (-1 = none, else the number of alternatives)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    seeded: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int = 0
-    logprobs: int = -1
-
-    @property
-    def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or (
-            self.repetition_penalty != 1.0
-        )
 
 
 @dataclass(slots=True)
@@ -63,19 +40,16 @@ class DecodeBatch:
     """One decode step over ``b`` active slots, each feeding its last sampled token.
 
     All arrays have length ``b`` and are read-only for the backend (the engine reuses them
-    across steps). ``positions[i]`` is the position ``tokens[i]`` is written at;
-    a seeded row draws its randomness from (seed, position), so its output does not depend on
-    which other rows share the batch.
+    across steps). ``positions[i]`` is the position ``tokens[i]`` is written at; ``sampling``
+    holds the rows' sampling parameters (zerolayer.sampling_params.SAMPLING_ROW, one column per
+    parameter): a seeded row draws its randomness from (seed, position), so its output does not
+    depend on which other rows share the batch.
     """
 
     slots: np.ndarray  # int32 [b]
     tokens: np.ndarray  # int32 [b]
     positions: np.ndarray  # int32 [b]
-    temperature: np.ndarray  # float32 [b]
-    top_p: np.ndarray  # float32 [b]
-    top_k: np.ndarray  # int32 [b]
-    seeds: np.ndarray  # uint64 [b]
-    seeded: np.ndarray  # bool [b]
+    sampling: np.ndarray  # SAMPLING_ROW [b]: each row's sampling parameters
     processing: Processing | None = None  # only when a row needs it (zerolayer.engine.rows)
 
     @property

@@ -20,6 +20,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from ssl import SSLContext
 from typing import cast
 
@@ -45,6 +46,9 @@ from zerolayer.request_path.stream import Stream
 log = logging.getLogger("zerolayer.server")
 
 _REPLAY_IDS_PER_FRAME = 256
+# The sampling parameters a version 1 REQUEST can give; any other at a value other than its
+# default needs version 2 (docs/protocol.md, "Versions").
+_VERSION_1_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed"})
 _IDLE_OUT_BYTES = 1024  # the write buffer an idle connection keeps
 
 
@@ -448,17 +452,10 @@ class Connection(asyncio.BufferedProtocol):
             )
         if self.version >= 2:
             return
-        v2 = (
-            ("logprobs", req.logprobs),
-            ("presence_penalty", req.presence_penalty != 0.0),
-            ("frequency_penalty", req.frequency_penalty != 0.0),
-            ("repetition_penalty", req.repetition_penalty != 1.0),
-            ("logit_bias", bool(req.logit_bias)),
-            ("min_tokens", req.min_tokens != 0),
-        )
-        for name, used in v2:
-            if used:
-                raise invalid(f"{name} needs protocol version 2 (send HELLO version 2)", name)
+        sampling = req.sampling
+        for f in fields(sampling):
+            if f.name not in _VERSION_1_SAMPLING and getattr(sampling, f.name) != f.default:
+                raise invalid(f"{f.name} needs protocol version 2 (send HELLO version 2)", f.name)
 
     # ------------------------------------------------------------------ the door's writes
 
@@ -570,7 +567,7 @@ class TokenFrames:
         self.text_rows: list[tuple[int, Stream]] = []
         self.logprobs = False  # some stream wants LOGPROBS frames (it is then a text row)
         for st, i in zip(streams, rows, strict=True):
-            lp = st.seq is not None and st.seq.sampling.logprobs >= 0
+            lp = st.seq is not None and st.seq.sampling.logprobs
             self.logprobs |= lp
             if st.want_text or lp:
                 self.text_rows.append((i, st))

@@ -5,6 +5,8 @@ rules as every door (``zerolayer.request_path.validation``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from zerolayer.codes import invalid
@@ -27,15 +29,15 @@ from zerolayer.request_path.request import NO_STOP_IDS, Request
 from zerolayer.request_path.validation import (
     check_keys,
     get_bool,
-    get_float,
     get_int,
-    get_logit_bias,
     get_messages,
     get_stops,
     get_text,
     load_object,
+    read_common,
     validate,
 )
+from zerolayer.sampling_params import SamplingParams
 
 
 def parse_request(flags: int, payload: memoryview) -> Request:
@@ -54,7 +56,7 @@ def parse_request(flags: int, payload: memoryview) -> Request:
     prompt_at = REQUEST_FIXED.size + 4 * n_stop
     if prompt_at > len(payload):
         raise invalid(f"n_stop {n_stop} does not fit in the payload", "n_stop")
-    processing = None
+    processing: dict[str, Any] = {}
     if options & OPT_PROCESSING:
         processing, prompt_at = _parse_processing(payload, prompt_at)
     stop_ids = (
@@ -64,22 +66,23 @@ def parse_request(flags: int, payload: memoryview) -> Request:
         if n_stop
         else NO_STOP_IDS
     )
-    req = Request(
-        max_tokens=max_tokens,
+    sampling = SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         seed=seed if options & OPT_SEED else None,
+        logprobs=bool(options & OPT_LOGPROBS),
+        top_logprobs=(options & TOP_LOGPROBS_MASK) >> TOP_LOGPROBS_SHIFT,
+        **processing,
+    )
+    req = Request(
+        max_tokens=max_tokens,
+        sampling=sampling,
         prompt_id=prompt_id,
         stop_ids=stop_ids,
         want_text=bool(options & OPT_TEXT_DELTAS),
         use_cache=not options & OPT_NO_CACHE,
-        logprobs=bool(options & OPT_LOGPROBS),
-        top_logprobs=(options & TOP_LOGPROBS_MASK) >> TOP_LOGPROBS_SHIFT,
     )
-    if processing is not None:
-        (req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.min_tokens,
-         req.logit_bias) = processing  # fmt: skip
     validate(req)
     rest = payload[prompt_at:]
     if options & OPT_TEXT_PROMPT:
@@ -96,10 +99,9 @@ def parse_request(flags: int, payload: memoryview) -> Request:
     return req
 
 
-def _parse_processing(
-    payload: memoryview, at: int
-) -> tuple[tuple[float, float, float, int, dict[int, float] | None], int]:
-    """The processing block at ``at`` (option bit 5): its fields, and where the prompt starts."""
+def _parse_processing(payload: memoryview, at: int) -> tuple[dict[str, Any], int]:
+    """The processing block at ``at`` (option bit 5): its fields (``SamplingParams``' names), and
+    where the prompt starts."""
     end = at + REQUEST_PROCESSING.size
     if end > len(payload):
         raise invalid("the processing block (option bit 5) does not fit", "options")
@@ -113,11 +115,18 @@ def _parse_processing(
     bias = dict(zip(entries["id"].tolist(), entries["value"].tolist(), strict=True)) or None
     if bias is not None and len(bias) != n_bias:
         raise invalid("logit_bias names a token id twice", "logit_bias")
-    return (presence, frequency, repetition, min_tokens, bias), bias_end
+    fields = {
+        "presence_penalty": presence,
+        "frequency_penalty": frequency,
+        "repetition_penalty": repetition,
+        "min_tokens": min_tokens,
+        "logit_bias": bias,
+    }
+    return fields, bias_end
 
 
-# The keys of a JSON REQUEST (docs/protocol.md); their values follow
-# zerolayer.request_path.validation.
+# The keys of a JSON REQUEST (docs/protocol.md); the shared ones are read by
+# zerolayer.request_path.validation.read_common, as on the HTTP door.
 JSON_KEYS = frozenset(
     {
         "max_tokens",
@@ -151,25 +160,10 @@ def _parse_json_request(payload: memoryview) -> Request:
         raise invalid("max_tokens is required", "max_tokens")
     if ("messages" in obj) == ("prompt" in obj):
         raise invalid("exactly one of messages and prompt is required", "messages")
-    req = Request(
-        max_tokens=get_int(obj, "max_tokens", 0),
-        temperature=get_float(obj, "temperature", 0.0),
-        top_p=get_float(obj, "top_p", 1.0),
-        top_k=get_int(obj, "top_k", 0),
-        seed=get_int(obj, "seed", 0) if "seed" in obj else None,
-        prompt_id=get_int(obj, "prompt_id", 0),
-        stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
-        want_text=True,
-        use_cache=get_bool(obj, "cache", True),
-        logprobs=get_bool(obj, "logprobs", False),
-        top_logprobs=get_int(obj, "top_logprobs", 0),
-        presence_penalty=get_float(obj, "presence_penalty", 0.0),
-        frequency_penalty=get_float(obj, "frequency_penalty", 0.0),
-        repetition_penalty=get_float(obj, "repetition_penalty", 1.0),
-        logit_bias=get_logit_bias(obj),
-        min_tokens=get_int(obj, "min_tokens", 0),
-        n=get_int(obj, "n", 1),
-    )
+    req = Request(max_tokens=get_int(obj, "max_tokens", 0), want_text=True)
+    read_common(obj, req, temperature=0.0)  # the frame protocol's default: greedy
+    req.stop_sequences = get_stops(obj, "stop_sequences", allow_string=False)
+    req.use_cache = get_bool(obj, "cache", True)
     if "system" in obj:
         req.system = get_text(obj["system"], "system") or None
     if "prompt" in obj:

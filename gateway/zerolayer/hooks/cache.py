@@ -2,8 +2,9 @@
 
 Only greedy (temperature 0) or seeded requests are cached: for them the same inputs give the same
 stream. The key is a BLAKE2b digest of the model and every input that shapes the stream: prompt
-ids (after the chat template), prompt_id, max_tokens, temperature, top_p, top_k, seed, stop ids
-and stop sequences, and the principal's name unless ``cache.shared_across_principals`` (so by
+ids (after the chat template), prompt_id, max_tokens, the sampling parameters (every column of
+zerolayer.sampling_params.SAMPLING_ROW, as the engine's rows hold them), stop ids and stop
+sequences, and the principal's name unless ``cache.shared_across_principals`` (so by
 default one API key is never served another's completion). ``want_text`` is not part of it:
 the text is always stored and the server drops it when the client did not ask for it.
 
@@ -30,15 +31,16 @@ import numpy as np
 from zerolayer.config.hooks import CacheConfig
 from zerolayer.hooks.registry import hook
 from zerolayer.hooks.types import CachedResponse, HookConfigError
+from zerolayer.sampling_params import sampling_rows
 
 log = logging.getLogger("zerolayer.hooks.cache")
 
 STATE_KEY = "cache_key"  # ctx.state[STATE_KEY] = digest, set by on_request for on_done
 ENTRY_OVERHEAD = 256  # bytes counted per entry beyond ids and text: key, objects, dict slot
 _CACHEABLE = (0, 1, 2)  # eos, max_tokens, stop
-# prompt_id, max_tokens, temperature, top_p, top_k, seeded, seed, n_prompt, n_stop_ids,
-# n_stop_sequences, model name length
-_HEADER = struct.Struct("<IIddIBQIIII")
+# prompt_id, max_tokens, n_prompt, n_stop_ids, n_stop_sequences, model name length; the sampling
+# parameters follow as their SAMPLING_ROW record (every per-row field, a new one included).
+_HEADER = struct.Struct("<IIIIII")
 _BLOB = struct.Struct("<BxxxII")  # Redis value header: finish_reason, prompt_tokens, n_ids
 
 
@@ -48,22 +50,18 @@ def cache_key(ctx: Any, scope: str = "") -> bytes:
     if ids.dtype != np.int32 or not ids.flags.c_contiguous:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
     model = ctx.model.encode()
-    h = hashlib.blake2b(digest_size=20, person=b"zl-cache-v1")
+    h = hashlib.blake2b(digest_size=20, person=b"zl-cache-v2")
     h.update(
         _HEADER.pack(
             ctx.prompt_id,
             ctx.max_tokens,
-            ctx.temperature,
-            ctx.top_p,
-            ctx.top_k,
-            ctx.seed is not None,
-            (ctx.seed or 0) & 0xFFFFFFFFFFFFFFFF,
             len(ids),
             len(ctx.stop_ids),
             len(ctx.stop_sequences),
             len(model),
         )
     )
+    h.update(sampling_rows((ctx.sampling,)).tobytes())
     h.update(model)
     if scope:
         raw_scope = scope.encode("utf-8", "backslashreplace")
@@ -225,7 +223,7 @@ class ResponseCache:
     def _key(self, ctx: Any) -> bytes | None:
         if not ctx.use_cache:
             return None  # the client asked for a fresh answer: no lookup, and no store at DONE
-        if ctx.temperature != 0.0 and ctx.seed is None:
+        if not ctx.sampling.deterministic:
             return None  # sampled without a seed: a new answer each time, never cached
         key = cache_key(ctx, "" if self.shared else ctx.principal.name)
         ctx.state[STATE_KEY] = key

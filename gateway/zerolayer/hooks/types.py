@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from zerolayer.codes import ErrorCode, FinishReason, Refusal
+from zerolayer.sampling_params import SamplingParams
 
 UNAUTHENTICATED = ErrorCode.UNAUTHENTICATED
 RATE_LIMITED = ErrorCode.RATE_LIMITED
@@ -60,10 +61,7 @@ class RequestContext:
     prompt_ids: np.ndarray  # int32, after the chat template
     prompt_id: int  # precompiled system prompt id, 0 = none
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None  # None = unseeded
+    sampling: SamplingParams  # temperature, top_p, top_k, seed (None = unseeded), penalties, ...
     stop_ids: tuple[int, ...]
     stop_sequences: tuple[str, ...]
     want_text: bool

@@ -29,13 +29,13 @@ from zerolayer.request_path.validation import (
     JsonObject,
     check_keys,
     get_bool,
-    get_float,
     get_int,
     get_object,
     get_stops,
     get_text,
     get_text_parts,
     load_object,
+    read_common,
     validate,
 )
 
@@ -185,14 +185,9 @@ def parse_messages(body: bytes, served: str) -> MessagesReply:
     check_keys(obj, MESSAGES_KEYS)
     if "max_tokens" not in obj:
         raise invalid("max_tokens is required", "max_tokens")
-    req = Request(
-        max_tokens=get_int(obj, "max_tokens", 0),
-        temperature=get_float(obj, "temperature", 1.0),
-        top_p=get_float(obj, "top_p", 1.0),
-        top_k=get_int(obj, "top_k", 0),
-        stop_sequences=get_stops(obj, "stop_sequences", allow_string=False),
-        want_text=True,
-    )
+    req = Request(max_tokens=get_int(obj, "max_tokens", 0), want_text=True)
+    read_common(obj, req, temperature=1.0)  # Anthropic's default; MESSAGES_KEYS limit the rest
+    req.stop_sequences = get_stops(obj, "stop_sequences", allow_string=False)
     model, use = _conversation(obj, served, req)
     return MessagesReply(validate(req), get_bool(obj, "stream"), model, use)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -35,11 +36,10 @@ from zerolayer.http.reply import ChoiceOut, Ending, Reply, dumps, encode_basestr
 from zerolayer.http.tools import ArgumentsDelta, CallStart, Content, Event, ToolUse
 from zerolayer.request_path.request import Request
 from zerolayer.request_path.validation import (
-    INT32_MAX,
     JsonObject,
+    as_int,
     check_keys,
     get_bool,
-    get_float,
     get_int,
     get_object,
     get_stops,
@@ -48,6 +48,9 @@ from zerolayer.request_path.validation import (
     get_token_ids,
     load_object,
     present,
+    range_of,
+    read_common,
+    refuse_range,
     validate,
 )
 from zerolayer.structured import Constraint
@@ -70,9 +73,6 @@ CHAT_KEYS = frozenset(
 )  # fmt: skip
 COMPLETION_KEYS = frozenset(("prompt", "echo", "best_of", "suffix", "logprobs", *_COMMON))
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's documented default for /v1/completions
-# The most alternatives per token (the chat API's top_logprobs; the legacy logprobs too, where
-# OpenAI allows 5 and vLLM 20).
-MAX_TOP_LOGPROBS = 20
 _STRUCTURED_KEYS = ("json", "regex", "choice", "json_object")
 
 _FINISH = FINISH_NAMES[OPENAI]
@@ -87,23 +87,6 @@ def _refuse_unsupported(obj: JsonObject) -> None:
     refuse_unless(obj, "echo", obj.get("echo") is False, "echo is not supported")
     refuse_unless(obj, "best_of", obj.get("best_of") == 1, "only best_of = 1 is supported")
     refuse_unless(obj, "suffix", obj.get("suffix") == "", "suffix is not supported")
-
-
-def _logit_bias(obj: JsonObject) -> dict[int, float] | None:
-    """``{"token id as a string": bias}`` → ids (the values' range: validate; the ids' the
-    input processor's vocabulary check)."""
-    if "logit_bias" not in obj:
-        return None
-    value = get_object(obj["logit_bias"], "logit_bias")
-    out: dict[int, float] = {}
-    for key in value:
-        if not (isinstance(key, str) and key.lstrip("-").isdigit() and key.isascii()):
-            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        token = int(key)
-        if not 0 <= token <= INT32_MAX:
-            raise invalid(f"logit_bias key {token} is outside the vocabulary", "logit_bias")
-        out[token] = get_float(value, key, 0.0)
-    return out or None
 
 
 def _structured(obj: JsonObject) -> Constraint | None:
@@ -147,21 +130,11 @@ def _structured(obj: JsonObject) -> Constraint | None:
 
 
 def _sampling(obj: JsonObject, req: Request) -> None:
-    """The fields both endpoints share, read into ``req`` (their ranges: ``validate``)."""
-    req.temperature = get_float(obj, "temperature", 1.0)
-    req.top_p = get_float(obj, "top_p", 1.0)
-    req.top_k = get_int(obj, "top_k", 0)
-    if "seed" in obj:
-        req.seed = get_int(obj, "seed", 0)
-    req.prompt_id = get_int(obj, "prompt_id", 0)
+    """The fields both endpoints share, read into ``req`` (the ones every door shares by
+    ``read_common``, with OpenAI's temperature 1.0; their ranges: ``validate``)."""
+    read_common(obj, req, temperature=1.0)
     req.ignore_eos = get_bool(obj, "ignore_eos")
     req.stop_sequences = get_stops(obj, "stop", allow_string=True)
-    req.n = get_int(obj, "n", 1)
-    req.presence_penalty = get_float(obj, "presence_penalty", 0.0)
-    req.frequency_penalty = get_float(obj, "frequency_penalty", 0.0)
-    req.repetition_penalty = get_float(obj, "repetition_penalty", 1.0)
-    req.min_tokens = get_int(obj, "min_tokens", 0)
-    req.logit_bias = _logit_bias(obj)
     req.constraint = _structured(obj)
 
 
@@ -298,8 +271,6 @@ def parse_chat(body: bytes, served: str, strings: TokenStrings | None = None) ->
     model = check_model(obj, served)
     req = Request(max_tokens=_max_tokens(obj, None), want_text=True)
     _sampling(obj, req)
-    req.logprobs = get_bool(obj, "logprobs")
-    req.top_logprobs = get_int(obj, "top_logprobs", 0)
     req.messages, req.system = _messages(obj)
     use = _tools(obj, req)
     stream, include_usage = _stream_flags(obj)
@@ -315,12 +286,16 @@ def parse_completion(
     _refuse_unsupported(obj)
     model = check_model(obj, served)
     req = Request(max_tokens=_max_tokens(obj, COMPLETION_MAX_TOKENS_DEFAULT), want_text=True)
+    # The legacy logprobs is a number, the alternatives per token (OpenAI allows 5; up to
+    # top_logprobs' 20 here, as vLLM), not the shared boolean.
+    legacy_logprobs = obj.pop("logprobs", None)
     _sampling(obj, req)
-    if "logprobs" in obj:  # the legacy form: how many alternatives per token, 0 = none
-        k = get_int(obj, "logprobs", 0)
-        if not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise invalid(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
-        req.logprobs, req.top_logprobs = True, k
+    if legacy_logprobs is not None:  # how many alternatives per token, 0 = none
+        k = as_int(legacy_logprobs, "logprobs")
+        alternatives = range_of("top_logprobs")
+        if not alternatives.holds(k):
+            raise refuse_range("logprobs", k, alternatives)
+        req.sampling = replace(req.sampling, logprobs=True, top_logprobs=k)
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -509,7 +484,7 @@ class ChatReply(_OpenAIReply):
                     for call in calls
                 ]
         logprobs = None
-        if self.req.logprobs:
+        if self.req.sampling.logprobs:
             assert self.strings is not None
             logprobs = {"content": [chat_entry(self.strings, lp) for lp in c.logprobs]}
         return {"message": message, "logprobs": logprobs}
@@ -527,7 +502,7 @@ class CompletionReply(_OpenAIReply):
 
     def _setup(self) -> None:
         self._logprobs: list[CompletionLogprobs] = []
-        if self.req.logprobs:
+        if self.req.sampling.logprobs:
             strings = self.strings
             assert strings is not None
             self._logprobs = [CompletionLogprobs(strings) for _ in range(self.req.n)]

@@ -108,7 +108,7 @@ class Reply(ABC):
         ]
         self.left = req.n  # choices not ended yet
         # Text deltas only: the per-token path writes prebuilt bytes around the escaped text.
-        self.plain = not req.logprobs and all(c.calls is None for c in self.choices)
+        self.plain = not req.sampling.logprobs and all(c.calls is None for c in self.choices)
 
     def collect(self, choice: int, text: str, lp: TokenLogprobs | None) -> None:
         """A delta of a non-streamed answer."""

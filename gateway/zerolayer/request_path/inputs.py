@@ -21,11 +21,11 @@ import numpy as np
 
 from zerolayer.codes import ErrorCode, Refusal, invalid
 from zerolayer.engine.backend import ModelInfo
-from zerolayer.engine.types import SamplingRow
 from zerolayer.models import templates
 from zerolayer.request_path import offload
 from zerolayer.request_path.prompts import CompiledPrompt, PromptRegistry
 from zerolayer.request_path.request import Request
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import Detokenizer, Tokenizer
 
 _NO_STOP_IDS: frozenset[int] = frozenset()
@@ -94,7 +94,7 @@ class Prepared:
     """A validated request: its prompt ids, and how to sample and stop."""
 
     prompt: np.ndarray  # int32: the whole prompt, a registered prompt's ids included
-    sampling: SamplingRow
+    sampling: SamplingParams
     max_tokens: int
     stop_ids: frozenset[int]
     stop_sequences: tuple[str, ...]
@@ -109,11 +109,7 @@ class Prepared:
 def plain(req: Request) -> bool:
     """Whether ``req`` asks for none of issue #27's features (one choice, no logprobs, no logits
     processing, no constraint): only such requests may use the response cache."""
-    return (
-        req.n == 1 and not req.logprobs and req.constraint is None and not req.logit_bias
-        and not req.min_tokens and not req.presence_penalty and not req.frequency_penalty
-        and req.repetition_penalty == 1.0
-    )  # fmt: skip
+    return req.n == 1 and req.constraint is None and not req.sampling.processed
 
 
 class InputProcessor:
@@ -140,8 +136,9 @@ class InputProcessor:
             raise invalid("the prompt is empty after tokenization", "prompt")
         if _outside(req.stop_ids, vocab):
             raise invalid(f"stop token id outside the vocabulary [0, {vocab})", "stop_ids")
-        if req.logit_bias and not all(0 <= t < vocab for t in req.logit_bias):
-            bad = next(t for t in req.logit_bias if not 0 <= t < vocab)
+        bias = req.sampling.logit_bias
+        if bias and not all(0 <= t < vocab for t in bias):
+            bad = next(t for t in bias if not 0 <= t < vocab)
             raise invalid(
                 f"logit_bias key {bad} is outside the vocabulary [0, {vocab})", "logit_bias"
             )
@@ -160,24 +157,12 @@ class InputProcessor:
         wants_detok = req.want_text or bool(req.stop_sequences)
         return Prepared(
             prompt=np.ascontiguousarray(ids, dtype=np.int32),
-            sampling=SamplingRow(
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                seed=req.seed or 0,
-                seeded=req.seed is not None,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                logit_bias=req.logit_bias or None,
-                min_tokens=req.min_tokens,
-                logprobs=req.top_logprobs if req.logprobs else -1,
-            ),
+            sampling=req.sampling,
             max_tokens=max_tokens,
             stop_ids=frozenset(req.stop_ids.tolist()) if len(req.stop_ids) else _NO_STOP_IDS,
             stop_sequences=req.stop_sequences,
             detokenizer=Detokenizer(self.tokenizer) if wants_detok else None,
-            deterministic=(req.temperature == 0 or req.seed is not None) and plain(req),
+            deterministic=req.sampling.deterministic and plain(req),
             ignore_eos=req.ignore_eos,
         )
 

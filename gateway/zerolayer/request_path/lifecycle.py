@@ -202,9 +202,9 @@ class RequestPath:
         for sib in (st.group or (st,))[1:]:  # the other choices: their own seed stream and text
             sib.full_ids, sib.prompt_tokens = st.full_ids, st.prompt_tokens
             sib.want_text = st.want_text
-            sampling = dataclasses.replace(prep.sampling)
-            if sampling.seeded:
-                sampling.seed = child_seed(sampling.seed, sib.choice)
+            sampling = prep.sampling
+            if sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=child_seed(sampling.seed, sib.choice))
             detok = Detokenizer(self.inputs.tokenizer) if prep.detokenizer is not None else None
             sib.seq = Sequence(
                 sib, prep.prompt, prep.max_tokens, sampling, prep.stop_ids, prep.stop_sequences,
@@ -326,10 +326,7 @@ class RequestPath:
             prompt_ids=st.full_ids,
             prompt_id=req.prompt_id,
             max_tokens=seq.max_tokens,  # as prepared (an HTTP request may leave it to the path)
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
+            sampling=req.sampling,
             stop_ids=tuple(sorted(seq.stop_ids)),
             stop_sequences=req.stop_sequences,
             want_text=req.want_text,

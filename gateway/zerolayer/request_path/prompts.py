@@ -30,7 +30,8 @@ from pydantic import ValidationError
 
 from zerolayer.config.prompts import PromptEntry
 from zerolayer.engine.prefix_store import PrefixStore
-from zerolayer.engine.types import PrefillChunk, SamplingRow
+from zerolayer.engine.types import PrefillChunk
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import Tokenizer
 
 __all__ = [
@@ -289,7 +290,7 @@ class PromptRegistry:
             body = c.ids[:-1]
             for start in range(0, len(body), chunk):
                 piece = body[start : start + chunk]
-                backend.prefill([PrefillChunk(0, piece, start, False, SamplingRow())])
+                backend.prefill([PrefillChunk(0, piece, start, False, SamplingParams())])
             c.kv_bytes, _ = store.pin(body, 0)
             backend.free(0)
             total = store.pinned_bytes - pinned

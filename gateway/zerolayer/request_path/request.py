@@ -1,7 +1,8 @@
 """The door-neutral request: what every door (frames, OpenAI, Anthropic) parses its wire into.
 
-A ``Request`` carries the fields as the client gave them, in the units the engine uses; each door
-fills it from its own wire format and zerolayer.request_path.validation checks its values, the same
+A ``Request`` carries the fields as the client gave them, in the units the engine uses, its
+sampling parameters as one ``SamplingParams`` (zerolayer.sampling_params); each door fills it
+from its own wire format and zerolayer.request_path.validation checks its values, the same
 rules for every door, before the request path sees it. Nothing here knows a wire format.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from zerolayer.sampling_params import SamplingParams
 from zerolayer.structured import Constraint
 
 NO_STOP_IDS = np.empty(0, np.int32)  # the stop ids of a request without any (shared: read-only)
@@ -25,10 +27,7 @@ class Request:
     # None = as many as fit in the context beside the prompt (an API request that did not give
     # max_tokens); the input processor turns it into a number.
     max_tokens: int | None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off (validation maps vLLM's -1 to 0)
-    seed: int | None = None  # None = unseeded; else in [0, 2**64)
+    sampling: SamplingParams = SamplingParams()  # frozen: a door replaces it whole
     prompt_id: int = 0  # a registered prompt, 0 = none
     stop_ids: np.ndarray = field(default_factory=lambda: NO_STOP_IDS)  # int32
     prompt_ids: np.ndarray | None = None  # int32, when the prompt came as ids
@@ -41,15 +40,6 @@ class Request:
     ignore_eos: bool = False  # a stop rule: generate past EOS (vLLM's extension)
     want_text: bool = False  # the door wants text deltas
     use_cache: bool = True  # False: the response cache is neither read nor written (#29)
-    # Logits processing (gateway/zerolayer/engine/sampling.py says the order and semantics), issue
-    # #27:
-    presence_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
-    frequency_penalty: float = 0.0  # [-2, 2], OpenAI semantics, over output tokens
-    repetition_penalty: float = 1.0  # (0, 2], Hugging Face semantics, prompt + output; 1 = off
-    logit_bias: dict[int, float] | None = None  # token id -> [-100, 100] added to its logit
-    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens were produced
-    logprobs: bool = False  # return the sampled token's logprob (after processing, see sampling)
-    top_logprobs: int = 0  # [0, 20] most likely alternatives with it (needs logprobs)
     n: int = 1  # choices generated from one prompt, [1, engine.max_n]: one prefill, n streams
     constraint: Constraint | None = None  # structured output (zerolayer.structured)
     # Tool definitions for the chat template (zerolayer.models.templates.template_tools' form); None

@@ -1,9 +1,10 @@
 """The CPU backend: ``zerolayer.models.decoder`` run eagerly by torch on a static slot KV cache.
 
-One ``CpuBackend`` owns the loaded model, the KV cache (allocated once, ``num_slots`` =
-``engine.max_batch_size``) and a ``Sampler``. The prefill chunks of one call run as a few batched
-forwards (``plan_prefill_groups`` decides which chunks share one); decode runs all active slots
-in one step. ``free`` has nothing to clear: every attention masks positions past the sequence's
+One ``CpuBackend`` owns the loaded model and the KV cache (allocated once, ``num_slots`` =
+``engine.max_batch_size``); it returns logits, which the engine's one sampler turns into tokens
+(``LogitsBackend``). The prefill chunks of one call run as a few batched forwards
+(``plan_prefill_groups`` decides which chunks share one); decode runs all active slots in one
+step. ``free`` has nothing to clear: every attention masks positions past the sequence's
 own, and a new prompt overwrites the slot from 0. It also copies ranges of a slot's KV positions
 out and back in, for the prefix store.
 """
@@ -18,8 +19,7 @@ import numpy as np
 import torch
 
 from zerolayer.config.settings import EngineConfig, ModelConfig
-from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
-from zerolayer.engine.sampling import Sampler
+from zerolayer.engine.backend import LogitsBackend, ModelInfo, PrefixKV
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.models.decoder import KVCache, eager_attention_len
 from zerolayer.models.loader import LoadedModel, load_model
@@ -76,7 +76,7 @@ def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int)
     return groups
 
 
-class CpuBackend(Backend, PrefixKV[KVRange]):
+class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -84,6 +84,7 @@ class CpuBackend(Backend, PrefixKV[KVRange]):
         max_context: int,
         sampler_seed: int | None = None,
     ) -> None:
+        super().__init__(sampler_seed)
         self.model = loaded.model
         self.num_slots = num_slots
         context = min(max_context, loaded.max_context)
@@ -94,7 +95,6 @@ class CpuBackend(Backend, PrefixKV[KVRange]):
             max_context=context,
         )
         self.cache = KVCache.allocate(loaded.config, num_slots, context, loaded.dtype)
-        self.sampler = Sampler(sampler_seed)
         self._thread = threading.get_ident()  # the thread that loaded the model
         self._thread_warned = False
 
@@ -116,9 +116,8 @@ class CpuBackend(Backend, PrefixKV[KVRange]):
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
+    def prefill_logits(self, chunks: list[PrefillChunk]) -> torch.Tensor | None:
         self._check_thread()
-        out = np.full(len(chunks), -1, dtype=np.int32)
         inputs = [self._chunk_tokens(chunk) for chunk in chunks]
         lengths = [int(t.shape[0]) for t in inputs]
         starts = [chunk.start for chunk in chunks]
@@ -140,22 +139,8 @@ class CpuBackend(Backend, PrefixKV[KVRange]):
                     self.cache,
                 )
             logits.update((i, row_logits[r]) for r, i in enumerate(group) if chunks[i].last)
-        last_rows = [i for i, chunk in enumerate(chunks) if chunk.last]
-        if last_rows:
-            rows = [chunks[i] for i in last_rows]
-            s = [c.sampling for c in rows]
-            out[last_rows] = self.sampler.sample_rows(
-                torch.stack([logits[i] for i in last_rows]),
-                temperature=np.array([r.temperature for r in s], np.float32),
-                top_k=np.array([r.top_k for r in s], np.int32),
-                top_p=np.array([r.top_p for r in s], np.float32),
-                seeds=np.array([r.seed for r in s], np.uint64),
-                seeded=np.array([r.seeded for r in s], bool),
-                # The sampled token will sit right after the chunk.
-                positions=np.array([c.start + len(c.tokens) for c in rows], np.int64),
-                procs=[c.processing for c in rows],
-            )
-        return out
+        last = [logits[i] for i, chunk in enumerate(chunks) if chunk.last]
+        return torch.stack(last) if last else None
 
     def _chunk_tokens(self, chunk: PrefillChunk) -> torch.Tensor:
         """The chunk's ids as int64, after checking its slot, positions and ids."""
@@ -174,29 +159,17 @@ class CpuBackend(Backend, PrefixKV[KVRange]):
         return tokens
 
     @torch.inference_mode()
-    def decode(self, batch: DecodeBatch) -> np.ndarray:
+    def decode_logits(self, batch: DecodeBatch) -> torch.Tensor:
         self._check_thread()
-        if batch.size == 0:
-            return np.empty(0, dtype=np.int32)
         positions = np.asarray(batch.positions, dtype=np.int64)
         if positions.min() < 0 or positions.max() >= self.info.max_context:
             raise ValueError(f"decode position outside the context of {self.info.max_context}")
-        logits = self.model.decode(
+        return self.model.decode(
             torch.from_numpy(np.asarray(batch.tokens, dtype=np.int64)),
             torch.from_numpy(positions),
             torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)),
             self.cache,
         )
-        return self.sampler.sample_processed(
-            logits,
-            temperature=batch.temperature,
-            top_k=batch.top_k,
-            top_p=batch.top_p,
-            seeds=batch.seeds,
-            seeded=batch.seeded,
-            positions=positions + 1,
-            proc=batch.processing,
-        ).ids
 
     def free(self, slot: int) -> None:
         self._check_slot(slot)

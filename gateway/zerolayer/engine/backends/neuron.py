@@ -13,8 +13,8 @@ batch_size_for_shared_caches=N))``, N = ``engine.max_batch_size``:
   whole prompt is encoded when its last chunk arrives;
 * decode is one token-generation call over all N rows (``input_ids`` / ``cache_ids`` [N, 1],
   ``start_ids`` 0..N-1); rows not in the step get a harmless filler (see ``_token_step``);
-* logits come back to the host and are sampled by ``zerolayer.engine.sampling``, so seeded requests
-  give the same tokens as on the cpu backend's sampler.
+* logits come back to the host, where the engine's one sampler takes them (``LogitsBackend``,
+  zerolayer.engine.sampling), so seeded requests give the same tokens as on the cpu backend.
 
 transformers_neuronx is imported only inside ``create_neuron_backend`` (and torch only when a
 backend is built), so this module imports on any machine. The API used is the one of Neuron SDK
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from zerolayer.config.settings import EngineConfig, ModelConfig
-from zerolayer.engine.backend import Backend, ModelInfo
+from zerolayer.engine.backend import LogitsBackend, ModelInfo
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.tokenizer import Tokenizer
 
@@ -307,7 +307,7 @@ def create_neuron_backend(
 # --------------------------------------------------------------------------- the backend
 
 
-class NeuronBackend(Backend):
+class NeuronBackend(LogitsBackend):
     """Drives a compiled transformers-neuronx model whose continuous-batching KV cache has
     ``num_slots`` rows of ``info.max_context`` positions. ``model`` is called as
     ``model(input_ids, cache_ids=..., start_ids=...)`` and returns float logits [rows, vocab]."""
@@ -315,13 +315,11 @@ class NeuronBackend(Backend):
     def __init__(self, model: Any, info: ModelInfo, num_slots: int) -> None:
         import torch
 
-        from zerolayer.engine.sampling import Sampler
-
+        super().__init__()
         self._torch = torch
         self._model = model
         self.info = info
         self.num_slots = num_slots
-        self._sampler = Sampler()
         # Cache positions holding this slot's sequence; 0 = free or prompt not yet encoded.
         self._length = np.zeros(num_slots, np.int64)
         # Prompt chunks waiting for their last chunk, and how many tokens they hold.
@@ -334,9 +332,8 @@ class NeuronBackend(Backend):
 
     # ------------------------------------------------------------------ Backend
 
-    def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
-        out = np.full(len(chunks), -1, np.int32)
-        done: list[tuple[int, Any]] = []  # (chunk index, logits [vocab])
+    def prefill_logits(self, chunks: list[PrefillChunk]) -> Any:
+        done: dict[int, Any] = {}  # chunk index -> logits [vocab] of its prompt's last token
         single: dict[int, tuple[int, int]] = {}  # slot -> (token, position 0)
         single_rows: list[tuple[int, int]] = []  # (chunk index, slot)
         for i, chunk in enumerate(chunks):
@@ -348,33 +345,17 @@ class NeuronBackend(Backend):
                 single[chunk.slot] = (int(prompt[0]), 0)
                 single_rows.append((i, chunk.slot))
             else:
-                done.append((i, self._context_encode(chunk.slot, prompt)))
+                done[i] = self._context_encode(chunk.slot, prompt)
         if single:
             logits = self._token_step(single)
             for i, slot in single_rows:
                 self._length[slot] = 1
-                done.append((i, logits[slot]))
+                done[i] = logits[slot]
         if not done:
-            return out
-        rows = [i for i, _ in done]
-        sampling = [chunks[i].sampling for i in rows]
-        sampled = self._sampler.sample_rows(
-            self._torch.stack([row for _, row in done]),
-            np.array([s.temperature for s in sampling], np.float32),
-            np.array([s.top_k for s in sampling], np.int32),
-            np.array([s.top_p for s in sampling], np.float32),
-            np.array([s.seed for s in sampling], np.uint64),
-            np.array([s.seeded for s in sampling], np.bool_),
-            # The sampled token's position: right after the prompt.
-            np.array([chunks[i].start + len(chunks[i].tokens) for i in rows], np.int64),
-            [chunks[i].processing for i in rows],
-        )
-        out[rows] = sampled
-        return out
+            return None
+        return self._torch.stack([done[i] for i in sorted(done)])  # in the chunks' order
 
-    def decode(self, batch: DecodeBatch) -> np.ndarray:
-        if batch.size == 0:
-            return np.empty(0, np.int32)
+    def decode_logits(self, batch: DecodeBatch) -> Any:
         limit = self.info.max_context
         rows: dict[int, tuple[int, int]] = {}
         for slot, token, pos in zip(
@@ -388,17 +369,7 @@ class NeuronBackend(Backend):
         logits = self._token_step(rows)
         for slot, (_, pos) in rows.items():
             self._length[slot] = pos + 1
-        index = self._torch.from_numpy(batch.slots.astype(np.int64))
-        return self._sampler.sample_processed(
-            logits.index_select(0, index),
-            batch.temperature,
-            batch.top_k,
-            batch.top_p,
-            batch.seeds,
-            batch.seeded,
-            batch.positions.astype(np.int64) + 1,
-            batch.processing,
-        ).ids
+        return logits.index_select(0, self._torch.from_numpy(batch.slots.astype(np.int64)))
 
     def free(self, slot: int) -> None:
         # The cache row is simply overwritten by the slot's next context encoding.

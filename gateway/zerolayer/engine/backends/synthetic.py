@@ -47,10 +47,12 @@ import numpy as np
 from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.kernels.splitmix import MIX1, splitmix64
+from zerolayer.sampling_params import SamplingParams, sampling_rows
 
 if TYPE_CHECKING:
     from zerolayer.engine.sampling import Processing, Sampler
 
+GREEDY = SamplingParams()  # how a processed row is taken from its made-up logits
 PEAK = 8.0  # the made-up logit of a processed row's hashed token (module docstring)
 
 # 64 entries, indexed by the top 6 bits of a token's hash: letters twice, then spaces.
@@ -126,11 +128,8 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
         b = len(tokens)
         logits = torch.zeros(b, self.info.vocab_size)
         logits[torch.arange(b), torch.from_numpy(tokens.astype(np.int64))] = PEAK
-        zero = np.zeros(b, np.float32)
-        return self._sampler.sample_processed(
-            logits, zero, np.zeros(b, np.int32), np.ones(b, np.float32),
-            np.zeros(b, np.uint64), np.zeros(b, np.bool_), np.zeros(b, np.int64), proc,
-        ).ids  # fmt: skip
+        greedy = sampling_rows([GREEDY] * b)
+        return self._sampler.sample(logits, greedy, np.zeros(b, np.int64), proc).ids
 
     def _pause_prefill(self, chunks: list[PrefillChunk]) -> None:
         pause = self._step_s + self._prefill_token_s * sum(len(c.tokens) for c in chunks)
@@ -183,9 +182,9 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
                 lengths > 0, history[np.arange(n), np.maximum(lengths - 1, 0)], digests
             )
         last = np.array([c.last for c in chunks], np.bool_)
-        seeded = np.array([c.last and c.sampling.seeded for c in chunks], np.bool_)
+        seeded = np.array([c.last and c.sampling.seed is not None for c in chunks], np.bool_)
         if seeded.any():
-            seeds = np.array([c.sampling.seed if c.sampling.seeded else 0 for c in chunks], _U64)
+            seeds = np.array([c.sampling.seed or 0 for c in chunks], _U64)
             digests[seeded] = splitmix64(digests[seeded] ^ seeds[seeded])
         out = np.full(n, -1, np.int32)
         if last.any():
