@@ -25,12 +25,13 @@ import numpy as np
 
 #: The per-row columns of the engine's sampling storage and of a decode batch, in the order
 #: ``SamplingParams.row`` gives them: temperature (0 = greedy), top_p (1 = off), top_k (0 = off),
-#: the seed and whether there is one.
+#: min_p (0 = off), the seed and whether there is one.
 SAMPLING_ROW = np.dtype(
     [
         ("temperature", "<f4"),
         ("top_p", "<f4"),
         ("top_k", "<i4"),
+        ("min_p", "<f4"),
         ("seed", "<u8"),
         ("seeded", "?"),
     ]
@@ -53,6 +54,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after temperature)
     seed: int | None = None  # None = unseeded
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -84,10 +86,10 @@ class SamplingParams:
         """The same inputs give the same tokens: greedy, or seeded."""
         return self.temperature == 0 or self.seed is not None
 
-    def row(self) -> tuple[float, float, int, int, bool]:
+    def row(self) -> tuple[float, float, int, float, int, bool]:
         """The values of the ``SAMPLING_ROW`` columns."""
         seed = self.seed
-        return (self.temperature, self.top_p, self.top_k, seed or 0, seed is not None)
+        return (self.temperature, self.top_p, self.top_k, self.min_p, seed or 0, seed is not None)
 
 
 def sampling_rows(params: Iterable[SamplingParams]) -> np.ndarray:

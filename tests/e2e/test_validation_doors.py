@@ -46,6 +46,10 @@ CASES = [
     ("top_k", 0, OK),
     ("top_k", 2**31 - 1, OK),
     ("top_k", 2**31, INVALID),
+    ("min_p", -0.01, INVALID),  # JSON and HTTP only: the binary REQUEST has no min_p
+    ("min_p", 0, OK),
+    ("min_p", 1, OK),
+    ("min_p", 1.01, INVALID),
     ("max_tokens", 0, INVALID),
     ("max_tokens", 1, OK),
     ("max_tokens", 2**32 - 1, ErrorCode.PROMPT_TOO_LONG),  # in range, past the context
@@ -76,7 +80,8 @@ def daemon():
 
 def frame_outcome(d: Daemon, send) -> ErrorCode | None:  # noqa: ANN001
     async def run() -> ErrorCode | None:
-        async with await Client.connect(d.endpoint) as client:
+        # HELLO version 2 (auth is off: an empty key): min_p is a version 2 field.
+        async with await Client.connect(d.endpoint, api_key=b"") as client:
             try:
                 await (await send(client)).collect()
             except ServerError as err:
@@ -134,7 +139,7 @@ def http_outcome(call, api: str) -> ErrorCode | None:  # noqa: ANN001
 def openai_chat(d: Daemon, field: str, value: object) -> ErrorCode | None:
     client = openai.OpenAI(base_url=d.http_url + "/v1", api_key="none", max_retries=0)
     kw: dict = {"model": MODEL, "messages": USER, "max_tokens": 2}
-    if field in ("top_k", "prompt_id"):  # vLLM's extensions: not SDK parameters
+    if field in ("top_k", "prompt_id", "min_p"):  # vLLM's extensions: not SDK parameters
         kw["extra_body"] = {field: value}
     else:
         kw[field] = value

@@ -77,10 +77,12 @@ def test_a_version_1_connection_is_refused_the_new_fields_by_name() -> None:
     send(conn, p.encode_request(2, [5, 6], 3, presence_penalty=0.5))
     send(conn, p.encode_json_request(3, {"max_tokens": 3, "prompt": "hi", "min_tokens": 2}))
     send(conn, p.encode_request(4, [5, 6], 3))  # a version 1 request: served as before
+    send(conn, p.encode_json_request(5, {"max_tokens": 3, "prompt": "hi", "min_p": 0.1}))
     run(server)
     got = frames(t.data)
     errors = {s: p.parse_error(b) for f, s, b in got if f == FrameType.ERROR}
-    assert {s: e[0] for s, e in errors.items()} == {1: 7, 2: 7, 3: 7}
+    assert {s: e[0] for s, e in errors.items()} == {1: 7, 2: 7, 3: 7, 5: 7}
+    assert "min_p" in errors[5][2] and "version 2" in errors[5][2]
     assert "logprobs" in errors[1][2] and "presence_penalty" in errors[2][2]
     assert "min_tokens" in errors[3][2] and "version 2" in errors[1][2]
     assert [f for f, s, _ in got if s == 4][-1] == FrameType.DONE

@@ -113,6 +113,7 @@ def test_every_input_is_part_of_the_key():
         "temperature": 0.5,
         "top_p": 0.9,
         "top_k": 40,
+        "min_p": 0.1,  # a SAMPLING_ROW column: in the key without the cache naming it
         "seed": 4,
         "stop_ids": (3,),
         "stop_sequences": ("\n\n",),

@@ -231,6 +231,8 @@ WEATHER = {
         ({"logit_bias": {"05": 5}}, "logit_bias"),
         ({"logit_bias": [1]}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": "low"}, "min_p"),
         ({"n": 2**32 - 1}, "n"),  # refused before a reply makes its choices (OpenAI's 128)
         ({"functions": []}, "functions"),
         ({"audio": {}}, "audio"),
@@ -614,6 +616,15 @@ def test_messages_ranges_are_every_doors():
     req = messages(temperature=2.0, top_k=-1).req
     s = req.sampling
     assert (s.temperature, s.top_k) == (2.0, 0)
+
+
+def test_min_p_is_an_extra_field_of_both_apis():
+    assert chat(min_p=0.05).req.sampling.min_p == 0.05
+    assert comp(prompt="x", min_p=0.2).req.sampling.min_p == 0.2
+    assert messages(min_p=0.1).req.sampling.min_p == 0.1
+    assert chat().req.sampling.min_p == messages().req.sampling.min_p == 0.0  # off by default
+    err = refused(lambda: messages(min_p=-0.5))
+    assert err.param == "min_p" and "[0, 1]" in err.message
 
 
 def test_messages_stream_matches_the_sdk_types():

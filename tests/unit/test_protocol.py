@@ -693,6 +693,16 @@ def test_json_bad_types_and_ranges(key: str, value: object) -> None:
     assert key in json_error(obj).message
 
 
+def test_json_min_p_is_read_and_its_range_checked() -> None:
+    assert parse_json({"max_tokens": 1, "prompt": "x", "min_p": 0.05}).sampling.min_p == 0.05
+    assert parse_json({"max_tokens": 1, "prompt": "x", "min_p": None}).sampling.min_p == 0.0
+    for bad in (-0.01, 1.01, "0.1", True):
+        err = json_error({"max_tokens": 1, "prompt": "x", "min_p": bad})
+        assert err.field == "min_p", bad
+    # JSON only: the binary layout of version 2 has no field for it.
+    assert "min_p" not in p.RequestOptions.__optional_keys__
+
+
 @pytest.mark.parametrize("key", ["+5", " 5", "5 ", "1_0", "05", "-0", "\u0663", "1e3", "x"])
 def test_json_logit_bias_keys_other_than_canonical_decimals_are_refused(key: str) -> None:
     # As on the HTTP door: "+5", " 5" and "1_0" used to be read here (the last as 10).

@@ -18,6 +18,7 @@ def _rows(b: int, **kw: object) -> dict[str, np.ndarray]:
     params["temperature"] = kw.get("temperature", 1.0)
     params["top_k"] = kw.get("top_k", 0)
     params["top_p"] = kw.get("top_p", 1.0)
+    params["min_p"] = kw.get("min_p", 0.0)
     params["seed"] = np.arange(b, dtype=np.uint64) + np.uint64(kw.get("seed", 1))
     params["seeded"] = kw.get("seeded", True)
     return {"params": params, "positions": np.full(b, kw.get("position", 7), np.int64)}
@@ -125,8 +126,55 @@ def test_distribution_matches_probabilities() -> None:
 
 def test_inverse_cdf_boundaries() -> None:
     logits = torch.tensor([[0.0, 0.0, 0.0, float("-inf")]])
-    t, k, p = torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1)
-    assert sample_with_uniforms(logits, t, k, p, torch.tensor([0.0], dtype=torch.float64)) == 0
+    t, k, p, m = torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.zeros(1)
+    assert sample_with_uniforms(logits, t, k, p, m, torch.tensor([0.0], dtype=torch.float64)) == 0
     near_one = torch.tensor([1 - 2**-53], dtype=torch.float64)
     # Never lands on the zero-probability token, even at the top of [0, 1).
-    assert sample_with_uniforms(logits, t, k, p, near_one) == 2
+    assert sample_with_uniforms(logits, t, k, p, m, near_one) == 2
+
+
+# Token weights 8 : 4 : 2 : 1 (probabilities 8/15, 4/15, 2/15, 1/15 at temperature 1).
+WEIGHTS = torch.tensor([[8.0, 4.0, 2.0, 1.0]]).log()
+
+
+def _cdf_edges(temperature: float, min_p: float) -> list[int]:
+    """The token each of 1000 evenly spread uniforms draws (inverse CDF, one row)."""
+    u = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000  # no u on a CDF step
+    b = len(u)
+    return sample_with_uniforms(
+        WEIGHTS.repeat(b, 1), torch.full((b,), temperature), torch.zeros(b, dtype=torch.int64),
+        torch.ones(b), torch.full((b,), min_p), u,
+    ).tolist()  # fmt: skip
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one() -> None:
+    # T = 1, min_p 0.3: the bar is 0.3 x 8/15 = 2.4/15, so tokens 0 and 1 stay (8/15, 4/15) and
+    # tokens 2 and 3 go (2/15, 1/15); the two left, renormalised: 2/3 and 1/3.
+    draws = _cdf_edges(1.0, 0.3)
+    assert draws.count(0) == 667 and draws.count(1) == 333  # u < 2/3 -> token 0
+    # min_p 0: off, every token drawn in proportion (8, 4, 2, 1 of 15).
+    assert [_cdf_edges(1.0, 0.0).count(t) for t in range(4)] == [533, 267, 133, 67]
+    # min_p 1: only the top token (nothing else is as likely).
+    assert set(_cdf_edges(1.0, 1.0)) == {0}
+
+
+def test_min_p_applies_after_the_temperature() -> None:
+    # T = 2 flattens the weights to their square roots: 2.83 : 2 : 1.41 : 1. With min_p 0.3 the
+    # bar is 0.3 x 2.83 = 0.85, so all four stay (before the temperature, token 3's 1/15 would
+    # be under 0.3 x 8/15 and go). With min_p 0.6 (bar 1.70) tokens 0 and 1 stay, in
+    # proportion 2.83 : 2, i.e. 0.586 and 0.414.
+    assert set(_cdf_edges(2.0, 0.3)) == {0, 1, 2, 3}
+    draws = _cdf_edges(2.0, 0.6)
+    share = 2 * 2**0.5 / (2 * 2**0.5 + 2)
+    assert set(draws) == {0, 1} and abs(draws.count(0) / 1000 - share) < 0.002
+
+
+def test_min_p_through_the_sampler_seeded_rows_follow_the_cut_distribution() -> None:
+    logits = WEIGHTS.repeat(3000, 1)
+    p = _rows(3000, min_p=0.3)
+    p["params"]["seed"] = np.arange(3000, dtype=np.uint64) * np.uint64(7919)
+    freq = np.bincount(Sampler().sample(logits, **p).ids, minlength=4) / 3000
+    np.testing.assert_allclose(freq, [2 / 3, 1 / 3, 0, 0], atol=0.03)
+    # A greedy row is the argmax whatever its min_p.
+    greedy = Sampler().sample(logits[:4], **_rows(4, temperature=0.0, min_p=0.9)).ids
+    assert greedy.tolist() == [0, 0, 0, 0]

@@ -10,14 +10,16 @@ A step goes, per row (the order vLLM's sampler uses):
    logit is divided by the penalty when positive, multiplied when negative;
 5. ``frequency_penalty`` and ``presence_penalty``, OpenAI semantics over output tokens only:
    ``logit -= count * frequency + (count > 0) * presence``;
-6. temperature, then top-k, then top-p over the renormalised top-k distribution (as Hugging Face
-   generate does); greedy rows (temperature <= 0) take the argmax of the processed logits.
+6. temperature; then min-p, which drops the tokens whose probability (after the temperature) is
+   below ``min_p`` times the top token's (as vLLM, llama.cpp and Ollama do); then top-k, then
+   top-p over the renormalised distribution that is left (as Hugging Face generate does); greedy
+   rows (temperature <= 0) take the argmax of the processed logits.
 
 Logprobs (``Processing.logprobs``) are ``log_softmax(processed / T)``: after steps 1-5 and the
-row's temperature (T = 1 for a greedy row), before the top-k/top-p truncation — the distribution
-the row samples from, before its tail is cut. This is vLLM's ``processed_logprobs`` choice, not
-its default ``raw_logprobs``; a row without penalties, bias or grammar at temperature 1 gets the
-model's own log-probabilities.
+row's temperature (T = 1 for a greedy row), before the min-p/top-k/top-p truncation — the
+distribution the row samples from, before its tail is cut. This is vLLM's ``processed_logprobs``
+choice, not its default ``raw_logprobs``; a row without penalties, bias or grammar at
+temperature 1 gets the model's own log-probabilities.
 
 Randomness: every draw is one uniform ``u`` in [0, 1) per row, turned into a token by inverse-CDF
 over the row's filtered distribution (sorted by descending probability, ties by token id). A
@@ -60,10 +62,11 @@ def sample_with_uniforms(
     temperature: torch.Tensor,  # [b] float; <= 0 means greedy
     top_k: torch.Tensor,  # [b] int; 0 = off
     top_p: torch.Tensor,  # [b] float; >= 1 = off
+    min_p: torch.Tensor,  # [b] float; 0 = off
     uniforms: torch.Tensor,  # [b] float64 in [0, 1); ignored for greedy rows
 ) -> torch.Tensor:
-    """Token ids [b] int64. Order of filters: temperature, then top-k, then top-p over the
-    renormalised top-k distribution (the order Hugging Face generate uses)."""
+    """Token ids [b] int64. Order of filters: temperature, min-p, top-k, then top-p over the
+    renormalised distribution left (the module docstring's step 6)."""
     out = torch.argmax(logits, dim=-1)
     rows = torch.nonzero(temperature > 0).flatten()
     if rows.numel() == 0:
@@ -73,6 +76,11 @@ def sample_with_uniforms(
     x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [r, vocab]
     vocab = x.shape[-1]
     rank = torch.arange(vocab)[None, :]
+    p_min = min_p[rows].double()
+    if bool((p_min > 0).any()):
+        # min-p keeps a token when p_i >= min_p * p_top, i.e. x_i - x_top >= log(min_p) on the
+        # tempered logits (log 0 = -inf keeps every token; the top token always stays).
+        x = x.masked_fill(x - x[:, :1] < torch.log(p_min)[:, None], float("-inf"))
     k = top_k[rows].long()
     k = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
     x = x.masked_fill(rank >= k[:, None], float("-inf"))
@@ -297,6 +305,7 @@ class Sampler:
             torch.from_numpy(temperature),
             torch.from_numpy(params["top_k"].astype(np.int64)),
             torch.from_numpy(params["top_p"].astype(np.float32)),
+            torch.from_numpy(params["min_p"].astype(np.float32)),
             torch.from_numpy(uniforms),
         )
         out = Sampled(ids.numpy().astype(np.int32))

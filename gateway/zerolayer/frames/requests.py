@@ -149,6 +149,7 @@ JSON_KEYS = frozenset(
         "logit_bias",
         "min_tokens",
         "n",
+        "min_p",  # JSON only: the binary layout has no field for it (docs/protocol.md)
     }
 )
 

@@ -4,13 +4,13 @@
 content as a string or blocks: text, an assistant's ``tool_use``, a user's ``tool_result``),
 ``tools`` and ``tool_choice`` (auto, any, tool, none; ``any`` and a named tool forced by the
 grammar), ``max_tokens`` (required), ``stop_sequences``, ``temperature`` (default 1.0),
-``top_p``, ``top_k`` and ``stream`` (their ranges are zerolayer.request_path.validation's, the same
-as every door's); thinking, images and an assistant prefill (a final assistant message) are refused
-with a 400 naming the field. ``parse_count_tokens`` reads the same conversation for
-``/v1/messages/count_tokens``. The reply writes the ``message`` object (text and ``tool_use``
-blocks), or the event sequence message_start, content_block_start, ping, content_block_delta
-(text_delta, or input_json_delta for a tool_use block) ..., content_block_stop, message_delta,
-message_stop.
+``top_p``, ``top_k``, ``min_p`` (an extension) and ``stream`` (their ranges are
+zerolayer.request_path.validation's, the same as every door's); thinking, images and an assistant
+prefill (a final assistant message) are refused with a 400 naming the field.
+``parse_count_tokens`` reads the same conversation for ``/v1/messages/count_tokens``. The reply
+writes the ``message`` object (text and ``tool_use`` blocks), or the event sequence message_start,
+content_block_start, ping, content_block_delta (text_delta, or input_json_delta for a tool_use
+block) ..., content_block_stop, message_delta, message_stop.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ MESSAGES_KEYS = frozenset(
         "temperature",
         "top_p",
         "top_k",
+        "min_p",  # an extension, as top_k is on the OpenAI API
         "stream",
         # Accepted because they do not change the result.
         "metadata",

@@ -8,7 +8,7 @@ history's calls and results; a forced tool choice becomes the request's constrai
 that would change the result and is not supported is refused with a 400 naming the field
 (``echo``, ``best_of`` > 1, ``suffix``, vLLM's removed ``guided_*`` fields, unknown fields).
 vLLM-style extensions: ``top_k``, ``ignore_eos``, ``prompt_id`` (a registered system prompt),
-``repetition_penalty``, ``min_tokens``. The replies write ``chat.completion`` /
+``repetition_penalty``, ``min_tokens``, ``min_p``. The replies write ``chat.completion`` /
 ``text_completion`` objects with their n choices (tool calls, logprobs), or their ``chunk`` SSE
 sequences ending in ``data: [DONE]``. ``models_body`` is the ``GET /v1/models`` list.
 """
@@ -62,7 +62,7 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _SAMPLING = (
     "temperature", "top_p", "seed", "stop", "top_k", "ignore_eos", "prompt_id", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-    "response_format", "structured_outputs", *_GUIDED,
+    "min_p", "response_format", "structured_outputs", *_GUIDED,
 )  # fmt: skip
 _COMMON = (
     "model", "max_tokens", "stream", "stream_options", *_SAMPLING, *_NEUTRAL, *ROUTER_DEFAULTS,

@@ -158,7 +158,8 @@ class Field:
 #: order they are read and checked (so a request with several bad fields is refused for the same
 #: one on every door). Ranges, the same for every door (docs/protocol.md and docs/http.md quote
 #: them): temperature: OpenAI's [0, 2] (Anthropic documents [0, 1]; the wider range is served on
-#: /v1/messages too). top_p: (0, 1]; top_k: 0 or -1 = off (vLLM). seed: any int64 or uint64 (a
+#: /v1/messages too). top_p: (0, 1]; top_k: 0 or -1 = off (vLLM); min_p: [0, 1] (0 = off).
+#: seed: any int64 or uint64 (a
 #: negative seed is taken as its two's complement, as OpenAI's int64 seeds). presence/frequency
 #: penalties: OpenAI's [-2, 2]; repetition_penalty: Hugging Face's multiplicative penalty, (0, 2]
 #: (1 = off); logit_bias values: OpenAI's [-100, 100]; top_logprobs: OpenAI's [0, 20]. n:
@@ -174,6 +175,7 @@ FIELDS: dict[str, Field] = {
     "temperature": Field(as_number, Range(NUMBER, 0.0, 2.0)),
     "top_p": Field(as_number, Range(NUMBER, 0.0, 1.0, lo_open=True)),
     "top_k": Field(as_int, Range(INTEGER, -1, INT32_MAX, note="(0 or -1 = off)")),
+    "min_p": Field(as_number, Range(NUMBER, 0.0, 1.0)),
     "seed": Field(as_int, Range(INTEGER, -(2**63), 2**64, hi_open=True)),
     "presence_penalty": Field(as_number, Range(NUMBER, -2.0, 2.0)),
     "frequency_penalty": Field(as_number, Range(NUMBER, -2.0, 2.0)),
