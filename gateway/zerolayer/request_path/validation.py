@@ -9,10 +9,9 @@ fields with ``read_common``, each by its one parser, in the table's order —, t
 accepted and refused, with the same message, whichever door they came through
 (tests/unit/test_validation_properties.py feeds the same generated requests to the frame JSON
 and the OpenAI parsers; tests/e2e/test_validation_doors.py sends each boundary through every
-door). A
-refusal is a ``zerolayer.codes.Refusal`` naming the field; the doors map it to their wire form.
-What depends on the model (token ids inside the vocabulary — logit_bias keys too —, prompt +
-max_tokens inside the context, a registered prompt's id) is the input processor's
+door). A refusal is a ``zerolayer.codes.Refusal`` naming the field; the doors map it to their
+wire form. What depends on the model (token ids inside the vocabulary — logit_bias keys too —,
+prompt + max_tokens inside the context, a registered prompt's id) is the input processor's
 (zerolayer.request_path.inputs), which refuses the same way.
 
 JSON conventions (both APIs and JSON frames): a field whose value is ``null`` counts as absent
@@ -154,19 +153,18 @@ class Field:
     each: bool = False  # the range is each value's of a mapping (logit_bias)
 
 
-#: The fields every door shares, the one table: each one's JSON parser and its range, in the
-#: order they are read and checked (so a request with several bad fields is refused for the same
-#: one on every door). Ranges, the same for every door (docs/protocol.md and docs/http.md quote
-#: them): temperature: OpenAI's [0, 2] (Anthropic documents [0, 1]; the wider range is served on
-#: /v1/messages too). top_p: (0, 1]; top_k: 0 or -1 = off (vLLM); min_p: [0, 1] (0 = off).
-#: seed: any int64 or uint64 (a
-#: negative seed is taken as its two's complement, as OpenAI's int64 seeds). presence/frequency
-#: penalties: OpenAI's [-2, 2]; repetition_penalty: Hugging Face's multiplicative penalty, (0, 2]
-#: (1 = off); logit_bias values: OpenAI's [-100, 100]; top_logprobs: OpenAI's [0, 20]. n:
-#: OpenAI's [1, 128] here (a door makes a reply for each choice as it parses), at most
-#: ``engine.max_n`` (the input processor's: it is configured, up to 128). max_tokens
-#: is each door's to read (required on frames and /v1/messages, optional with an alias on the
-#: OpenAI API); every other field is read by ``read_common``. ``REQUEST_FIELDS`` are the
+#: The fields every door shares, the one table: each one's JSON parser and its range, in the order
+#: they are read and checked (so a request with several bad fields is refused for the same one on
+#: every door). Ranges, the same for every door (docs/protocol.md and docs/http.md quote them):
+#: temperature: OpenAI's [0, 2] (Anthropic documents [0, 1]; the wider range is served on
+#: /v1/messages too). top_p: (0, 1]; top_k: 0 or -1 = off (vLLM); min_p: [0, 1] (0 = off). seed:
+#: any int64 or uint64 (a negative seed is taken as its two's complement, as OpenAI's int64
+#: seeds). presence/frequency penalties: OpenAI's [-2, 2]; repetition_penalty: Hugging Face's
+#: multiplicative penalty, (0, 2] (1 = off); logit_bias values: OpenAI's [-100, 100];
+#: top_logprobs: OpenAI's [0, 20]. n: OpenAI's [1, 128] here (a door makes a reply for each choice
+#: as it parses), at most ``engine.max_n`` (the input processor's: it is configured, up to 128).
+#: max_tokens is each door's to read (required on frames and /v1/messages, optional with an alias
+#: on the OpenAI API); every other field is read by ``read_common``. ``REQUEST_FIELDS`` are the
 #: Request's own, the others its ``SamplingParams``' (every one of which is here).
 FIELDS: dict[str, Field] = {
     "max_tokens": Field(as_int, Range(INTEGER, 1, U32_MAX)),
