@@ -40,13 +40,12 @@ class ModelInfo:
 class Backend(ABC):
     """A model runtime with a fixed number of KV slots. Called from the engine thread only.
 
-    A backend with ``prompt_outputs`` fills a prefill chunk's ``pooled`` / ``scored`` when the
-    chunk asks (zerolayer.engine.types.PrefillChunk); one without never gets such a chunk (the
-    input processor refuses the request)."""
+    A backend whose ``info.hidden_size`` is set fills a prefill chunk's ``pooled`` / ``scored``
+    when the chunk asks (zerolayer.engine.types.PrefillChunk); one without never gets such a
+    chunk (the input processor refuses the request)."""
 
     info: ModelInfo
     num_slots: int
-    prompt_outputs: bool = False
 
     @property
     def supports_prefix(self) -> bool:

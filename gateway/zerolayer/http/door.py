@@ -28,7 +28,7 @@ from zerolayer.codes import Cached, ErrorCode, FinishReason, Refusal
 from zerolayer.engine.backend import ModelInfo
 from zerolayer.engine.step import StepOutput
 from zerolayer.hooks import Principal
-from zerolayer.http import anthropic, openai
+from zerolayer.http import anthropic, embeddings, openai
 from zerolayer.http.errors import HttpError, http_error, stream_error_event
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.reply import Ending, Reply
@@ -37,6 +37,7 @@ from zerolayer.http.routes import (
     CHAT,
     COMPLETION,
     COUNT_TOKENS,
+    EMBEDDINGS,
     KEYLESS,
     MESSAGES,
     MODEL,
@@ -248,6 +249,7 @@ class ApiConnection(HttpConnection):
         ex.started = True
         extra = CACHE_HIT_HEADER if ex.cached else b""
         self.start_stream(ex.reply.stream_type, extra=extra)
+        _prompt_outputs(st, ex.reply)
         ex.reply.start(self.out, st.prompt_tokens)
 
     def write_done(
@@ -261,6 +263,7 @@ class ApiConnection(HttpConnection):
             int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & Cached.PROMPT), matched
         )
         reply = ex.reply
+        _prompt_outputs(st, reply)
         last = reply.finish(st.choice, ending)
         if ex.stream:
             if not ex.started:
@@ -374,6 +377,20 @@ ApiConnection.encoder = TextDeltas
 Deferred: TypeAlias = Callable[[], bytes]
 
 
+def _prompt_outputs(st: Stream, reply: Reply) -> None:
+    """Give ``st``'s choice of ``reply`` its prompt's outputs when the request asked (read on the
+    loop after the engine's step that completed the prompt was delivered; the other choices'
+    were computed by choice 0's sequence)."""
+    seq = st.seq
+    if seq is None or st.from_cache or not (reply.req.echo or reply.req.embed):
+        return
+    prompted = seq.parent or seq
+    out = reply.choices[st.choice]
+    out.prompt_ids = prompted.prompt
+    out.pooled = prompted.pooled
+    out.prompt_logprobs = prompted.prompt_logprobs
+
+
 def _not_served(request: Incoming) -> HttpError:
     """A routed endpoint whose answer is not in LOCAL or PARSERS (not served yet)."""
     shown = request.path.decode("utf-8", "replace")[:200]
@@ -414,4 +431,7 @@ PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
     CHAT: lambda body, api: openai.parse_chat(body, api.model, api.strings),
     COMPLETION: lambda body, api: openai.parse_completion(body, api.model, api.strings),
     MESSAGES: lambda body, api: anthropic.parse_messages(body, api.model),
+    EMBEDDINGS: lambda body, api: embeddings.parse_embeddings(
+        body, api.model, api.path.inputs.info.hidden_size
+    ),
 }

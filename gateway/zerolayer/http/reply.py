@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring  # the C escaper: "text" -> '"text"' (non-ASCII kept)
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from zerolayer.engine.types import PromptLogprobs
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.tools import OutputCalls, ToolUse
 from zerolayer.request_path.request import Request
@@ -63,7 +66,8 @@ class ChoiceOut:
     """One choice of an answer as it is written: its text and logprobs so far (non-streaming),
     its tool-call parser, and its ending once it has one."""
 
-    __slots__ = ("index", "parts", "logprobs", "calls", "ending")
+    __slots__ = ("index", "parts", "logprobs", "calls", "ending", "prompt_ids", "pooled",
+                 "prompt_logprobs")  # fmt: skip
 
     def __init__(self, index: int, calls: OutputCalls | None) -> None:
         self.index = index
@@ -71,6 +75,12 @@ class ChoiceOut:
         self.logprobs: list[TokenLogprobs] = []
         self.calls = calls
         self.ending: Ending | None = None
+        # Its prompt's outputs (zerolayer.engine.sequence), given by the door when the request
+        # asked (echo, an embedding) before the first event or the ending: the prompt's ids,
+        # the embedding, the logprobs of each prompt id after the first.
+        self.prompt_ids: np.ndarray | None = None
+        self.pooled: np.ndarray | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def text(self) -> str:

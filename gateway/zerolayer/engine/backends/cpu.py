@@ -82,8 +82,6 @@ def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int)
 
 
 class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
-    prompt_outputs = True
-
     def __init__(
         self,
         loaded: LoadedModel,

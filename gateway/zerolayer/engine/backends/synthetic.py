@@ -94,8 +94,6 @@ def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
-    prompt_outputs = True
-
     def __init__(
         self,
         num_slots: int,
