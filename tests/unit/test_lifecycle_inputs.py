@@ -66,3 +66,22 @@ def test_a_full_queue_refuses_every_input_and_leaves_nothing_running() -> None:
     run_engine(path)  # the two submitted leave the engine, cancelled
     assert path.engine.idle and path.engine.slots_used == 0 and path.engine.waiting == 0
     assert len(door.endings) == 3  # and end nothing a second time
+
+
+def test_large_inputs_are_prepared_off_the_loop_and_refused_naming_the_input() -> None:
+    """Over 16 KiB of input text is tokenized on the offload pool (phase PREPARING); a refusal
+    from there ends every input's stream, naming the input."""
+    import asyncio
+
+    from zerolayer.request_path.stream import PREPARING
+
+    async def main() -> None:
+        path, door = make_path(async_gate=False), ChoiceDoor()
+        st = Stream(door, 9, "openai")
+        path.open(st, Principal("anonymous"), embed_request(["x" * 9000, "y" * 9000]))
+        assert st.phase is PREPARING and door.endings == []
+        await asyncio.gather(*path.hook_tasks)
+        assert sorted(door.endings) == [(9, i, "error", ErrorCode.PROMPT_TOO_LONG) for i in (0, 1)]
+        assert all(m.startswith("input[0]") for m in door.messages)
+
+    asyncio.run(main())

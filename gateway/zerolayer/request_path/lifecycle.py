@@ -155,10 +155,42 @@ class RequestPath:
         try:
             if self.draining:
                 raise Refusal(ErrorCode.SHUTTING_DOWN, "server is draining")
+            text = sum(len(value) for value in req.inputs if isinstance(value, str))
+            if text > offload.INLINE_BYTES:  # characters: at least as many bytes
+                st.phase = PREPARING  # tokenized on the offload pool, as a large prompt is
+                self._track(self._prepare_inputs_async(st, principal, req))
+                return
             preps = self.inputs.prepare_inputs(req)
         except Refusal as exc:
             self._fail_all(st, exc)
             return
+        self._inputs_prepared(st, principal, req, preps)
+
+    async def _prepare_inputs_async(self, st: Stream, principal: Principal, req: Request) -> None:
+        """``_prepare_async`` for k inputs: a stream that ended meanwhile drops the result."""
+        try:
+            try:
+                preps = await offload.run(self.inputs.prepare_inputs, req)
+            except Refusal as exc:
+                if st.phase is PREPARING:
+                    st.phase = NEW
+                    self._fail_all(st, exc)
+                return
+            if st.phase is not PREPARING:
+                return
+            st.phase = NEW
+            self._inputs_prepared(st, principal, req, preps)
+        except Exception:  # a bug in preparing or after it: this request alone ends
+            log.exception("request path failed preparing a request's inputs")
+            self._fail_all(st, Refusal(ErrorCode.INTERNAL, "internal server error"))
+        finally:
+            if st.door.open:
+                st.door.flush()
+
+    def _inputs_prepared(
+        self, st: Stream, principal: Principal, req: Request, preps: list[Prepared]
+    ) -> None:
+        """Each input's sequence, then the hooks and the engine as for any request."""
         fair_key = principal.name if principal.key_id else id(st.door)
         for member, prep in zip(st.group or (st,), preps, strict=True):
             member.full_ids = prep.prompt
