@@ -304,13 +304,18 @@ def test_completion_prompts():
     assert (r.req.sampling.logprobs, r.req.sampling.top_logprobs, r.req.n) == (True, 3, 2)
     assert r.req.constraint.kind == "regex"
     assert comp(prompt="x", logprobs=0).req.sampling.logprobs
+    r = comp(prompt="x", echo=True, logprobs=2, max_tokens=0)  # the prompt's logprobs only
+    assert (r.req.echo, r.req.prompt_logprobs, r.req.max_tokens) == (True, 2, 0)
+    assert comp(prompt="x", echo=True).req.prompt_logprobs == -1  # echo without logprobs
     for fields, param in (
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "echo": True, "prompt_id": 3}, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "tools": [NOW]}, "tools"),

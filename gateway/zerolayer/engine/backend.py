@@ -34,10 +34,15 @@ class ModelInfo:
     vocab_size: int
     eos_token_id: int  # -1 when the model has none
     max_context: int
+    hidden_size: int = 0  # the length of an embedding (0: the backend has no prompt outputs)
 
 
 class Backend(ABC):
-    """A model runtime with a fixed number of KV slots. Called from the engine thread only."""
+    """A model runtime with a fixed number of KV slots. Called from the engine thread only.
+
+    A backend whose ``info.hidden_size`` is set fills a prefill chunk's ``pooled`` / ``scored``
+    when the chunk asks (zerolayer.engine.types.PrefillChunk); one without never gets such a
+    chunk (the input processor refuses the request)."""
 
     info: ModelInfo
     num_slots: int

@@ -15,6 +15,13 @@ A step is schedule → execute → update (``step``):
   sequences and returns ONE ``StepOutput`` (zerolayer.engine.step), which the engine thread
   hands to ``deliver``.
 The waiting queue is bounded: ``submit`` refuses when it is full.
+
+Prompt outputs (an embedding, prompt logprobs: ``Sequence.pool`` / ``score``): the sequence's
+chunks ask the backend for them, ``_update`` hands each prefilled chunk's to its sequence, and
+such a sequence's prompt is computed whole (the prefix store's KV has no states or logits, so it
+is not loaded; the blocks are still offered). A sequence with ``max_tokens`` 0 (embeddings,
+echo without a completion) never joins the rows: it ends MAX_TOKENS in the step that completes
+its prompt, with its choices (they read choice 0's outputs).
 """
 
 from __future__ import annotations
@@ -288,6 +295,9 @@ class Engine:
                     last=last,
                     sampling=seq.sampling,
                     processing=rows.processing([seq.slot]) if last else None,
+                    pool=seq.pool,
+                    score=seq.score,
+                    targets=seq.prompt[start + 1 : start + n + 1] if seq.score >= 0 else None,
                 )
             )
             plan.chunk_seqs.append(seq)
@@ -323,7 +333,7 @@ class Engine:
         seq.slot = slot = heapq.heappop(self._free_slots)
         try:
             self._rows.add(slot, seq)
-            if self._store is not None:
+            if self._store is not None and not seq.prompt_outputs:
                 # The longest known prefix's KV into the slot; prefill starts after it.
                 seq.prefilled = seq.reused = self._store.load(seq.prompt, slot)
         except Exception:  # this sequence alone cannot run: it ends, the others go on
@@ -370,6 +380,21 @@ class Engine:
                 continue
             self._running.append(choice)
             self._prefilling.append(choice)
+
+    def _end_prompt_only(
+        self, completed: list[Sequence], finished: list[Finished]
+    ) -> list[Sequence]:
+        """The sequences of ``completed`` (their prompts just prefilled) that generate nothing
+        (``max_tokens`` 0) end now, MAX_TOKENS, with their choices; returns the others."""
+        done = [seq for seq in completed if seq.max_tokens == 0]
+        for seq in done:
+            choices, seq.choices = seq.choices, []
+            for choice in choices:
+                self._extra.append(self._end(choice, FinishReason.MAX_TOKENS))
+                self._free(choice)
+            finished.append(self._end(seq, FinishReason.MAX_TOKENS))
+        self._release(done)
+        return [seq for seq in completed if seq.max_tokens]
 
     def _drop_cancelled_waiting(self, finished: list[Finished]) -> None:
         """Cancelled sequences still waiting leave the queue now, not when a slot frees (those
@@ -472,6 +497,8 @@ class Engine:
                 if failed and id(seq) in failed:
                     continue
                 seq.prefilled += len(chunk.tokens)
+                if seq.prompt_outputs:
+                    seq.take_prompt_outputs(chunk)
                 if chunk.last:
                     completed.append(seq)
                     first.append(token)
@@ -479,6 +506,9 @@ class Engine:
                 if self._store is not None:
                     self._offer(completed)
                 self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
+                if any(seq.max_tokens == 0 for seq in completed):
+                    first = [t for s, t in zip(completed, first, strict=True) if s.max_tokens]
+                    completed = self._end_prompt_only(completed, finished)
                 for seq in completed:
                     if seq.choices:
                         self._fork(seq)

@@ -4,7 +4,9 @@ The counters of a running sequence (tokens produced, position, last token) are n
 live in the engine's rows (zerolayer.engine.rows), by slot. What is here is what only one
 sequence can do for itself: turn its tokens into UTF-8-safe text deltas, hold back text that
 may start a stop sequence, and find one (whether that ends the row, and why, is decided with the
-other finish rules: zerolayer.engine.finish).
+other finish rules: zerolayer.engine.finish); and gather its prompt outputs chunk by chunk (an
+embedding: ``pooled``; prompt logprobs: ``prompt_logprobs``), which the engine thread writes
+before the step that completes the prompt is handed out, and the door reads after it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from zerolayer.engine.types import PrefillChunk, PromptLogprobs
 from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import Detokenizer
 
@@ -26,7 +29,7 @@ class Sequence:
     __slots__ = ("owner", "prompt", "max_tokens", "sampling", "stop_ids", "stop_sequences",
                  "detok", "reused", "slot", "prefilled", "held", "cancelled", "t_admit",
                  "ignore_eos", "fair_key", "matched_stop", "_max_stop", "grammar", "choices",
-                 "parent")  # fmt: skip
+                 "parent", "pool", "score", "pooled", "prompt_logprobs", "_scored")  # fmt: skip
 
     def __init__(
         self,
@@ -40,6 +43,8 @@ class Sequence:
         ignore_eos: bool = False,
         fair_key: object = None,
         grammar: Grammar | None = None,
+        pool: bool = False,
+        score: int = -1,
     ) -> None:
         self.owner = owner
         self.prompt = prompt  # int32 [n]: the whole prompt
@@ -63,6 +68,32 @@ class Sequence:
         # KV once it is prefilled; each of those has ``parent`` set (zerolayer.engine.engine).
         self.choices: list[Sequence] = []
         self.parent: Sequence | None = None
+        # Prompt outputs (they need every prompt position computed: no prefix store KV).
+        self.pool = pool  # the embedding: ``pooled``, float32 [hidden], unit length
+        self.score = score  # >= 0: ``prompt_logprobs`` with this many alternatives each
+        self.pooled: np.ndarray | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None  # of prompt[1:]
+        self._scored: list[PromptLogprobs] = []
+
+    @property
+    def prompt_outputs(self) -> bool:
+        return self.pool or self.score >= 0
+
+    def take_prompt_outputs(self, chunk: PrefillChunk) -> None:
+        """Add a prefilled chunk's outputs; on the prompt's last chunk, the embedding is the
+        states' sum L2-normalised (the mean's direction: the mean and the sum differ by a
+        factor the normalising removes) and the chunks' logprobs are joined."""
+        if chunk.pooled is not None:
+            self.pooled = chunk.pooled if self.pooled is None else self.pooled + chunk.pooled
+        if chunk.scored is not None:
+            self._scored.append(chunk.scored)
+        if chunk.last:
+            if self.pooled is not None:
+                norm = float(np.linalg.norm(self.pooled))
+                self.pooled = self.pooled / norm if norm > 0 else self.pooled
+            if self._scored:
+                self.prompt_logprobs = PromptLogprobs.join(self._scored)
+                self._scored = []
 
     def text(self, token: int | None, last: bool) -> tuple[str, bool]:
         """The text delta of ``token`` (None: the step's token is not produced, so it has no

@@ -6,7 +6,9 @@ alternatives (ids; the distribution is the one gateway/zerolayer/engine/sampling
 per id); ``chat_entry`` is one item of Chat Completions' ``choices[i].logprobs.content``;
 ``CompletionLogprobs`` collects the legacy Completions' parallel lists (``tokens``,
 ``token_logprobs``, ``top_logprobs``, ``text_offset``, offsets counted in characters of the
-tokens' texts from the start of the completion).
+tokens' texts from the start of the completion); with ``echo``, ``prompt`` starts them with the
+prompt's tokens (the first one's logprob and alternatives null, as vLLM: nothing predicts it) and
+the offsets count from the start of the prompt.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from zerolayer.engine.step import Logprobs
+from zerolayer.engine.types import PromptLogprobs
 from zerolayer.tokenizer import Tokenizer
 
 
@@ -33,6 +36,10 @@ class TokenStrings:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Ids as text (a prompt given as ids, echoed)."""
+        return self._tok.decode(ids.tolist())
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
         found = self._cache.get(token_id)
@@ -68,9 +75,34 @@ class CompletionLogprobs:
         self.strings = strings
         self.offset = 0
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
+
+    def prompt(self, ids: np.ndarray, scored: PromptLogprobs | None) -> None:
+        """The prompt's tokens first (echo): each id after the first with its logprob and its
+        alternatives, the id itself among them (vLLM's prompt logprobs include it)."""
+        get = self.strings.get
+        id_list = ids.tolist()
+        for i, token in enumerate(id_list):
+            text = get(token)[0]
+            self.tokens.append(text)
+            self.text_offset.append(self.offset)
+            self.offset += len(text)
+            if i == 0 or scored is None:
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                continue
+            value = float(scored.token[i - 1])
+            self.token_logprobs.append(value)
+            top = {
+                get(tid)[0]: v
+                for tid, v in zip(
+                    scored.top_ids[i - 1].tolist(), _floats(scored.top[i - 1]), strict=True
+                )
+            }
+            top.setdefault(text, value)
+            self.top_logprobs.append(top)
 
     def add(self, item: TokenLogprobs) -> None:
         text, _ = self.strings.get(item.token)

@@ -84,7 +84,6 @@ def _refuse_unsupported(obj: JsonObject) -> None:
         refuse_unless(
             obj, key, False, f"removed in vLLM 0.12; use structured_outputs.{key[7:]} instead"
         )
-    refuse_unless(obj, "echo", obj.get("echo") is False, "echo is not supported")
     refuse_unless(obj, "best_of", obj.get("best_of") == 1, "only best_of = 1 is supported")
     refuse_unless(obj, "suffix", obj.get("suffix") == "", "suffix is not supported")
 
@@ -309,6 +308,12 @@ def parse_completion(
         raise invalid("prompt is required (a string or a list of token ids)", "prompt")
     if not req.prompt_text and req.prompt_ids is None and not req.prompt_id:
         raise invalid("empty prompt without a prompt_id", "prompt")
+    req.echo = get_bool(obj, "echo")
+    if req.echo:
+        if req.prompt_id:
+            raise invalid("echo returns the prompt sent; it cannot be a prompt_id", "echo")
+        if req.sampling.logprobs:  # the prompt's tokens with theirs, as many alternatives
+            req.prompt_logprobs = req.sampling.top_logprobs
     stream, include_usage = _stream_flags(obj)
     return CompletionReply(validate(req), stream, model, include_usage, None, strings)
 
@@ -507,6 +512,37 @@ class CompletionReply(_OpenAIReply):
             assert strings is not None
             self._logprobs = [CompletionLogprobs(strings) for _ in range(self.req.n)]
 
+    def _echo(self, c: ChoiceOut) -> tuple[str, CompletionLogprobs | None]:
+        """The prompt as echoed (``echo``): its text (as sent, or its ids decoded) and, when
+        asked, its tokens' logprobs (a fresh object; its ``offset`` is where the completion's
+        offsets go on)."""
+        req = self.req
+        text = req.prompt_text
+        if text is None:
+            assert req.prompt_ids is not None and self.strings is not None
+            text = self.strings.decode(req.prompt_ids)
+        if not self._logprobs or c.prompt_ids is None:
+            return text, None
+        assert self.strings is not None
+        lps = CompletionLogprobs(self.strings)
+        lps.prompt(c.prompt_ids, c.prompt_logprobs)
+        return text, lps
+
+    def start(self, out: bytearray, prompt_tokens: int) -> None:
+        """With ``echo``, each choice's first chunk is the prompt (and its logprobs)."""
+        if not self.req.echo:
+            return
+        given = next((c for c in self.choices if c.prompt_ids is not None), self.choices[0])
+        for c in self.choices:
+            c.prompt_ids, c.prompt_logprobs = given.prompt_ids, given.prompt_logprobs
+            text, echoed = self._echo(c)
+            logprobs = None
+            if echoed is not None:
+                self._logprobs[c.index].offset = echoed.offset
+                logprobs = echoed.body()
+            self._chunk(out, {"index": c.index, "text": text, "logprobs": logprobs,
+                              "finish_reason": None})  # fmt: skip
+
     def collect(self, choice: int, text: str, lp: TokenLogprobs | None) -> None:
         super().collect(choice, text, lp)
         if lp is not None:
@@ -529,7 +565,15 @@ class CompletionReply(_OpenAIReply):
 
     def _choice(self, c: ChoiceOut) -> JsonObject:
         logprobs = self._logprobs[c.index].body() if self._logprobs else None
-        return {"text": c.text, "logprobs": logprobs}
+        if not self.req.echo:
+            return {"text": c.text, "logprobs": logprobs}
+        text, echoed = self._echo(c)
+        if echoed is not None and logprobs is not None:
+            shift = echoed.offset
+            logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
+            prompt = echoed.body()
+            logprobs = {k: prompt[k] + logprobs[k] for k in prompt}
+        return {"text": text + c.text, "logprobs": logprobs}
 
 
 def models_body(served: str, created: int) -> bytes:

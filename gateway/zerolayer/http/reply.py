@@ -19,10 +19,17 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # the C escaper: "text" -> '"text"' (non-ASCII kept)
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from zerolayer.engine.types import PromptLogprobs
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.tools import OutputCalls, ToolUse
 from zerolayer.request_path.request import Request
+
+if TYPE_CHECKING:
+    from zerolayer.http.errors import HttpError
 
 __all__ = ["ChoiceOut", "Ending", "Reply", "dumps", "encode_basestring", "new_id", "now"]
 
@@ -59,7 +66,8 @@ class ChoiceOut:
     """One choice of an answer as it is written: its text and logprobs so far (non-streaming),
     its tool-call parser, and its ending once it has one."""
 
-    __slots__ = ("index", "parts", "logprobs", "calls", "ending")
+    __slots__ = ("index", "parts", "logprobs", "calls", "ending", "prompt_ids", "pooled",
+                 "prompt_logprobs")  # fmt: skip
 
     def __init__(self, index: int, calls: OutputCalls | None) -> None:
         self.index = index
@@ -67,6 +75,12 @@ class ChoiceOut:
         self.logprobs: list[TokenLogprobs] = []
         self.calls = calls
         self.ending: Ending | None = None
+        # Its prompt's outputs (zerolayer.engine.sequence), given by the door when the request
+        # asked (echo, an embedding) before the first event or the ending: the prompt's ids,
+        # the embedding, the logprobs of each prompt id after the first.
+        self.prompt_ids: np.ndarray | None = None
+        self.pooled: np.ndarray | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def text(self) -> str:
@@ -85,8 +99,9 @@ class Reply(ABC):
 
     __slots__ = ("req", "stream", "model", "tools", "strings", "choices", "left", "plain")
 
-    api = ""  # "openai" or "anthropic": error shapes and metrics labels
+    api = ""  # zerolayer.codes.APIS: error shapes and metrics labels
     content_type = b"application/json"
+    stream_type = b"text/event-stream"  # a streamed answer's (Ollama's: NDJSON)
     call_id_prefix = "call_"
 
     def __init__(
@@ -160,6 +175,11 @@ class Reply(ABC):
 
     def tail(self, out: bytearray) -> None:  # noqa: B027 - optional
         """After the last choice's ``end`` (streaming)."""
+
+    def error_event(self, err: HttpError) -> bytes | None:
+        """The in-stream error event, when this reply writes its own (the Responses API
+        numbers its events); None: the API's (zerolayer.http.errors.stream_error_event)."""
+        return None
 
     @abstractmethod
     def body(self) -> bytes:

@@ -476,6 +476,7 @@ class Decoder(nn.Module):
         all_logits: bool = False,
         slot_start: int | None = None,  # set when slots == slot_start, slot_start + 1, ...
         last_index: torch.Tensor | None = None,  # [B] int64 in [0, n): last real token per row
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Run the tokens through the model, writing their K/V into the cache.
 
@@ -483,7 +484,9 @@ class Decoder(nn.Module):
         token of each row. With ``last_index``, the places after ``last_index[i]`` in row ``i``
         are right padding: they are neither computed nor written to the cache (their positions
         only shape their own, discarded, mask rows), and each row's logits are taken at its
-        ``last_index``; it excludes ``all_logits``.
+        ``last_index``; it excludes ``all_logits``. With ``hidden`` (and ``all_logits``), the
+        last layer's states after the final norm instead, [B, n, hidden] in the model's dtype:
+        what the head reads (``head``), for embeddings and prompt logprobs.
         """
         key_pos = torch.arange(attn_len, device=tokens.device)
         B, n = tokens.shape
@@ -545,7 +548,18 @@ class Decoder(nn.Module):
         elif not all_logits:
             x = x[:, -1]
         x = self.norm(x)
-        if rows.blocks and self.head_blocks is not None:
+        if hidden:
+            states: torch.Tensor = x
+            return states
+        return self.head(x, rows.blocks)
+
+    def head(self, x: torch.Tensor, use_blocks: bool | None = None) -> torch.Tensor:
+        """float32 logits [..., vocab] of final-norm states ``x`` [..., hidden]: the LM head and
+        the logit softcap. ``use_blocks`` None: the file's blocks when ``x`` has few enough
+        rows for them."""
+        if use_blocks is None:
+            use_blocks = 0 < x[..., 0].numel() <= self.blocks_max_rows
+        if use_blocks and self.head_blocks is not None:
             logits = self.head_blocks(x)
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -571,6 +585,20 @@ class Decoder(nn.Module):
             tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits, slot
         )
         return logits[0]
+
+    def prefill_hidden(
+        self, tokens: torch.Tensor, start: int, slot: int, cache: KVCache
+    ) -> torch.Tensor:
+        """``prefill`` that returns the chunk's final-norm states [n, hidden] (``forward``'s
+        ``hidden``) instead of logits; ``head`` turns any of them into logits."""
+        n = int(tokens.shape[0])
+        positions = torch.arange(start, start + n, dtype=torch.int64)[None]
+        slots = torch.tensor([slot], dtype=torch.int64)
+        attn_len = eager_attention_len(start + n, cache.max_context)
+        states: torch.Tensor = self(
+            tokens[None], positions, slots, cache.k, cache.v, attn_len, True, slot, hidden=True
+        )
+        return states[0]
 
     def prefill_batch(
         self,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -109,7 +109,12 @@ class Prepared:
 def plain(req: Request) -> bool:
     """Whether ``req`` asks for none of issue #27's features (one choice, no logprobs, no logits
     processing, no constraint): only such requests may use the response cache."""
-    return req.n == 1 and req.constraint is None and not req.sampling.processed
+    return (
+        req.n == 1
+        and req.constraint is None
+        and not req.sampling.processed
+        and not (req.returns_prompt or req.prompt_logprobs >= 0 or req.inputs is not None)
+    )
 
 
 class InputProcessor:
@@ -148,7 +153,10 @@ class InputProcessor:
         max_tokens = req.max_tokens
         if max_tokens is None:  # as many as fit beside the prompt
             max_tokens = max_context - len(ids)
-        if max_tokens < 1 or len(ids) + max_tokens > max_context:
+        if (req.embed or req.prompt_logprobs >= 0) and not self.info.hidden_size:
+            field = "input" if req.embed else "echo"
+            raise invalid(f"{field}: this backend returns no prompt outputs", field)
+        if max_tokens < int(not req.returns_prompt) or len(ids) + max_tokens > max_context:
             raise Refusal(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt ({len(ids)} tokens) + max_tokens ({max(max_tokens, 1)}) exceeds "
@@ -165,6 +173,25 @@ class InputProcessor:
             deterministic=req.sampling.deterministic and plain(req),
             ignore_eos=req.ignore_eos,
         )
+
+    def prepare_inputs(self, req: Request) -> list[Prepared]:
+        """Each of ``req.inputs`` prepared as the request's prompt alone; a refusal names the
+        input (``input[i]``)."""
+        assert req.inputs is not None
+        preps = []
+        for i, value in enumerate(req.inputs):
+            one = replace(req, inputs=None, prompt_text=None, prompt_ids=None)
+            if isinstance(value, str):
+                one.prompt_text = value
+            else:
+                one.prompt_ids = value
+            try:
+                preps.append(self.prepare(one))
+            except Refusal as exc:
+                where = f"input[{i}]" if len(req.inputs) > 1 else "input"
+                message = f"{where}: {exc.message}"
+                raise Refusal(exc.code, message, exc.retry_after_ms, where, exc.reason) from None
+        return preps
 
     def count_prompt_tokens(self, req: Request) -> int:
         """The prompt's length in tokens, as ``prepare`` would make it (chat template and

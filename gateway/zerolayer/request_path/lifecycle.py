@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
+
 from zerolayer.codes import (
     COMPLETE_REASONS,
     FINISH_BY_VALUE,
@@ -123,6 +125,9 @@ class RequestPath:
         request contains: every outcome reaches the door through its methods. With ``req.n`` >
         1, ``st`` is choice 0 of n streams made here (docs/architecture.md, "n choices")."""
         assert st.phase is NEW
+        if req.inputs is not None:
+            self._open_inputs(st, principal, req)
+            return
         if req.n > 1:
             self._make_choices(st, req.n)
         try:
@@ -138,6 +143,63 @@ class RequestPath:
             self._fail_all(st, exc)
             return
         self._prepared(st, principal, req, prep, None)
+
+    def _open_inputs(self, st: Stream, principal: Principal, req: Request) -> None:
+        """A request of k inputs (``req.inputs``): k streams made as n choices are (``st`` the
+        first), each with its own prompt and sequence; the hooks see one request (its prompt
+        the inputs' ids together, ``_context``) and each input's prompt is charged once
+        (``_hooks_done``)."""
+        assert req.inputs is not None
+        if len(req.inputs) > 1:
+            self._make_choices(st, len(req.inputs))
+        try:
+            if self.draining:
+                raise Refusal(ErrorCode.SHUTTING_DOWN, "server is draining")
+            text = sum(len(value) for value in req.inputs if isinstance(value, str))
+            if text > offload.INLINE_BYTES:  # characters: at least as many bytes
+                st.phase = PREPARING  # tokenized on the offload pool, as a large prompt is
+                self._track(self._prepare_inputs_async(st, principal, req))
+                return
+            preps = self.inputs.prepare_inputs(req)
+        except Refusal as exc:
+            self._fail_all(st, exc)
+            return
+        self._inputs_prepared(st, principal, req, preps)
+
+    async def _prepare_inputs_async(self, st: Stream, principal: Principal, req: Request) -> None:
+        """``_prepare_async`` for k inputs: a stream that ended meanwhile drops the result."""
+        try:
+            try:
+                preps = await offload.run(self.inputs.prepare_inputs, req)
+            except Refusal as exc:
+                if st.phase is PREPARING:
+                    st.phase = NEW
+                    self._fail_all(st, exc)
+                return
+            if st.phase is not PREPARING:
+                return
+            st.phase = NEW
+            self._inputs_prepared(st, principal, req, preps)
+        except Exception:  # a bug in preparing or after it: this request alone ends
+            log.exception("request path failed preparing a request's inputs")
+            self._fail_all(st, Refusal(ErrorCode.INTERNAL, "internal server error"))
+        finally:
+            if st.door.open:
+                st.door.flush()
+
+    def _inputs_prepared(
+        self, st: Stream, principal: Principal, req: Request, preps: list[Prepared]
+    ) -> None:
+        """Each input's sequence, then the hooks and the engine as for any request."""
+        fair_key = principal.name if principal.key_id else id(st.door)
+        for member, prep in zip(st.group or (st,), preps, strict=True):
+            member.full_ids = prep.prompt
+            member.prompt_tokens = len(prep.prompt)
+            member.seq = Sequence(
+                member, prep.prompt, prep.max_tokens, prep.sampling, fair_key=fair_key,
+                pool=req.embed, score=req.prompt_logprobs,
+            )  # fmt: skip
+        self._after_prepared(st, principal, req)
 
     def _make_choices(self, st: Stream, n: int) -> None:
         """Choices 1 … n-1 of ``st``'s request: streams of the same door, key and api."""
@@ -197,7 +259,7 @@ class RequestPath:
         fair_key = principal.name if principal.key_id else id(st.door)
         st.seq = Sequence(
             st, prep.prompt, prep.max_tokens, prep.sampling, prep.stop_ids, prep.stop_sequences,
-            prep.detokenizer, prep.ignore_eos, fair_key, grammar,
+            prep.detokenizer, prep.ignore_eos, fair_key, grammar, score=req.prompt_logprobs,
         )  # fmt: skip
         for sib in (st.group or (st,))[1:]:  # the other choices: their own seed stream and text
             sib.full_ids, sib.prompt_tokens = st.full_ids, st.prompt_tokens
@@ -212,6 +274,10 @@ class RequestPath:
             )  # fmt: skip
             sib.seq.parent = st.seq
             st.seq.choices.append(sib.seq)
+        self._after_prepared(st, principal, req)
+
+    def _after_prepared(self, st: Stream, principal: Principal, req: Request) -> None:
+        """The request's sequences are made: the hooks, then the engine."""
         if not self._per_request_hooks:
             self._submit(st)
             return
@@ -320,10 +386,13 @@ class RequestPath:
     def _context(self, st: Stream, principal: Principal, req: Request) -> RequestContext:
         seq = st.seq
         assert seq is not None and st.full_ids is not None
+        prompt_ids = st.full_ids
+        if req.inputs is not None and st.group:  # k inputs: their prompts, one after the other
+            prompt_ids = np.concatenate([m.full_ids for m in st.group if m.full_ids is not None])
         return RequestContext(
             principal=principal,
             model=self.model,
-            prompt_ids=st.full_ids,
+            prompt_ids=prompt_ids,
             prompt_id=req.prompt_id,
             max_tokens=seq.max_tokens,  # as prepared (an HTTP request may leave it to the path)
             sampling=req.sampling,
@@ -373,12 +442,17 @@ class RequestPath:
             self._replay(st, cached)
 
     def _submit(self, st: Stream) -> None:
-        """Into the engine: one sequence (choice 0 carries the other choices' sequences)."""
+        """Into the engine: each sequence without a parent (choice 0 carries the other choices'
+        sequences; each of k inputs is its own). A full queue ends them all (those submitted
+        are cancelled by their ending)."""
         assert st.seq is not None
-        for member in st.group or (st,):
+        members = st.group or (st,)
+        for member in members:
             member.phase = ENGINE
         try:
-            self.engine.submit(st.seq)
+            for member in members:
+                if member.seq is not None and member.seq.parent is None:
+                    self.engine.submit(member.seq)
         except EngineOverloaded as exc:
             full = Refusal(ErrorCode.OVERLOADED, "engine queue is full", exc.retry_after_ms)
             self._fail_all(st, full)
@@ -504,11 +578,16 @@ class RequestPath:
                 if st.rec_text is not None
                 else self._decode(st.rec_ids.tolist())
             )
-        completion_tokens = sum(member.n_ids for member in st.group or (st,))
+        members = st.group or (st,)
+        completion_tokens = sum(member.n_ids for member in members)
+        # Each prompt sent is charged once: a choice's sequence shares its parent's prompt.
+        prompt_tokens = sum(
+            charged_prompt_tokens(m) for m in members if m.seq is None or m.seq.parent is None
+        )
         self.chain.on_done(
             ctx,
             Completion(
-                int(st.finish), charged_prompt_tokens(st), completion_tokens, ids, text,
+                int(st.finish), prompt_tokens, completion_tokens, ids, text,
                 from_cache=st.from_cache,
             ),
         )  # fmt: skip

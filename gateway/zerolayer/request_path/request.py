@@ -45,3 +45,18 @@ class Request:
     # Tool definitions for the chat template (zerolayer.models.templates.template_tools' form); None
     # = none.
     tools: list[dict[str, Any]] | None = None
+    # Prompt outputs (the engine's ``Sequence.pool`` / ``score``): an embedding of the prompt,
+    # the logprob of each prompt id after the first with this many alternatives (-1 = none),
+    # and whether the door returns the prompt with the answer (echo). A request with any of them
+    # may have max_tokens 0: it ends after its prefill (``returns_prompt``).
+    embed: bool = False
+    prompt_logprobs: int = -1
+    echo: bool = False
+    # k inputs of one request (an embeddings batch: text or ids each), run as k sequences that
+    # the hooks see as one request (zerolayer.request_path.lifecycle); None = the prompt fields.
+    inputs: list[str | np.ndarray] | None = None
+
+    @property
+    def returns_prompt(self) -> bool:
+        """Whether the answer is about the prompt itself, so that max_tokens may be 0."""
+        return self.embed or self.echo

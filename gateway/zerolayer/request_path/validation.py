@@ -212,6 +212,8 @@ def validate(req: Request) -> Request:
         value = getattr(req if name in REQUEST_FIELDS else sampling, name)
         if field.range is None or value is None:
             continue
+        if name == "max_tokens" and value == 0 and req.returns_prompt:
+            continue  # the prompt's own outputs only (an embedding, echo): no completion
         if field.each:
             for key, one in value.items():
                 if not field.range.holds(one):

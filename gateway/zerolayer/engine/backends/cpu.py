@@ -4,8 +4,10 @@ One ``CpuBackend`` owns the loaded model and the KV cache (allocated once, ``num
 ``engine.max_batch_size``); it returns logits, which the engine's one sampler turns into tokens
 (``LogitsBackend``). The prefill chunks of one call run as a few batched forwards
 (``plan_prefill_groups`` decides which chunks share one); decode runs all active slots in one
-step. ``free`` has nothing to clear: every attention masks positions past the sequence's
-own, and a new prompt overwrites the slot from 0. It also copies ranges of a slot's KV positions
+step. A chunk that asks for prompt outputs (an embedding, prompt logprobs) runs as a forward of
+its own that keeps every position's final-norm state (``_prompt_outputs``). ``free`` has
+nothing to clear: every attention masks positions past the sequence's own, and a new prompt
+overwrites the slot from 0. It also copies ranges of a slot's KV positions
 out and back in, for the prefix store.
 """
 
@@ -20,7 +22,7 @@ import torch
 
 from zerolayer.config.settings import EngineConfig, ModelConfig
 from zerolayer.engine.backend import LogitsBackend, ModelInfo, PrefixKV
-from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.engine.types import DecodeBatch, PrefillChunk, PromptLogprobs
 from zerolayer.models.decoder import KVCache, eager_attention_len
 from zerolayer.models.loader import LoadedModel, load_model
 from zerolayer.tokenizer import Tokenizer
@@ -48,6 +50,9 @@ class KVRange:
 # bounds the attention mask and working set of one forward); a lone chunk may exceed it.
 PADDING_LIMIT = 1.5
 ATTENTION_BUDGET = 1 << 20
+# Prompt logprobs apply the head to this many positions at a time: the logits of a long prompt
+# at once would be [n, vocab] float32 (400 MB for 2048 positions of a 49k vocabulary).
+SCORE_SLICE = 64
 
 
 def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int) -> list[list[int]]:
@@ -93,6 +98,7 @@ class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
             vocab_size=loaded.config.vocab_size,
             eos_token_id=loaded.tokenizer.eos_token_id,
             max_context=context,
+            hidden_size=loaded.config.hidden_size,
         )
         self.cache = KVCache.allocate(loaded.config, num_slots, context, loaded.dtype)
         self._thread = threading.get_ident()  # the thread that loaded the model
@@ -122,13 +128,18 @@ class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
         lengths = [int(t.shape[0]) for t in inputs]
         starts = [chunk.start for chunk in chunks]
         slots = [chunk.slot for chunk in chunks]
-        if len(set(slots)) == len(slots):
+        outputs = [chunk.pool or chunk.score >= 0 for chunk in chunks]
+        if len(set(slots)) == len(slots) and not any(outputs):
             groups = plan_prefill_groups(lengths, starts, self.info.max_context)
         else:  # two chunks of one slot: the later continues the earlier, so keep them in order
             groups = [[i] for i in range(len(chunks))]
         logits: dict[int, torch.Tensor] = {}
         for group in groups:
-            if len(group) == 1:
+            if len(group) == 1 and outputs[group[0]]:
+                (i,) = group
+                states = self.model.prefill_hidden(inputs[i], starts[i], slots[i], self.cache)
+                row_logits = self._prompt_outputs(chunks[i], states)
+            elif len(group) == 1:
                 (i,) = group
                 row_logits = self.model.prefill(inputs[i], starts[i], slots[i], self.cache)[None]
             else:
@@ -141,6 +152,30 @@ class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
             logits.update((i, row_logits[r]) for r, i in enumerate(group) if chunks[i].last)
         last = [logits[i] for i, chunk in enumerate(chunks) if chunk.last]
         return torch.stack(last) if last else None
+
+    def _prompt_outputs(self, chunk: PrefillChunk, states: torch.Tensor) -> torch.Tensor:
+        """Write ``chunk``'s prompt outputs from its final-norm states [n, hidden]: the sum of
+        the states (``pool``), the logprobs of its ``targets`` (``score``; the raw logits'
+        log_softmax, SCORE_SLICE positions at a time). Returns the logits at its last position
+        [1, vocab]."""
+        if chunk.pool:
+            chunk.pooled = states.float().sum(0).numpy()
+        if chunk.score >= 0:
+            assert chunk.targets is not None
+            targets = torch.from_numpy(np.asarray(chunk.targets, dtype=np.int64))
+            m, k = int(targets.shape[0]), chunk.score
+            token = torch.empty(m)
+            top_ids = torch.empty(m, k, dtype=torch.int32)
+            top = torch.empty(m, k)
+            for a in range(0, m, SCORE_SLICE):
+                b = min(a + SCORE_SLICE, m)
+                lp = torch.log_softmax(self.model.head(states[a:b]), -1)
+                token[a:b] = lp.gather(1, targets[a:b, None])[:, 0]
+                if k:
+                    values, ids = lp.topk(k, -1)
+                    top[a:b], top_ids[a:b] = values, ids.int()
+            chunk.scored = PromptLogprobs(token.numpy(), top_ids.numpy(), top.numpy())
+        return self.model.head(states[-1:])
 
     def _chunk_tokens(self, chunk: PrefillChunk) -> torch.Tensor:
         """The chunk's ids as int64, after checking its slot, positions and ids."""

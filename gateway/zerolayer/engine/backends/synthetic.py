@@ -26,6 +26,11 @@ the hashed token, processed by the real sampler and taken greedily: an unconstra
 keeps its hashed token, a grammar row the lowest-id token its grammar allows unless the hashed one
 is allowed, and logprobs are those of that made-up distribution (T = 1).
 
+Prompt outputs come from the same digests: a position's "hidden state" is ``HIDDEN`` floats
+hashed from its digest (so a chunk's sum, ``pooled``, does not depend on how the prompt was
+chunked), and its next-token distribution is the made-up one above (``PEAK`` at the token hashed
+from its digest and the next position, 0 elsewhere), which scores the prompt's ids.
+
 Pacing (``step_ms``, ``prefill_us_per_token``) imitates a model: one pause per engine step,
 whether the step carries prefill chunks, decode rows or both, plus a cost per prefill token. An
 engine step calls ``prefill`` (if it has chunks) and then ``decode`` (if it has decode rows), so
@@ -45,7 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
-from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.engine.types import DecodeBatch, PrefillChunk, PromptLogprobs
 from zerolayer.kernels.splitmix import MIX1, splitmix64
 from zerolayer.sampling_params import SamplingParams, sampling_rows
 
@@ -54,6 +59,8 @@ if TYPE_CHECKING:
 
 GREEDY = SamplingParams()  # how a processed row is taken from its made-up logits
 PEAK = 8.0  # the made-up logit of a processed row's hashed token (module docstring)
+HIDDEN = 64  # the length of a synthetic embedding
+_LANES = (np.arange(HIDDEN, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
 
 # 64 entries, indexed by the top 6 bits of a token's hash: letters twice, then spaces.
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz" * 2 + b" " * 12, np.uint8).astype(np.int32)
@@ -97,7 +104,11 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
     ) -> None:
         self.num_slots = num_slots
         self.info = ModelInfo(
-            name="synthetic", vocab_size=vocab_size, eos_token_id=257, max_context=max_context
+            name="synthetic",
+            vocab_size=vocab_size,
+            eos_token_id=257,
+            max_context=max_context,
+            hidden_size=HIDDEN,
         )
         self._step_s = step_ms / 1000.0
         self._prefill_token_s = prefill_us_per_token / 1e6
@@ -157,7 +168,35 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
         for i, chunk in enumerate(chunks):
             if chunk.processing is not None:
                 out[i] = self._processed(out[i : i + 1], chunk.processing)[0]
+            if chunk.pool or chunk.score >= 0:
+                self._prompt_outputs(chunk)
         return out
+
+    def _prompt_outputs(self, chunk: PrefillChunk) -> None:
+        """``pooled`` and ``scored`` from the digests after each of the chunk's positions
+        (module docstring)."""
+        n = len(chunk.tokens)
+        digests = self._kv[chunk.slot, chunk.start : chunk.start + n]
+        if chunk.pool:
+            bits = splitmix64(digests[:, None] ^ _LANES[None, :]) >> _U64(11)
+            states = bits.astype(np.float64) / float(1 << 52) - 1.0  # [n, HIDDEN] in [-1, 1)
+            chunk.pooled = states.sum(0).astype(np.float32)
+        if chunk.score >= 0:
+            assert chunk.targets is not None
+            m, k, vocab = len(chunk.targets), chunk.score, self.info.vocab_size
+            positions = np.arange(chunk.start, chunk.start + m, dtype=np.int64)
+            peak = synthetic_tokens(digests[:m], positions + 1)
+            log_z = float(np.logaddexp(PEAK, np.log(vocab - 1)))
+            token = np.where(chunk.targets == peak, PEAK, 0.0) - log_z
+            others = np.arange(k, dtype=np.int32)[None, :]  # the lowest ids but the peak's
+            others = others + (others >= peak[:, None])
+            top_ids = np.concatenate([peak[:, None], others[:, : k - 1]], 1)[:, :k]
+            top = np.where(np.arange(k)[None, :] == 0, PEAK, 0.0) - log_z
+            chunk.scored = PromptLogprobs(
+                token.astype(np.float32),
+                top_ids.astype(np.int32),
+                np.broadcast_to(top, (m, k)).astype(np.float32),
+            )
 
     def _prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         """Each chunk's ids fold into its slot's digest in order; the chunks (distinct slots)
