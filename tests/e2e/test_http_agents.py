@@ -399,3 +399,66 @@ def test_langchain_tool_loop_and_structured_output(daemon):
     assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
     city = llm.with_structured_output(City).invoke("Name a big city and its country.")
     assert isinstance(city, City) and city.name
+
+
+def _hostile_fields(kind: str, spec: object) -> dict:
+    if kind == "regex":
+        return {"structured_outputs": {"regex": spec}}
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": spec}}
+    }
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_hostile_grammars_are_400s_naming_the_field_while_a_canary_streams(daemon):
+    """Issue #40: each hostile schema, sent by four clients at once, is a 400 naming the field
+    (never a 500, never a stall), while a canary streams beside them; then the same schemas again
+    (refused from the cache); a grammar that fails only after some tokens is a 400 or a complete
+    answer, streamed or not, never a 500."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.hostile_grammars import LATE, REFUSED
+
+    def hostile(item: tuple[str, object, str]) -> tuple[int, str | None]:
+        kind, spec, _ = item
+        try:
+            oai(daemon, timeout=60).chat.completions.create(
+                model=MODEL,
+                messages=ASK_WEATHER,
+                max_tokens=8,
+                extra_body=_hostile_fields(kind, spec),
+            )
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.param  # type: ignore[attr-defined]
+        return 200, None
+
+    def canary() -> tuple[int, str | None]:
+        stream = oai(daemon).chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, max_tokens=16, stream=True, temperature=0
+        )
+        chunks = [c for c in stream if c.choices]
+        return len([c for c in chunks if c.choices[0].delta.content]), chunks[-1].choices[
+            0
+        ].finish_reason
+
+    items = list(REFUSED.values()) * 2  # twice: the second round is refused from the cache
+    with ThreadPoolExecutor(5) as pool:
+        guard = pool.submit(canary)
+        answers = list(pool.map(hostile, items))
+        tokens, finish = guard.result(SLOW_TIMEOUT_S)
+    assert answers == [(400, field) for _, _, field in items]
+    assert tokens > 0 and finish in ("length", "stop")
+    kind, spec, field = LATE["nested regex (issue)"]
+    for stream in (False, True):
+        try:
+            got = oai(daemon).chat.completions.create(
+                model=MODEL, messages=ASK_WEATHER, max_tokens=64, stream=stream,
+                extra_body=_hostile_fields(kind, spec),
+            )  # fmt: skip
+            if stream:
+                list(got)  # type: ignore[arg-type]
+        except openai.BadRequestError as exc:
+            assert exc.param == field
+        except openai.APIError as exc:  # an SSE error event after streamed tokens
+            assert field in str(exc) and "internal" not in str(exc).lower()
+    assert canary()[0] > 0  # the daemon serves on
