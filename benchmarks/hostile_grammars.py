@@ -52,3 +52,12 @@ REFUSED: dict[str, tuple[str, Any, str]] = {
 LATE: dict[str, tuple[str, Any, str]] = {
     "nested regex (issue)": ("regex", "([a-z]{0,200}[0-9]{0,200}){0,200}", REGEX_FIELD),
 }
+
+
+def request_fields(kind: str, spec: Any) -> dict[str, Any]:
+    """The OpenAI chat fields that carry one of these grammars."""
+    if kind == "regex":
+        return {"structured_outputs": {"regex": spec}}
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": spec}}
+    }

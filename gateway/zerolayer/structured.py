@@ -66,6 +66,14 @@ MAX_WAITING = 8  # compiles waiting for the worker; beyond, a request is refused
 # llguidance's JSON options for every schema: no free whitespace, fixed separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# The bound an integer (number) schema gets on a side it leaves open: a literal of at most 19
+# digits, inside int64, so a client's parser never meets a number it cannot hold, and a model
+# cannot spend its budget on digits (issue #39). llguidance reads bounds as doubles: 2**63 - 1
+# fails to compile, the largest double below 2**63 compiles. A number's fraction digits stay
+# unbounded (JSON Schema cannot bound them).
+INT_BOUND = 2**63 - 1024
+NUMBER_BOUND = 9.2e18
+
 # JSON Schema keywords whose value is a schema, a map of schemas, or a list of schemas.
 _SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
               "propertyNames", "unevaluatedItems", "additionalProperties")  # fmt: skip
@@ -76,9 +84,10 @@ _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedPropertie
 
 def closed(schema: Any, close: bool = True) -> Any:
     """``schema`` with every object schema that lists ``properties`` and says nothing of other
-    keys closed to them (``additionalProperties: false``); a copy, the argument is not changed.
-    The members of an ``allOf`` are not closed themselves (each adds properties to the others';
-    closed, no instance could satisfy two of them), their subschemas are."""
+    keys closed to them (``additionalProperties: false``), and every ``integer`` / ``number``
+    schema without a bound given one (``INT_BOUND``, ``NUMBER_BOUND``); a copy, the argument is
+    not changed. The members of an ``allOf`` are not closed themselves (each adds properties to
+    the others'; closed, no instance could satisfy two of them), their subschemas are."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -95,6 +104,14 @@ def closed(schema: Any, close: bool = True) -> Any:
             out[key] = [closed(sub) for sub in out[key]]
     if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
         out["additionalProperties"] = False
+    kinds = out.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "integer" in kinds or "number" in kinds:
+        bound = INT_BOUND if "number" not in kinds else NUMBER_BOUND
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -bound
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = bound
     return out
 
 

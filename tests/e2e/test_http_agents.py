@@ -401,14 +401,6 @@ def test_langchain_tool_loop_and_structured_output(daemon):
     assert isinstance(city, City) and city.name
 
 
-def _hostile_fields(kind: str, spec: object) -> dict:
-    if kind == "regex":
-        return {"structured_outputs": {"regex": spec}}
-    return {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": spec}}
-    }
-
-
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_hostile_grammars_are_400s_naming_the_field_while_a_canary_streams(daemon):
     """Issue #40: each hostile schema, sent by four clients at once, is a 400 naming the field
@@ -417,7 +409,7 @@ def test_hostile_grammars_are_400s_naming_the_field_while_a_canary_streams(daemo
     answer, streamed or not, never a 500."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from benchmarks.hostile_grammars import LATE, REFUSED
+    from benchmarks.hostile_grammars import LATE, REFUSED, request_fields
 
     def hostile(item: tuple[str, object, str]) -> tuple[int, str | None]:
         kind, spec, _ = item
@@ -426,7 +418,7 @@ def test_hostile_grammars_are_400s_naming_the_field_while_a_canary_streams(daemo
                 model=MODEL,
                 messages=ASK_WEATHER,
                 max_tokens=8,
-                extra_body=_hostile_fields(kind, spec),
+                extra_body=request_fields(kind, spec),
             )
         except openai.APIStatusError as exc:
             return exc.status_code, exc.param  # type: ignore[attr-defined]
@@ -453,7 +445,7 @@ def test_hostile_grammars_are_400s_naming_the_field_while_a_canary_streams(daemo
         try:
             got = oai(daemon).chat.completions.create(
                 model=MODEL, messages=ASK_WEATHER, max_tokens=64, stream=stream,
-                extra_body=_hostile_fields(kind, spec),
+                extra_body=request_fields(kind, spec),
             )  # fmt: skip
             if stream:
                 list(got)  # type: ignore[arg-type]

@@ -465,3 +465,26 @@ def test_a_late_failing_grammar_fails_its_row_with_a_reason(grammars, tokenizer)
             break
     assert "too many expressions" in row.error
     assert "\n" not in row.error
+
+
+def test_integers_and_numbers_without_bounds_stay_inside_int64(grammars, tokenizer) -> None:
+    """Issue #39: a literal a client's parser cannot hold is not generated; a bound the schema
+    gives is kept."""
+
+    def accepts(schema: dict, literal: str) -> bool:
+        wrapped = {"type": "object", "properties": {"n": schema}, "required": ["n"]}
+        m = grammars.compile_sync(Constraint.json_schema(wrapped)).matcher()
+        ids = [i for ch in '{"n": ' + literal + "}" for i in tokenizer.encode(ch)]
+        return all(m.accept(i) for i in ids) and m.accepting
+
+    for kind in ("integer", ["integer", "null"]):
+        assert accepts({"type": kind}, str(-(2**62)))
+        assert not accepts({"type": kind}, "9" * 19)  # above 2**63 - 1024
+        assert not accepts({"type": kind}, "-" + "9" * 20)
+    assert accepts({"type": "number"}, "-12.5")
+    assert not accepts({"type": "number"}, "9" * 20)
+    assert not accepts({"type": "number"}, "1e30")
+    assert accepts({"type": "integer", "maximum": 10**15}, "9" * 15)  # the schema's own bound
+    assert not accepts({"type": "integer", "maximum": 10**15}, "9" * 16)
+    assert closed({"type": "integer", "minimum": 0}) == {
+        "type": "integer", "minimum": 0, "maximum": 2**63 - 1024}  # fmt: skip
