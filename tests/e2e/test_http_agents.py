@@ -454,3 +454,45 @@ def test_hostile_grammars_are_400s_naming_the_field_while_a_canary_streams(daemo
         except openai.APIError as exc:  # an SSE error event after streamed tokens
             assert field in str(exc) and "internal" not in str(exc).lower()
     assert canary()[0] > 0  # the daemon serves on
+
+
+class Reading(BaseModel):
+    city: str = Field(max_length=12)
+    celsius: int
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_pydantic_ai_structured_output_parses_with_bounded_numbers_and_calls(daemon):
+    """Issue #39 S1a on the default model: pydantic-ai's default structured output (a forced
+    tool call) returns a validated object, its integer inside int64; the same request over the
+    openai client with parallel calls returns at most MAX_CALLS calls, no two equal."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from zerolayer.http.tools import MAX_CALLS
+
+    provider = OpenAIProvider(base_url=daemon.http_url + "/v1", api_key="none")
+    agent = Agent(OpenAIChatModel(MODEL, provider=provider), output_type=Reading)
+    got = agent.run_sync(
+        "The weather in Oslo: 3 degrees.", model_settings={"max_tokens": 96, "temperature": 0}
+    )
+    assert isinstance(got.output, Reading) and abs(got.output.celsius) < 2**63
+    tool = {"type": "function", "function": {"name": "reading", "parameters":
+            Reading.model_json_schema()}}  # fmt: skip
+    for stream in (False, True):
+        answer = oai(daemon).chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=[tool], tool_choice="required",
+            max_tokens=200, temperature=1.2, seed=7, stream=stream,
+        )  # fmt: skip
+        if stream:
+            calls: dict[int, list[str]] = {}
+            for chunk in answer:  # type: ignore[union-attr]
+                for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    calls.setdefault(tc.index, []).append(tc.function.arguments or "")
+            texts = ["".join(parts) for parts in calls.values()]
+        else:
+            texts = [c.function.arguments for c in answer.choices[0].message.tool_calls or []]
+        assert 1 <= len(texts) <= MAX_CALLS and len(set(texts)) == len(texts), texts
+        for text in texts:
+            assert abs(json.loads(text)["celsius"]) < 2**63

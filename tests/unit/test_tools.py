@@ -347,3 +347,11 @@ def test_a_forced_list_allows_at_most_max_calls() -> None:
     jsonschema.validate([now] * MAX_CALLS, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([now] * (MAX_CALLS + 1), schema)
+
+
+def test_a_forced_list_cut_short_keeps_the_calls_that_closed() -> None:
+    text = '[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Pa'
+    content, calls = OutputCalls(TOOLS, forced=True).result(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("now", {})]
+    cut_first = '[{"name": "get_weather", "arguments": {"city": "Pa'
+    assert OutputCalls(TOOLS, forced=True).result(cut_first) == (cut_first, [])

@@ -662,6 +662,9 @@ class OutputCalls:
     def result(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole answer."""
         content, calls = parse(text, self.tools)
+        if self.forced and not calls:  # cut short (max_tokens): the calls that closed are calls
+            calls = closed_calls(text)
+            content = "" if calls else content
         if not self.parallel:
             calls = calls[:1]
         calls = bounded(calls)
@@ -728,6 +731,24 @@ class _OpenCall:
     name: str
     arguments: str
     held: list[Event] | None
+
+
+def closed_calls(text: str) -> list[ToolCall]:
+    """The calls of the generic JSON form (``forced_schema``) whose objects closed in ``text``,
+    an output cut short: a call cut inside is no call."""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    calls: list[ToolCall] = []
+    for e in JsonCallStream().feed(text):  # no close(): it would end the cut call as it is
+        if isinstance(e, CallStart):
+            names[e.index], arguments[e.index] = e.name, ""
+        elif isinstance(e, ArgumentsDelta):
+            arguments[e.index] += e.text
+        elif isinstance(e, CallEnd):
+            call = _as_call({"name": names[e.index], "arguments": arguments[e.index]})
+            if call is not None:
+                calls.append(call)
+    return calls
 
 
 def bounded(calls: list[ToolCall]) -> list[ToolCall]:
