@@ -10,21 +10,27 @@ before the attack and after the attackers left. The canary (benchmarks/_canary.p
 
 Attacks (the items of issue #25): a lone surrogate in a JSON key (1), a header line growing
 without end (2), prompts far over the context (3), slowloris heads and bodies held open (4),
-one client flooding the engine queue (5), idle connections that sent HELLO (6).
+one client flooding the engine queue (5), idle connections that sent HELLO (6) — on the
+synthetic backend; and issue #40's grammars that stalled the step (#40 7: four clients sending
+benchmarks/hostile_grammars.py's schemas in a loop, each answer's status counted: all 400
+expected, no 500) on the default model (SmolLM2, cpu), in a second daemon.
 
 Bounded: each attack stops at the end of its window; loopback only.
 
-    python benchmarks/hostile.py [--quiet-s 4] [--attack-s 8] [--rounds 2] [--write]
+    python benchmarks/hostile.py [--quiet-s 4] [--attack-s 8] [--rounds 2] [--grammars-only]
+                                 [--write]
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._canary import DOORS, in_own_process  # noqa: E402
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support.daemon import Daemon  # noqa: E402
+from benchmarks.hostile_grammars import LATE, REFUSED, request_fields  # noqa: E402
 from zerolayer.frames import protocol as p  # noqa: E402
 
 ATTACKERS = [f"127.0.0.{i}" for i in range(2, 10)]
@@ -222,6 +229,36 @@ async def idle_hellos(d: Daemon, go_on: Callable[[], bool]) -> int:
     return len(writers)
 
 
+GRAMMAR_ANSWERS: collections.Counter[str] = collections.Counter()  # HTTP status: count
+
+
+async def stalling_grammars(d: Daemon, go_on: Callable[[], bool]) -> int:
+    """#40 item 7: four clients send the schemas that stalled the engine's step (and the regex
+    that fails late), one after another; each answer's status is counted."""
+    with urllib.request.urlopen(d.http_url + "/v1/models", timeout=30) as r:  # noqa: S310
+        model = json.load(r)["data"][0]["id"]  # the HTTP door answers 404 to another name
+    bodies = [
+        json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8, **request_fields(kind, spec)}).encode()
+        for kind, spec, _ in [*REFUSED.values(), *LATE.values()]
+    ]  # fmt: skip
+
+    async def one(n: int, conn: Conn) -> None:
+        reader, writer = conn
+        writer.write(post(b"/v1/chat/completions", bodies[n % len(bodies)]))
+        await writer.drain()
+        head = b""
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+            head = await asyncio.wait_for(reader.read(12), 60)
+        GRAMMAR_ANSWERS[head[9:12].decode(errors="replace") or "no answer"] += 1
+
+    return await http_clients(d, 4, go_on, one)
+
+
+GRAMMAR_ATTACKS: list[tuple[str, Attack]] = [
+    ("#40 7 schemas that stalled the step", stalling_grammars),
+]
+
 ATTACKS: list[tuple[str, Attack]] = [
     ("1 lone surrogate in a JSON key", surrogate_keys),
     ("2 a header line without end", endless_header),
@@ -266,6 +303,7 @@ def main() -> None:
     ap.add_argument("--quiet-s", type=float, default=4.0)
     ap.add_argument("--attack-s", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--grammars-only", action="store_true", help="only #40 7, on SmolLM2")
     args = ap.parse_args()
     env = {
         "ENGINE__BACKEND": "synthetic",
@@ -274,17 +312,28 @@ def main() -> None:
         "HTTP__HEADER_TIMEOUT_S": "10",
     }
     results: dict[str, dict] = {}
-    with Daemon(env) as d:
-        import uvloop
+    import uvloop
 
-        rss_by_round = [round(d.rss_mb(), 1)]
-        for _ in range(args.rounds):  # a later round shows whether memory keeps growing
-            for name, attack in ATTACKS:
-                results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
-                print(name, json.dumps(results[name]), file=sys.stderr)
+    rss_by_round: list[float] = []
+    alive, tracebacks = True, 0
+    if not args.grammars_only:
+        with Daemon(env) as d:
             rss_by_round.append(round(d.rss_mb(), 1))
-        alive = d.proc.poll() is None
-        tracebacks = d.log.count("Traceback")
+            for _ in range(args.rounds):  # a later round shows whether memory keeps growing
+                for name, attack in ATTACKS:
+                    results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
+                    print(name, json.dumps(results[name]), file=sys.stderr)
+                rss_by_round.append(round(d.rss_mb(), 1))
+            alive = d.proc.poll() is None
+            tracebacks = d.log.count("Traceback")
+    with Daemon({"ENGINE__BACKEND": "cpu", "MODEL__PATH": "@smollm2"}) as d:  # the real model
+        for name, attack in GRAMMAR_ATTACKS:
+            GRAMMAR_ANSWERS.clear()
+            results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
+            results[name]["answers"] = dict(GRAMMAR_ANSWERS)
+            print(name, json.dumps(results[name]), file=sys.stderr)
+        alive = alive and d.proc.poll() is None
+        tracebacks += d.log.count("Traceback")
     out = {"machine": machine(), "args": {"quiet_s": args.quiet_s, "attack_s": args.attack_s},
            "attacks": results, "rss_mb_by_round": rss_by_round, "alive": alive,
            "tracebacks": tracebacks}  # fmt: skip
@@ -304,9 +353,11 @@ def main() -> None:
                 f"{r['fds_before']} → {r['fds_after']}" if door == "http" else "",
                 f"{r['rss_before_mb']} → {r['rss_after_mb']}" if door == "http" else "",
             ])  # fmt: skip
+    answers = {n: r["answers"] for n, r in results.items() if "answers" in r}
     md = (
         f"### Hostile clients beside a canary\n\n{machine_line(out['machine'])}; synthetic "
-        f"backend (2 ms steps); each attack {args.attack_s:g} s from 127.0.0.2-9 after "
+        f"backend (2 ms steps; #40's grammars on SmolLM2, cpu, the answers' statuses: "
+        f"{answers}); each attack {args.attack_s:g} s from 127.0.0.2-9 after "
         f"{args.quiet_s:g} s of the canary alone; the canary on 127.0.0.1, in a process of "
         "its own, streams 4 tokens on each door in turn, a fresh connection each time. TTFT in "
         "ms (p50 / p99); descriptors "

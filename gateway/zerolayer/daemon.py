@@ -33,6 +33,7 @@ import uvloop
 
 from zerolayer.config.settings import (
     ConfigError,
+    EngineConfig,
     Settings,
     changed_keys,
     describe_source,
@@ -253,13 +254,20 @@ class Parts:
     stores: list[StorePing]
 
 
-def _grammars(tokenizer: Tokenizer, info: ModelInfo) -> Grammars | None:
+def _grammars(tokenizer: Tokenizer, info: ModelInfo, ecfg: EngineConfig) -> Grammars | None:
     """Structured output's compiler for the model's tokenizer.json (None when it has none, or
     llguidance is missing: constrained requests are then refused naming the field)."""
     if tokenizer.json_path is None:
         return None
     try:
-        return Grammars(tokenizer.json_path, tokenizer.eos_token_id, info.vocab_size)
+        return Grammars(
+            tokenizer.json_path,
+            tokenizer.eos_token_id,
+            info.vocab_size,
+            timeout_s=ecfg.grammar_timeout_s,
+            cache_size=ecfg.grammar_cache,
+            max_bytes=ecfg.grammar_max_bytes,
+        )
     except ImportError:
         log.warning("llguidance is not importable: structured output is refused")
         return None
@@ -304,7 +312,9 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
     sink.engine = engine
     # n choices hold n slots at once: at most the slots there are.
     inputs = InputProcessor(tokenizer, backend.info, prompts, min(ecfg.max_n, backend.num_slots))
-    path = RequestPath(engine, inputs, chain, metrics, grammars=_grammars(tokenizer, backend.info))
+    path = RequestPath(
+        engine, inputs, chain, metrics, grammars=_grammars(tokenizer, backend.info, ecfg)
+    )
     server = Server(settings.server, path, backend.info, metrics)
     api_server = None  # the HTTP front end: another door onto the same request path
     if listeners.api is not None:

@@ -176,7 +176,7 @@ def test_bad_agent_fields_on_the_frame_door_name_the_field_and_the_connection_se
             ):
                 with pytest.raises(zc.InvalidRequestError, match=name):
                     await (await client.generate("x", max_tokens=2, **kwargs)).collect()
-            n = await client.generate_json({"max_tokens": 2, "prompt": "x", "n": 1000})
+            n = await client.generate_json({"max_tokens": 2, "prompt": "x", "n": 2})
             with pytest.raises(zc.InvalidRequestError, match="n > 1"):
                 await n.collect()
             ok = await (await client.generate("Hello", max_tokens=2)).collect()
@@ -399,3 +399,100 @@ def test_langchain_tool_loop_and_structured_output(daemon):
     assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
     city = llm.with_structured_output(City).invoke("Name a big city and its country.")
     assert isinstance(city, City) and city.name
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_hostile_grammars_are_400s_naming_the_field_while_a_canary_streams(daemon):
+    """Issue #40: each hostile schema, sent by four clients at once, is a 400 naming the field
+    (never a 500, never a stall), while a canary streams beside them; then the same schemas again
+    (refused from the cache); a grammar that fails only after some tokens is a 400 or a complete
+    answer, streamed or not, never a 500."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.hostile_grammars import LATE, REFUSED, request_fields
+
+    def hostile(item: tuple[str, object, str]) -> tuple[int, str | None]:
+        kind, spec, _ = item
+        try:
+            oai(daemon, timeout=60).chat.completions.create(
+                model=MODEL,
+                messages=ASK_WEATHER,
+                max_tokens=8,
+                extra_body=request_fields(kind, spec),
+            )
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.param  # type: ignore[attr-defined]
+        return 200, None
+
+    def canary() -> tuple[int, str | None]:
+        stream = oai(daemon).chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, max_tokens=16, stream=True, temperature=0
+        )
+        chunks = [c for c in stream if c.choices]
+        return len([c for c in chunks if c.choices[0].delta.content]), chunks[-1].choices[
+            0
+        ].finish_reason
+
+    items = list(REFUSED.values()) * 2  # twice: the second round is refused from the cache
+    with ThreadPoolExecutor(5) as pool:
+        guard = pool.submit(canary)
+        answers = list(pool.map(hostile, items))
+        tokens, finish = guard.result(SLOW_TIMEOUT_S)
+    assert answers == [(400, field) for _, _, field in items]
+    assert tokens > 0 and finish in ("length", "stop")
+    kind, spec, field = LATE["nested regex (issue)"]
+    for stream in (False, True):
+        try:
+            got = oai(daemon).chat.completions.create(
+                model=MODEL, messages=ASK_WEATHER, max_tokens=64, stream=stream,
+                extra_body=request_fields(kind, spec),
+            )  # fmt: skip
+            if stream:
+                list(got)  # type: ignore[arg-type]
+        except openai.BadRequestError as exc:
+            assert exc.param == field
+        except openai.APIError as exc:  # an SSE error event after streamed tokens
+            assert field in str(exc) and "internal" not in str(exc).lower()
+    assert canary()[0] > 0  # the daemon serves on
+
+
+class Reading(BaseModel):
+    city: str = Field(max_length=12)
+    celsius: int
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_pydantic_ai_structured_output_parses_with_bounded_numbers_and_calls(daemon):
+    """Issue #39 S1a on the default model: pydantic-ai's default structured output (a forced
+    tool call) returns a validated object, its integer inside int64; the same request over the
+    openai client with parallel calls returns at most MAX_CALLS calls, no two equal."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from zerolayer.http.tools import MAX_CALLS
+
+    provider = OpenAIProvider(base_url=daemon.http_url + "/v1", api_key="none")
+    agent = Agent(OpenAIChatModel(MODEL, provider=provider), output_type=Reading)
+    got = agent.run_sync(
+        "The weather in Oslo: 3 degrees.", model_settings={"max_tokens": 96, "temperature": 0}
+    )
+    assert isinstance(got.output, Reading) and abs(got.output.celsius) < 2**63
+    tool = {"type": "function", "function": {"name": "reading", "parameters":
+            Reading.model_json_schema()}}  # fmt: skip
+    for stream in (False, True):
+        answer = oai(daemon).chat.completions.create(
+            model=MODEL, messages=ASK_WEATHER, tools=[tool], tool_choice="required",
+            max_tokens=200, temperature=1.2, seed=7, stream=stream,
+        )  # fmt: skip
+        if stream:
+            calls: dict[int, list[str]] = {}
+            for chunk in answer:  # type: ignore[union-attr]
+                for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    calls.setdefault(tc.index, []).append(tc.function.arguments or "")
+            texts = ["".join(parts) for parts in calls.values()]
+        else:
+            texts = [c.function.arguments for c in answer.choices[0].message.tool_calls or []]
+        assert 1 <= len(texts) <= MAX_CALLS and len(set(texts)) == len(texts), texts
+        for text in texts:
+            assert abs(json.loads(text)["celsius"]) < 2**63

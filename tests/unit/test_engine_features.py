@@ -103,6 +103,8 @@ class Allowing:
             self.n += 1
             return token in self.g.ids
 
+        error = ""  # never exceeds its limits
+
         @property
         def finished(self) -> bool:
             return self.n >= self.g.length

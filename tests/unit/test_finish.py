@@ -25,12 +25,13 @@ ORDER = [
     (finish.CANCEL, FinishReason.CANCELLED),
     (finish.STOP_STRING, FinishReason.STOP),
     (finish.FAILED, FinishReason.ERROR),
+    (finish.GRAMMAR_LIMIT, finish.GRAMMAR_FAILED),
     (finish.EOS, FinishReason.EOS),
     (finish.STOP_ID, FinishReason.STOP),
     (finish.GRAMMAR, FinishReason.STOP),
     (finish.LENGTH, FinishReason.MAX_TOKENS),
 ]
-NOT_PRODUCED = {finish.CANCEL, finish.FAILED, finish.EOS, finish.STOP_ID}
+NOT_PRODUCED = {finish.CANCEL, finish.FAILED, finish.GRAMMAR_LIMIT, finish.EOS, finish.STOP_ID}
 
 
 # ---------------------------------------------------------------------- decide
@@ -130,15 +131,25 @@ class Wide(Scripted):
 
 
 class Matcher:
-    """A grammar's place: complete after ``length`` accepted tokens; refuses ``refused``."""
+    """A grammar's place: complete after ``length`` accepted tokens; refuses ``refused``;
+    exceeds its limits taking ``over`` in (accepting it), or filling its mask after
+    ``over_at_fill`` tokens."""
 
-    def __init__(self, length: int, refused: frozenset[int]) -> None:
+    def __init__(
+        self, length: int, refused: frozenset[int], over: int = -1, over_at_fill: int = -1
+    ) -> None:
         self.length, self.refused, self.taken = length, refused, 0
+        self.over, self.over_at_fill, self.error = over, over_at_fill, ""
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         bitmask[row] = -1  # everything allowed: the scripted backend ignores the mask anyway
+        if self.taken == self.over_at_fill:
+            self.error = "lexer error: too many expressions constructed"
 
     def accept(self, token: int) -> bool:
+        if token == self.over:
+            self.error = "parser error: Too many items"
+            return False
         if token in self.refused:
             return False
         self.taken += 1
@@ -150,11 +161,11 @@ class Matcher:
 
 
 class Grammar:
-    def __init__(self, length: int, refused: frozenset[int] = frozenset()) -> None:
-        self.length, self.refused = length, refused
+    def __init__(self, length: int, refused: frozenset[int] = frozenset(), **over: int) -> None:
+        self.length, self.refused, self.over = length, refused, over
 
     def matcher(self) -> Matcher:
-        return Matcher(self.length, self.refused)
+        return Matcher(self.length, self.refused, **self.over)
 
 
 def drive(engine: Engine, sink: list, limit: int = 200) -> dict:
@@ -278,6 +289,28 @@ def test_a_token_the_grammar_refuses_is_an_error_and_not_produced() -> None:
         got = one([A, X], **kw, grammar=Grammar(5, refused=frozenset({X})))
         assert got["finish"] == FinishReason.ERROR, kw
         assert got["ids"] == [A] and got["text"] == "a" and got["count"] == 1, kw
+
+
+def test_a_grammar_over_its_limits_taking_a_token_in_ends_alone_unproduced() -> None:
+    for kw in ({"max_tokens": 10}, {"max_tokens": 2}):  # also on the last allowed token
+        got = one([A, X], **kw, grammar=Grammar(5, over=X))
+        assert got["finish"] == finish.GRAMMAR_FAILED, kw
+        assert got["ids"] == [A] and got["count"] == 1, kw
+
+
+def test_a_grammar_over_its_limits_filling_its_mask_ends_the_row_with_why() -> None:
+    engine, sink = make_engine(Scripted([A, B, C, A, B, C]))
+    hostile, canary = seq("hostile", max_tokens=6), seq("canary", max_tokens=6)
+    hostile.grammar = Grammar(9, over_at_fill=2)  # fails filling the mask of its third token
+    canary.grammar = Grammar(9)
+    engine.submit(hostile)
+    engine.submit(canary)
+    got = drive(engine, sink)
+    assert got["hostile"]["finish"] == finish.GRAMMAR_FAILED
+    assert got["hostile"]["count"] == 2 and len(got["hostile"]["ids"]) == 2
+    assert hostile.grammar_error == "lexer error: too many expressions constructed"
+    assert got["canary"]["finish"] == FinishReason.MAX_TOKENS and got["canary"]["count"] == 6
+    assert engine.slots_used == 0
 
 
 def test_a_text_failure_is_an_error_and_not_produced() -> None:

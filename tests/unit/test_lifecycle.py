@@ -304,3 +304,108 @@ def test_a_large_input_cancelled_while_it_is_tokenized_ends_once(monkeypatch) ->
         assert door.endings[-1] == (2, "done", FinishReason.MAX_TOKENS)
 
     asyncio.run(main())
+
+
+# ---- issue #40: a hostile grammar costs its own request, never the others' -------------------
+
+
+class SlowGrammars:
+    """Grammars whose compile blocks on its worker until ``release`` is set, then refuses the
+    constraint naming its field (as a hostile schema is, zerolayer.structured)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.started = 0
+
+    async def compile(self, constraint):  # noqa: ANN001, ANN201
+        from zerolayer.structured import GrammarError
+
+        self.started += 1
+        await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
+        raise GrammarError(constraint.field, "too complex for structured output: lexer error")
+
+
+def test_a_canary_ends_while_hostile_grammars_compile_and_each_hostile_request_gets_a_400() -> None:
+    from zerolayer.structured import Constraint
+
+    async def run() -> tuple[list, list[Refusal], int]:
+        path, door = make_path(async_gate=False), Door()
+        grammars = SlowGrammars()
+        path.grammars = grammars  # type: ignore[assignment]
+        hostile = Constraint.json_schema({"type": "object"})
+        for key in range(1, 5):
+            req = Request(max_tokens=4, prompt_text="hello", constraint=hostile)
+            open_stream(path, door, key, req)
+        await settle()
+        open_stream(path, door, 9, request(max_tokens=4))  # the canary
+        await settle()
+        run_engine(path)
+        canary_done = list(door.endings)
+        grammars.release.set()
+        for _ in range(300):
+            if len(door.endings) == 5:
+                break
+            await asyncio.sleep(0.01)
+        return canary_done + door.endings[len(canary_done) :], door.refusals, grammars.started
+
+    endings, refusals, started = asyncio.run(run())
+    assert started == 4
+    assert endings[0] == (9, "done", FinishReason.MAX_TOKENS)  # before any hostile one ends
+    assert sorted(endings[1:]) == [(k, "error", ErrorCode.INVALID_REQUEST) for k in range(1, 5)]
+    assert [r.field for r in refusals] == ["response_format.json_schema.schema"] * 4
+
+
+class LimitedGrammar:
+    """A compiled grammar whose rows exceed their limits filling the mask of token ``at``."""
+
+    def __init__(self, at: int) -> None:
+        from zerolayer.structured import Constraint
+
+        self.constraint = Constraint.regex("[a-z]+")
+        self.at = at
+
+    def matcher(self) -> LimitedGrammar.Matcher:
+        return LimitedGrammar.Matcher(self.at)
+
+    class Matcher:
+        def __init__(self, at: int) -> None:
+            self.at, self.taken, self.error, self.finished = at, 0, "", False
+
+        def fill(self, bitmask, row: int) -> None:  # noqa: ANN001
+            bitmask[row] = -1
+            if self.taken == self.at:
+                self.error = "lexer error: too many expressions constructed"
+
+        def accept(self, token: int) -> bool:
+            self.taken += 1
+            return True
+
+
+def test_a_grammar_over_its_limits_mid_stream_is_invalid_request_naming_the_field() -> None:
+    async def run() -> tuple[list, list[Refusal]]:
+        path, door = make_path(async_gate=False), Door()
+
+        class Ready:
+            async def compile(self, constraint):  # noqa: ANN001, ANN201
+                return LimitedGrammar(at=2)
+
+        path.grammars = Ready()  # type: ignore[assignment]
+        from zerolayer.structured import Constraint
+
+        req = Request(max_tokens=8, prompt_text="hello", constraint=Constraint.regex("[a-z]+"))
+        open_stream(path, door, 1, req)
+        open_stream(path, door, 2, request(max_tokens=8))  # a plain row beside it
+        await settle()
+        run_engine(path)
+        return door.endings, door.refusals
+
+    endings, refusals = asyncio.run(run())
+    assert sorted(endings) == [(1, "error", ErrorCode.INVALID_REQUEST),
+                               (2, "done", FinishReason.MAX_TOKENS)]  # fmt: skip
+    assert refusals[0].field == "structured_outputs.regex"
+    assert refusals[0].message == (
+        "structured_outputs.regex: the grammar exceeded its limits after 2 tokens "
+        "(lexer error: too many expressions constructed)"
+    )

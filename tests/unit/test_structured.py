@@ -321,3 +321,170 @@ print("torch._dynamo" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# ---- issue #40: hostile grammars are refused on the worker, never on the step ----------------
+
+
+def _hostile(kind: str, spec: object) -> Constraint:
+    return Constraint.json_schema(spec) if kind == "json_schema" else Constraint.regex(spec)
+
+
+def test_each_hostile_grammar_is_refused_naming_the_field_and_why(grammars) -> None:
+    from benchmarks.hostile_grammars import REFUSED
+
+    for name, (kind, spec, field) in REFUSED.items():
+        with pytest.raises(GrammarError) as err:
+            grammars.compile_sync(_hostile(kind, spec))
+        assert err.value.field == field, name
+        assert "bytes" in err.value.why or "too complex" in err.value.why, (name, err.value.why)
+
+
+def test_the_size_cap_is_checked_before_parsing(model_dir, tokenizer) -> None:
+    small = Grammars(model_dir / "tokenizer.json", tokenizer.eos_token_id, tokenizer.vocab_size,
+                     max_bytes=20)  # fmt: skip
+    try:
+        with pytest.raises(GrammarError, match="at most 20 .engine.grammar_max_bytes."):
+            small.compile_now(Constraint.regex("[a-z]{1,30}@[a-z]{1,30}"))
+        assert small.compile_now(Constraint.regex("yes|no")) is not None
+    finally:
+        small.close()
+
+
+def test_a_failed_compile_is_cached_and_not_built_again(model_dir, tokenizer, monkeypatch) -> None:
+    from benchmarks.hostile_grammars import RECURSIVE_OBJECT
+
+    g = Grammars(model_dir / "tokenizer.json", tokenizer.eos_token_id, tokenizer.vocab_size)
+    builds: list[str] = []
+    build = g._build
+    monkeypatch.setattr(g, "_build", lambda c: (builds.append(c.text), build(c))[1])
+    try:
+        for _ in range(3):
+            with pytest.raises(GrammarError):
+                g.compile_sync(Constraint.json_schema(RECURSIVE_OBJECT))
+        # the same text from another field is refused naming that field, from the cache
+        with pytest.raises(GrammarError) as err:
+            g.compile_sync(Constraint.json_schema(RECURSIVE_OBJECT, field="tools[0].parameters"))
+        assert err.value.field == "tools[0].parameters"
+        assert len(builds) == 1
+    finally:
+        g.close()
+
+
+def test_the_cache_holds_at_most_its_size(model_dir, tokenizer) -> None:
+    g = Grammars(model_dir / "tokenizer.json", tokenizer.eos_token_id, tokenizer.vocab_size,
+                 cache_size=2)  # fmt: skip
+    try:
+        for word in ("a", "b", "c"):
+            g.compile_now(Constraint.regex(word))
+        assert g.cached(Constraint.regex("a")) is None
+        assert g.cached(Constraint.regex("c")) is not None
+    finally:
+        g.close()
+
+
+def test_a_full_compile_queue_refuses_busy(model_dir, tokenizer, monkeypatch) -> None:
+    import threading
+
+    from zerolayer.structured import MAX_WAITING, GrammarBusy
+
+    g = Grammars(model_dir / "tokenizer.json", tokenizer.eos_token_id, tokenizer.vocab_size)
+    release = threading.Event()
+    build = g._build
+    monkeypatch.setattr(g, "_build", lambda c: (release.wait(30), build(c))[1])
+    try:
+        futures = [g._submit(Constraint.regex(f"w{i}")) for i in range(MAX_WAITING)]
+        with pytest.raises(GrammarBusy):
+            g._submit(Constraint.regex("one too many"))
+        release.set()
+        assert all(f.result(30) is not None for f in futures)
+        assert g.compile_sync(Constraint.regex("now there is room")) is not None
+    finally:
+        release.set()
+        g.close()
+
+
+def test_a_compile_past_its_timeout_is_refused_and_still_fills_the_cache(
+    model_dir, tokenizer, monkeypatch
+) -> None:
+    import threading
+
+    g = Grammars(model_dir / "tokenizer.json", tokenizer.eos_token_id, tokenizer.vocab_size,
+                 timeout_s=0.01)  # fmt: skip
+    release = threading.Event()
+    build = g._build
+    monkeypatch.setattr(g, "_build", lambda c: (release.wait(30), build(c))[1])
+    try:
+        c = Constraint.regex("late")
+        with pytest.raises(GrammarError, match="engine.grammar_timeout_s") as err:
+            asyncio.run(g.compile(c))
+        assert err.value.field == "structured_outputs.regex"
+        release.set()
+        g._pool.submit(lambda: None).result(30)  # the worker is past the compile
+        assert g.cached(c) is not None
+    finally:
+        release.set()
+        g.close()
+
+
+def test_row_matchers_are_independent_copies(grammars, tokenizer) -> None:
+    grammar = grammars.compile_sync(Constraint.choice(["yes", "no"]))
+    a, b = grammar.matcher(), grammar.matcher()
+    for t in tokenizer.encode("yes"):
+        assert a.accept(t)
+    assert a.accepting and not b.accepting
+    for t in tokenizer.encode("no"):
+        assert b.accept(t)
+    assert b.accepting
+    assert grammar.matcher().accepting is False
+
+
+def test_every_benchmark_schema_compiles_under_the_limits(grammars) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from json_schemas import CASES
+
+    for name, schema, _ in CASES:
+        assert grammars.compile_sync(Constraint.json_schema(schema)) is not None, name
+
+
+def test_a_late_failing_grammar_fails_its_row_with_a_reason(grammars, tokenizer) -> None:
+    from benchmarks.hostile_grammars import LATE
+
+    kind, spec, _ = LATE["nested regex (issue)"]
+    grammar = grammars.compile_sync(_hostile(kind, spec))  # passes the probe: fails later
+    row = grammar.matcher()
+    mask = grammars.bitmask(1)
+    for _ in range(200):  # the lowest allowed token each time: a walk that exceeds the limits
+        row.fill(mask, 0)
+        allowed = unpack_bitmask(torch.from_numpy(mask), grammars.vocab_size)[0].nonzero()
+        allowed = allowed[allowed != tokenizer.eos_token_id]
+        if row.error or not len(allowed) or not row.accept(int(allowed[0])):
+            break
+    assert "too many expressions" in row.error
+    assert "\n" not in row.error
+
+
+def test_integers_and_numbers_without_bounds_stay_inside_int64(grammars, tokenizer) -> None:
+    """Issue #39: a literal a client's parser cannot hold is not generated; a bound the schema
+    gives is kept."""
+
+    def accepts(schema: dict, literal: str) -> bool:
+        wrapped = {"type": "object", "properties": {"n": schema}, "required": ["n"]}
+        m = grammars.compile_sync(Constraint.json_schema(wrapped)).matcher()
+        ids = [i for ch in '{"n": ' + literal + "}" for i in tokenizer.encode(ch)]
+        return all(m.accept(i) for i in ids) and m.accepting
+
+    for kind in ("integer", ["integer", "null"]):
+        assert accepts({"type": kind}, str(-(2**62)))
+        assert not accepts({"type": kind}, "9" * 19)  # above 2**63 - 1024
+        assert not accepts({"type": kind}, "-" + "9" * 20)
+    assert accepts({"type": "number"}, "-12.5")
+    assert not accepts({"type": "number"}, "9" * 20)
+    assert not accepts({"type": "number"}, "1e30")
+    assert accepts({"type": "integer", "maximum": 10**15}, "9" * 15)  # the schema's own bound
+    assert not accepts({"type": "integer", "maximum": 10**15}, "9" * 16)
+    assert closed({"type": "integer", "minimum": 0}) == {
+        "type": "integer", "minimum": 0, "maximum": 2**63 - 1024}  # fmt: skip

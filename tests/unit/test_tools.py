@@ -297,3 +297,61 @@ def test_history_without_template_tools() -> None:
     assert [c.name for c in parse(plain[1]["content"], TOOLS)[1]] == ["now", "get_weather"]
     assert plain[2]["content"].count("<tool_response>") == 2 and "sunny" in plain[2]["content"]
     assert template_tools(TOOLS)[0]["function"]["name"] == "get_weather"
+
+
+# ---- issue #39: tool-call lists are bounded ---------------------------------------------------
+
+
+def _call(name: str, args: str) -> str:
+    return json.dumps({"name": name}).rstrip("}") + ', "arguments": ' + args + "}"
+
+
+@pytest.mark.parametrize("forced", [True, False])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_call_repeating_an_earlier_one_ends_the_list_streamed_or_not(forced, step) -> None:
+    from zerolayer.http.tools import MAX_CALLS
+
+    paris, rome = _call("get_weather", '{"city": "Paris"}'), _call("get_weather", '{"city": "Pa"}')
+    # a call whose arguments start like an earlier one's, then differ, is sent; an equal one
+    # ends the list, and what follows it is dropped
+    items = [paris, rome, _call("now", "{}"), paris, _call("now", "{}")]
+    if forced:
+        text = "[" + ", ".join(items) + "]"
+    else:
+        text = "".join(f"<tool_call>{i}</tool_call>" for i in items)
+    want = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Pa"}), ("now", {})]
+    content, calls = OutputCalls(TOOLS, forced=forced).result(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want
+    stream = OutputCalls(TOOLS, forced=forced)
+    events = _events(stream, text, step)
+    assert _calls_of(events) == want and stream.calls == 3
+    assert [e.index for e in events if isinstance(e, CallStart)] == [0, 1, 2]
+    # at most MAX_CALLS, each different
+    many = [_call("get_weather", json.dumps({"city": f"c{i}"})) for i in range(MAX_CALLS + 3)]
+    text = (
+        "[" + ", ".join(many) + "]"
+        if forced
+        else "".join(f"<tool_call>{i}</tool_call>" for i in many)
+    )
+    assert len(OutputCalls(TOOLS, forced=forced).result(text)[1]) == MAX_CALLS
+    stream = OutputCalls(TOOLS, forced=forced)
+    assert len(_calls_of(_events(stream, text, step))) == MAX_CALLS == stream.calls
+
+
+def test_a_forced_list_allows_at_most_max_calls() -> None:
+    from zerolayer.http.tools import MAX_CALLS
+
+    schema = forced_schema(TOOLS, choice_from_openai("required", TOOLS))
+    assert schema is not None and schema["maxItems"] == MAX_CALLS
+    now = {"name": "now", "arguments": {}}
+    jsonschema.validate([now] * MAX_CALLS, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([now] * (MAX_CALLS + 1), schema)
+
+
+def test_a_forced_list_cut_short_keeps_the_calls_that_closed() -> None:
+    text = '[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Pa'
+    content, calls = OutputCalls(TOOLS, forced=True).result(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("now", {})]
+    cut_first = '[{"name": "get_weather", "arguments": {"city": "Pa'
+    assert OutputCalls(TOOLS, forced=True).result(cut_first) == (cut_first, [])

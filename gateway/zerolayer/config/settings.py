@@ -27,6 +27,7 @@ from pydantic_settings import (
 
 from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig
 from zerolayer.config.prompts import PromptEntry, resolve_prompt_files
+from zerolayer.structured import CACHE_SIZE, COMPILE_TIMEOUT_S, MAX_BYTES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -119,6 +120,10 @@ class EngineConfig(_Section):
     neuron_context_buckets: list[int] = []
     neuron_token_buckets: list[int] = []
     neuron_compiled_dir: str = ""
+    # Structured output (zerolayer.structured; docs/configuration.md says why these defaults)
+    grammar_max_bytes: int = Field(MAX_BYTES, ge=1)  # a constraint's canonical text
+    grammar_timeout_s: float = Field(COMPILE_TIMEOUT_S, gt=0)  # a compile's wait
+    grammar_cache: int = Field(CACHE_SIZE, ge=1)  # compiled constraints kept, failures too
 
 
 # Named models for model.path (zerolayer.models.bundled): the SmolLM2-135M-Instruct GGUF that the

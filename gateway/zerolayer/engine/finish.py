@@ -24,6 +24,11 @@ Precedence, highest first (tests/unit/test_finish.py pins the combinations a ste
   core said) and llama.cpp (a stop word clears has_next_token before the limit is checked).
 - FAILED (ERROR): the token could not be taken in (the grammar refused it: a bug, the mask allows
   only what the grammar accepts; or its text failed); it outranks the token's own rules.
+- GRAMMAR_LIMIT (GRAMMAR_FAILED, engine-internal): the row's grammar exceeded its limits
+  (zerolayer.structured.LIMITS) filling its mask or taking the token in, so the token is not
+  taken in. It is the client's grammar, not the daemon, that failed: the request path answers
+  INVALID_REQUEST naming the constraint's field (never INTERNAL), and only that row ends. Below
+  FAILED, a failure of ours; above the token's own rules, which the grammar no longer judges.
 - EOS, then STOP_ID: the token ends the row and is not produced, also when it is the last allowed
   token (vLLM's check_stop: EOS, then stop ids, then the length; llama.cpp checks EOS last, over
   the limit). A token that is both EOS and a stop id is EOS.
@@ -42,6 +47,9 @@ import numpy as np
 from zerolayer.codes import FinishReason
 
 NOT_FINISHED = -2  # a finish value: the row goes on (StepOutput.outputs' records)
+# A finish value, engine-internal like NOT_FINISHED: the row's grammar exceeded its limits
+# (the request path answers INVALID_REQUEST naming the constraint's field; never on the wire).
+GRAMMAR_FAILED = -3
 
 # The rules, as bits of a row's ``Rows.fired`` (uint8).
 STOP_STRING = 1  # one of the row's stop sequences is in its text
@@ -51,12 +59,14 @@ STOP_ID = 8  # one of the row's stop ids
 GRAMMAR = 16  # the row's grammar is complete with this token
 LENGTH = 32  # the row's last allowed token: max_tokens, or the context
 CANCEL = 64  # Engine.cancel: the request path ended the stream
+GRAMMAR_LIMIT = 128  # the row's grammar exceeded its limits (its mask or taking the token in)
 
 # Each rule's finish, highest precedence first (the module docstring says why).
-PRECEDENCE: tuple[tuple[int, FinishReason], ...] = (
+PRECEDENCE: tuple[tuple[int, int], ...] = (
     (CANCEL, FinishReason.CANCELLED),
     (STOP_STRING, FinishReason.STOP),
     (FAILED, FinishReason.ERROR),
+    (GRAMMAR_LIMIT, GRAMMAR_FAILED),
     (EOS, FinishReason.EOS),
     (STOP_ID, FinishReason.STOP),
     (GRAMMAR, FinishReason.STOP),
@@ -65,10 +75,10 @@ PRECEDENCE: tuple[tuple[int, FinishReason], ...] = (
 
 # Rules whose token is not produced: it is not counted, not delivered (NO_TOKEN), has no text,
 # and the row's grammar does not take it in.
-UNPRODUCED = CANCEL | FAILED | EOS | STOP_ID
+UNPRODUCED = CANCEL | FAILED | GRAMMAR_LIMIT | EOS | STOP_ID
 
 # The finish of every set of rules: the highest rule's (index 0, no rule, is never read).
-_FINISH: tuple[FinishReason, ...] = tuple(
+_FINISH: tuple[int, ...] = tuple(
     next((finish for rule, finish in PRECEDENCE if rules & rule), FinishReason.ERROR)
     for rules in range(1 << len(PRECEDENCE))
 )
@@ -80,7 +90,7 @@ class Endings(NamedTuple):
     produced."""
 
     slots: list[int]
-    finishes: list[FinishReason]
+    finishes: list[int]  # a FinishReason, or GRAMMAR_FAILED
     quiet: list[int]
 
 

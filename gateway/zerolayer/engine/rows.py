@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zerolayer.engine.finish import EOS, FAILED, GRAMMAR, LENGTH, STOP_ID, UNPRODUCED
+from zerolayer.engine.finish import (
+    EOS,
+    FAILED,
+    GRAMMAR,
+    GRAMMAR_LIMIT,
+    LENGTH,
+    STOP_ID,
+    UNPRODUCED,
+)
 from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.types import DecodeBatch
 from zerolayer.sampling_params import SAMPLING_ROW
@@ -245,6 +253,9 @@ class Rows:
             for r, m in enumerate(matchers):
                 if m is not None:
                     m.fill(mask, r)
+                    if m.error:  # its limits exceeded: the row ends, its token unproduced
+                        self._grammar_failed(slots[r], m.error)
+                        mask[r] = -1
                     self._every_eos(mask[r])
             proc.allowed = mask
             proc.constrained = np.array([m is not None for m in matchers], np.bool_)
@@ -326,7 +337,8 @@ class Rows:
     def _take_in(self, sampled: np.ndarray) -> None:
         """The processed rows take their sampled token in: the penalties' counts, and the
         grammar, unless the token is not produced (EOS, a stop id, a cancel), which notes in
-        ``fired`` its completion (GRAMMAR) or its refusal of the token (FAILED)."""
+        ``fired`` its completion (GRAMMAR), its limits exceeded (GRAMMAR_LIMIT) or its refusal
+        of the token (FAILED)."""
         tokens = sampled.tolist()
         counts, seen = self.counts, self.seen
         fired = self.fired
@@ -337,7 +349,18 @@ class Rows:
                 seen[slot, token] = True
             m = self.matcher[slot]
             if m is not None and not fired[slot] & UNPRODUCED:
-                if not m.accept(token):
+                if m.accept(token):
+                    if m.finished:
+                        fired[slot] |= GRAMMAR
+                elif m.error:
+                    self._grammar_failed(slot, m.error)
+                else:
                     fired[slot] |= FAILED
-                elif m.finished:
-                    fired[slot] |= GRAMMAR
+
+    def _grammar_failed(self, slot: int, why: str) -> None:
+        """``slot``'s grammar exceeded its limits: the row ends (GRAMMAR_LIMIT), ``why`` kept
+        on its sequence for the request path's answer."""
+        self.fired[slot] |= GRAMMAR_LIMIT
+        seq = self.seq[slot]
+        if seq is not None:
+            seq.grammar_error = why

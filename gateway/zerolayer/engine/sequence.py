@@ -28,8 +28,9 @@ class Sequence:
 
     __slots__ = ("owner", "prompt", "max_tokens", "sampling", "stop_ids", "stop_sequences",
                  "detok", "reused", "slot", "prefilled", "held", "cancelled", "t_admit",
-                 "ignore_eos", "fair_key", "matched_stop", "_max_stop", "grammar", "choices",
-                 "parent", "pool", "score", "pooled", "prompt_logprobs", "_scored")  # fmt: skip
+                 "ignore_eos", "fair_key", "matched_stop", "_max_stop", "grammar", "grammar_error",
+                 "choices", "parent", "pool", "score", "pooled", "prompt_logprobs",
+                 "_scored")  # fmt: skip
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class Sequence:
         self.matched_stop: str | None = None  # the stop sequence that ended it (finish STOP)
         self._max_stop = max(map(len, stop_sequences)) if stop_sequences else 0
         self.grammar = grammar  # structured output: the row's matcher is made at admission
+        self.grammar_error = ""  # why its grammar exceeded its limits (finish GRAMMAR_FAILED)
         # n > 1: the first choice carries the others (``choices``), which start from its prompt's
         # KV once it is prefilled; each of those has ``parent`` set (zerolayer.engine.engine).
         self.choices: list[Sequence] = []

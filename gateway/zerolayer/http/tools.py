@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 PYTHON_TAG = "<|python_tag|>"
+# The most calls one answer returns (issue #39): a forced list's grammar allows no more
+# (``maxItems``), and an answer in the model's own form has the later ones dropped. A call
+# repeating an earlier one (same name, same arguments' text) ends the list too: a small model
+# otherwise repeats its call until max_tokens.
+MAX_CALLS = 16
 
 
 class ToolError(ValueError):
@@ -221,7 +226,7 @@ def forced_schema(
     ]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if parallel and choice.name is None:
-        return {"type": "array", "items": one, "minItems": 1}
+        return {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_CALLS}
     return one
 
 
@@ -610,7 +615,10 @@ class OutputCalls:
     streamed by ``JsonCallStream``. Otherwise (``auto``) the model's own forms: Hermes tags
     stream as they come (``CallStream``); an answer that opens with JSON or ``<|python_tag|>``
     (Llama 3, the generic form) is held to its end and parsed then, as content when it is no
-    call. Without ``parallel``, calls after the first are dropped."""
+    call. Without ``parallel``, calls after the first are dropped. Either way the list ends at a
+    call repeating an earlier one, and after ``MAX_CALLS``: streamed, a call whose arguments so
+    far are the start of an earlier call's with the same name is held until it differs (then
+    sent) or ends equal (then dropped, with everything after it)."""
 
     def __init__(
         self, tools: list[Tool], forced: bool, parallel: bool = True, id_prefix: str = "call_"
@@ -624,6 +632,9 @@ class OutputCalls:
             JsonCallStream(id_prefix) if forced else None
         )
         self._held = ""  # auto: the opening text, until it says which form it is
+        self._ended = False  # the list ended (a repeated call, MAX_CALLS): later calls dropped
+        self._complete: list[tuple[str, str]] = []  # (name, arguments' text) of calls sent whole
+        self._open: dict[int, _OpenCall] = {}  # calls started and not ended, by index
 
     def feed(self, delta: str) -> list[Event]:
         if self._stream is None:
@@ -651,8 +662,12 @@ class OutputCalls:
     def result(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole answer."""
         content, calls = parse(text, self.tools)
+        if self.forced and not calls:  # cut short (max_tokens): the calls that closed are calls
+            calls = closed_calls(text)
+            content = "" if calls else content
         if not self.parallel:
             calls = calls[:1]
+        calls = bounded(calls)
         for call in calls:
             call.id = new_call_id(self.id_prefix)
         return content, calls
@@ -660,5 +675,88 @@ class OutputCalls:
     def _count(self, events: list[Event]) -> list[Event]:
         if not self.parallel:
             events = [e for e in events if isinstance(e, Content) or e.index == 0]
+        events = self._bound(events)
         self.calls += sum(isinstance(e, CallStart) for e in events)
         return events
+
+    def _bound(self, events: list[Event]) -> list[Event]:
+        """``events`` without the calls after the list ended (see the class)."""
+        out: list[Event] = []
+        for e in events:
+            if isinstance(e, Content):
+                out.append(e)
+            elif self._ended or e.index >= MAX_CALLS:
+                self._ended = True
+            elif isinstance(e, CallStart):
+                held = any(name == e.name for name, _ in self._complete)
+                self._open[e.index] = _OpenCall(e.name, "", [e] if held else None)
+                if not held:
+                    out.append(e)
+            else:
+                call = self._open.get(e.index)
+                if call is None:
+                    continue
+                if isinstance(e, ArgumentsDelta):
+                    call.arguments += e.text
+                if call.held is None:
+                    out.append(e)
+                    if isinstance(e, CallEnd):
+                        self._close(e.index)
+                elif isinstance(e, CallEnd):
+                    if (call.name, call.arguments) in self._complete:  # a repeat: the list ends
+                        self._ended = True
+                        self._open.clear()
+                    else:
+                        out += call.held
+                        out.append(e)
+                        self._close(e.index)
+                else:
+                    call.held.append(e)
+                    if not any(name == call.name and args.startswith(call.arguments)
+                               for name, args in self._complete):  # fmt: skip
+                        out += call.held
+                        call.held = None
+        return out
+
+    def _close(self, index: int) -> None:
+        call = self._open.pop(index)
+        self._complete.append((call.name, call.arguments))
+
+
+@dataclass(slots=True)
+class _OpenCall:
+    """A streamed call not yet ended: its name, its arguments' text so far, and its events
+    while held (None once sent: it differs from every earlier call)."""
+
+    name: str
+    arguments: str
+    held: list[Event] | None
+
+
+def closed_calls(text: str) -> list[ToolCall]:
+    """The calls of the generic JSON form (``forced_schema``) whose objects closed in ``text``,
+    an output cut short: a call cut inside is no call."""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    calls: list[ToolCall] = []
+    for e in JsonCallStream().feed(text):  # no close(): it would end the cut call as it is
+        if isinstance(e, CallStart):
+            names[e.index], arguments[e.index] = e.name, ""
+        elif isinstance(e, ArgumentsDelta):
+            arguments[e.index] += e.text
+        elif isinstance(e, CallEnd):
+            call = _as_call({"name": names[e.index], "arguments": arguments[e.index]})
+            if call is not None:
+                calls.append(call)
+    return calls
+
+
+def bounded(calls: list[ToolCall]) -> list[ToolCall]:
+    """``calls`` up to the first one repeating an earlier one (name and arguments), at most
+    ``MAX_CALLS``."""
+    seen: set[tuple[str, str]] = set()
+    for i, call in enumerate(calls[:MAX_CALLS]):
+        if (call.name, call.arguments) in seen:
+            return calls[:i]
+        seen.add((call.name, call.arguments))
+    return calls[:MAX_CALLS]

@@ -46,6 +46,7 @@ from zerolayer.codes import (
     Refusal,
 )
 from zerolayer.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
+from zerolayer.engine.finish import GRAMMAR_FAILED
 from zerolayer.engine.sampling import child_seed
 from zerolayer.engine.step import FINISH_ERROR, StepOutput
 from zerolayer.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
@@ -64,7 +65,7 @@ from zerolayer.request_path.stream import (
     Door,
     Stream,
 )
-from zerolayer.structured import Grammar, GrammarError, Grammars
+from zerolayer.structured import Grammar, GrammarBusy, GrammarError, Grammars
 from zerolayer.tokenizer import Detokenizer
 
 _ERROR = FinishReason.ERROR
@@ -72,6 +73,24 @@ _ERROR = FinishReason.ERROR
 log = logging.getLogger("zerolayer.requests")
 
 _perf = time.perf_counter
+
+
+GRAMMAR_BUSY_RETRY_MS = 1000  # the retry hint when the grammar compiler's queue is full
+
+
+def _grammar_failed(st: Stream, count: int) -> Refusal:
+    """The answer to a row whose grammar exceeded its limits (finish GRAMMAR_FAILED): the
+    client's grammar is at fault, so INVALID_REQUEST naming its field, never INTERNAL."""
+    seq = st.seq
+    grammar = seq.grammar if seq is not None else None
+    field = grammar.constraint.field if grammar is not None else "response_format"
+    why = seq.grammar_error if seq is not None else ""
+    return Refusal(
+        ErrorCode.INVALID_REQUEST,
+        f"{field}: the grammar exceeded its limits after {count} tokens ({why})",
+        0,
+        field,
+    )
 
 
 def charged_prompt_tokens(st: Stream) -> int:
@@ -235,6 +254,10 @@ class RequestPath:
             return await self.grammars.compile(constraint)
         except GrammarError as exc:
             raise Refusal(ErrorCode.INVALID_REQUEST, str(exc), 0, exc.field) from None
+        except GrammarBusy:
+            raise Refusal(
+                ErrorCode.OVERLOADED, "the grammar compiler is busy", GRAMMAR_BUSY_RETRY_MS
+            ) from None
 
     def _prepared(
         self,
@@ -372,6 +395,8 @@ class RequestPath:
             if finish == FINISH_ERROR:
                 error = Refusal(ErrorCode.INTERNAL, "the model backend failed")
                 self._end(st, _ERROR, error, t_admit=t_admit, count=count)
+            elif finish == GRAMMAR_FAILED:  # the client's grammar, not the daemon: a 400
+                self._end(st, _ERROR, _grammar_failed(st, count), t_admit=t_admit, count=count)
             else:
                 self._end(st, FINISH_BY_VALUE[finish], t_admit=t_admit, count=count)
             door = st.door
