@@ -208,8 +208,9 @@ def _call_history(value: object, where: str) -> list[dict[str, Any]]:
 
 
 def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
-    """Chat messages for the template (zerolayer.http.tools' convention), and the system text
-    (system/developer messages first)."""
+    """Chat messages for the template (zerolayer.http.tools' convention), and the system text:
+    the leading system/developer messages; a later one stays in place as a ``system`` message
+    (zerolayer.request_path.inputs renders it)."""
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
@@ -229,8 +230,9 @@ def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
         text = get_text_parts(m.get("content", ""), f"{where}.content")
         if role in ("system", "developer"):
             if out:
-                raise invalid(f"{where}: system messages must come before the conversation", where)
-            system.append(text)
+                out.append({"role": "system", "content": text})
+            else:
+                system.append(text)
             continue
         message: dict[str, Any] = {"role": role, "content": text}
         if "name" in m:
@@ -242,7 +244,7 @@ def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
                 raise invalid(f"{where}.tool_call_id is required", f"{where}.tool_call_id")
             message["tool_call_id"] = get_text(m["tool_call_id"], f"{where}.tool_call_id")
         out.append(message)
-    if not out:
+    if all(m["role"] == "system" for m in out):
         raise invalid("messages must hold at least one user or assistant message", "messages")
     return out, ("\n".join(system) if system else None)
 
