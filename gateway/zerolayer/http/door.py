@@ -28,7 +28,7 @@ from zerolayer.codes import Cached, ErrorCode, FinishReason, Refusal
 from zerolayer.engine.backend import ModelInfo
 from zerolayer.engine.step import StepOutput
 from zerolayer.hooks import Principal
-from zerolayer.http import anthropic, openai
+from zerolayer.http import anthropic, openai, responses
 from zerolayer.http.errors import HttpError, http_error, stream_error_event
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.reply import Ending, Reply
@@ -43,6 +43,7 @@ from zerolayer.http.routes import (
     MODEL_PREFIX,
     MODELS,
     OPS,
+    RESPONSES,
     OpsPages,
     api_key,
     api_of,
@@ -414,4 +415,5 @@ PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
     CHAT: lambda body, api: openai.parse_chat(body, api.model, api.strings),
     COMPLETION: lambda body, api: openai.parse_completion(body, api.model, api.strings),
     MESSAGES: lambda body, api: anthropic.parse_messages(body, api.model),
+    RESPONSES: lambda body, api: responses.parse_responses(body, api.model, api.strings),
 }
