@@ -207,7 +207,7 @@ def _call_history(value: object, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
+def chat_messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
     """Chat messages for the template (zerolayer.http.tools' convention), and the system text:
     the leading system/developer messages; a later one stays in place as a ``system`` message
     (zerolayer.request_path.inputs renders it)."""
@@ -249,7 +249,7 @@ def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
     return out, ("\n".join(system) if system else None)
 
 
-def _tools(obj: JsonObject, req: Request) -> ToolUse | None:
+def chat_tools(obj: JsonObject, req: Request) -> ToolUse | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``: the definitions go to the chat
     template (unless the choice is ``none``), a forced choice becomes the request's constraint."""
     parallel = get_bool(obj, "parallel_tool_calls", True)
@@ -273,8 +273,8 @@ def parse_chat(body: bytes, served: str, strings: TokenStrings | None = None) ->
     model = check_model(obj, served)
     req = Request(max_tokens=_max_tokens(obj, None), want_text=True)
     _sampling(obj, req)
-    req.messages, req.system = _messages(obj)
-    use = _tools(obj, req)
+    req.messages, req.system = chat_messages(obj)
+    use = chat_tools(obj, req)
     stream, include_usage = _stream_flags(obj)
     return ChatReply(validate(req), stream, model, include_usage, use, strings)
 

@@ -170,9 +170,13 @@ class InputProcessor:
         """The prompt's length in tokens, as ``prepare`` would make it (chat template and
         registered prompt included), without the context or sampling checks (the cheap text bound
         does apply)."""
+        return len(self.prompt_ids(req))
+
+    def prompt_ids(self, req: Request) -> np.ndarray:
+        """The prompt's ids, as ``prepare`` would feed them to the engine (``/tokenize``)."""
         self.check_text_bound(req)
         compiled, system = self._registered(req)
-        return len(self._prompt_ids(req, compiled, system))
+        return self._prompt_ids(req, compiled, system)
 
     def check_text_bound(self, req: Request) -> int:
         """Refuse (PROMPT_TOO_LONG, naming the field) a prompt whose text has more UTF-8 bytes
