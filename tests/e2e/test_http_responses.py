@@ -271,3 +271,24 @@ def test_openai_agents_default_model_calls_the_tool_and_ends(daemon) -> None:
 
     before = len(seen)
     assert isinstance(asyncio.run(streamed()), str) and len(seen) > before
+
+
+def test_pydantic_ai_prompted_output_runs(daemon) -> None:
+    # PromptedOutput asks for the JSON in a system message (and a retry sends one mid-list).
+    from pydantic_ai import Agent, PromptedOutput
+    from pydantic_ai.exceptions import UnexpectedModelBehavior
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=daemon.http_url + "/v1", api_key="none")
+    agent = Agent(
+        OpenAIChatModel(MODEL, provider=provider),
+        output_type=PromptedOutput(City),
+        model_settings={"max_tokens": 64, "temperature": 0},
+        retries=3,
+    )
+    try:
+        result = agent.run_sync("Name a big city and its country.")
+    except UnexpectedModelBehavior:  # the small model may never write valid JSON unforced;
+        return  # a refused request (ModelHTTPError, the old 400) fails the test
+    assert isinstance(result.output, City)
