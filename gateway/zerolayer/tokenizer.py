@@ -18,6 +18,11 @@ import numpy as np
 REPLACEMENT = "\ufffd"
 
 
+class TemplateRefused(ValueError):
+    """A chat template refused a conversation (its ``raise_exception``, e.g. "roles must
+    alternate" or "system role not supported"); the message is the template's."""
+
+
 class Tokenizer(ABC):
     vocab_size: int
     bos_token_id: int  # -1 when none
@@ -48,7 +53,9 @@ class Tokenizer(ABC):
     ) -> str:
         """The prompt text for a chat, ending where the assistant's turn begins. ``tools`` and
         the messages' tool fields are given only when ``renders_tools``
-        (zerolayer.request_path.inputs renders them as text otherwise)."""
+        (zerolayer.request_path.inputs renders them as text otherwise). ``messages`` may hold
+        ``system`` messages after the first turn. Raises TemplateRefused when the template
+        rejects the conversation."""
 
     def render_system(self, system: str) -> str:
         """The text a chat with only this system prompt starts with (for precompiled prompts)."""

@@ -275,7 +275,6 @@ WEATHER = {
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content[0]",
         ),
-        ({"messages": [USER[0], {"role": "system", "content": "late"}]}, "messages[1]"),
         ({"messages": [{"role": "system", "content": "only"}]}, "messages"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
     ],
@@ -284,6 +283,26 @@ def test_chat_refusals_name_the_field(fields, param):
     err = refused(lambda: chat(**fields))
     assert err.status == 400
     assert err.param == param, err.message
+
+
+def test_a_later_system_message_stays_in_place():
+    late = [
+        {"role": "developer", "content": "lead"},
+        USER[0],
+        {"role": "assistant", "content": "a"},
+        {"role": "system", "content": "now be terse"},
+        {"role": "developer", "content": [{"type": "text", "text": "really"}]},
+        {"role": "user", "content": "q2"},
+    ]
+    req = chat(messages=late).req
+    assert req.system == "lead"
+    assert req.messages == [
+        USER[0],
+        {"role": "assistant", "content": "a"},
+        {"role": "system", "content": "now be terse"},
+        {"role": "system", "content": "really"},
+        {"role": "user", "content": "q2"},
+    ]
 
 
 def test_unknown_model_is_404_and_bad_bodies_are_400():
@@ -601,7 +620,8 @@ def test_messages_defaults_and_fields():
         ),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"system": 5}, "system"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "messages[0].content[0]",
@@ -613,6 +633,26 @@ def test_messages_defaults_and_fields():
 def test_messages_refusals_name_the_field(fields, param):  # noqa: ANN001
     err = refused(lambda: messages(**fields))
     assert (err.status, err.param) == (400, param), err.message
+
+
+def test_anthropic_system_messages_anywhere():
+    r = messages(
+        system="top",
+        messages=[
+            {"role": "system", "content": [{"type": "text", "text": "lead"}]},
+            USER[0],
+            {"role": "assistant", "content": "a"},
+            {"role": "system", "content": "late"},
+            {"role": "user", "content": "q2"},
+        ],
+    )
+    assert r.req.system == "top\nlead"
+    assert r.req.messages == [
+        USER[0],
+        {"role": "assistant", "content": "a"},
+        {"role": "system", "content": "late"},
+        {"role": "user", "content": "q2"},
+    ]
 
 
 def test_messages_ranges_are_every_doors():

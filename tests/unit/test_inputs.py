@@ -244,3 +244,107 @@ def test_a_template_with_tools_renders_them(tmp_path) -> None:
         'TOOLS get_weather.[user]weather in Rome?[assistant]CALL get_weather {"city": "Rome"}'
         "[tool:get_weather]sunny"
     ]
+
+
+# --------------------------------------------------------------- system messages anywhere
+
+# Gemma's rule: no system role, user and assistant alternate (its template raises otherwise).
+_STRICT = (
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}</>{% endfor %}<assistant>"
+)
+_CHATML = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}<assistant>"
+
+LATE = [
+    {"role": "user", "content": "q1"},
+    {"role": "assistant", "content": "a1"},
+    {"role": "system", "content": "be terse"},
+    {"role": "user", "content": "q2"},
+]
+
+
+def _templated(tmp_path, template: str):  # noqa: ANN001, ANN202 - (tokenizer, rendered texts)
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from zerolayer.models.hf_tokenizer import HFTokenizer
+
+    rust = RustTokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer(tmp_path)
+    seen: list[str] = []
+    tok.encode_prompt = lambda text: seen.append(text) or np.ones(3, np.int32)  # type: ignore[method-assign]
+    return tok, seen
+
+
+def _render(tok, **kw) -> None:  # noqa: ANN001
+    InputProcessor(tok, ModelInfo("m", 3, 2, 4096)).prepare(Request(max_tokens=4, **kw))
+
+
+def test_a_template_that_renders_any_role_gets_system_messages_in_place(tmp_path) -> None:
+    tok, seen = _templated(tmp_path, _CHATML)
+    _render(tok, messages=LATE, system="lead")
+    assert seen == [
+        "<system>lead</><user>q1</><assistant>a1</><system>be terse</><user>q2</><assistant>"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("messages", "system", "expected"),
+    [
+        # the next user message gets the system texts, the system prompt first
+        (LATE, "lead", "<user>lead\n\nq1</><assistant>a1</><user>be terse\n\nq2</><assistant>"),
+        # no user message after it: appended to the previous one
+        (
+            [*LATE[:3], {"role": "user", "content": "q2"}, {"role": "system", "content": "end"}],
+            None,
+            "<user>q1</><assistant>a1</><user>be terse\n\nq2\n\nend</><assistant>",
+        ),
+    ],
+)
+def test_a_template_refusing_system_gets_them_merged_into_user_turns(
+    tmp_path,  # noqa: ANN001
+    messages: list,
+    system: str | None,
+    expected: str,
+) -> None:
+    tok, seen = _templated(tmp_path, _STRICT)
+    _render(tok, messages=messages, system=system)
+    assert seen == [expected]
+
+
+def test_a_conversation_the_template_refuses_is_a_400_naming_messages(tmp_path) -> None:
+    tok, seen = _templated(tmp_path, _STRICT)
+    for messages in (
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],  # no system
+        # merged, the turns still do not alternate
+        [{"role": "assistant", "content": "a"}, {"role": "system", "content": "s"}],
+    ):
+        with pytest.raises(Refusal) as err:
+            _render(tok, messages=messages)
+        assert err.value.field == "messages" and err.value.code == ErrorCode.INVALID_REQUEST
+        assert "roles must alternate" in err.value.message
+    assert seen == []
+
+
+def test_merge_system_rule() -> None:
+    from zerolayer.models.templates import merge_system
+
+    original = [dict(m) for m in LATE]
+    assert merge_system(LATE, None) == [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "be terse\n\nq2"},
+    ]
+    assert original == LATE  # copied, not changed in place
+    only = [{"role": "assistant", "content": "a"}, {"role": "system", "content": "s"}]
+    assert merge_system(only, "p") == [
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "p\n\ns"},
+    ]

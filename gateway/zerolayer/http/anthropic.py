@@ -1,7 +1,8 @@
 """The Anthropic Messages API: ``/v1/messages`` JSON in, ``Request`` + ``Reply`` out.
 
-``parse_messages`` reads ``system`` (a string or text blocks), ``messages`` (user/assistant,
-content as a string or blocks: text, an assistant's ``tool_use``, a user's ``tool_result``),
+``parse_messages`` reads ``system`` (a string or text blocks), ``messages`` (user/assistant, and
+system anywhere; content as a string or blocks: text, an assistant's ``tool_use``, a user's
+``tool_result``),
 ``tools`` and ``tool_choice`` (auto, any, tool, none; ``any`` and a named tool forced by the
 grammar), ``max_tokens`` (required), ``stop_sequences``, ``temperature`` (default 1.0),
 ``top_p``, ``top_k``, ``min_p`` (an extension) and ``stream`` (their ranges are
@@ -119,29 +120,43 @@ def _blocks(m: JsonObject, where: str, names: dict[str, str]) -> list[dict[str, 
     return results
 
 
-def _history(obj: JsonObject) -> list[dict[str, Any]]:
+def _history(obj: JsonObject) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages for the template, and the texts of the leading ``system`` messages (the
+    SDK's SystemMessageParam: a string or text blocks). A later system message stays in place
+    as a ``system`` message (zerolayer.request_path.inputs renders it)."""
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
+    leading: list[str] = []
     names: dict[str, str] = {}
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         m = get_object(m, where)
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise invalid(f"{where}.role must be user, assistant; got {role!r}", f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            roles = "user, assistant, system"
+            raise invalid(f"{where}.role must be {roles}; got {role!r}", f"{where}.role")
         check_keys(m, ("role", "content"), where)
         if "content" not in m:
             raise invalid(f"{where}.content is required", f"{where}.content")
+        if role == "system":
+            text = get_text_parts(m["content"], f"{where}.content")
+            if out:
+                out.append({"role": "system", "content": text})
+            else:
+                leading.append(text)
+            continue
         out += _blocks(m, where, names)
+    if all(m["role"] == "system" for m in out):
+        raise invalid("messages must hold at least one user or assistant message", "messages")
     if out[-1]["role"] == "assistant":
         where = f"messages[{len(messages) - 1}]"
         raise invalid(
             f"{where}: a final assistant message (prefill) is not supported; end with a user turn",
             where,
         )
-    return out
+    return out, leading
 
 
 def _tools(obj: JsonObject, req: Request) -> ToolUse | None:
@@ -174,9 +189,9 @@ def _conversation(obj: JsonObject, served: str, req: Request) -> tuple[str, Tool
         "extended thinking is not supported",
     )
     model = check_model(obj, served)
-    if "system" in obj:
-        req.system = get_text_parts(obj["system"], "system") or None
-    req.messages = _history(obj)
+    system = [get_text_parts(obj["system"], "system")] if "system" in obj else []
+    req.messages, leading = _history(obj)
+    req.system = "\n".join(t for t in system + leading if t) or None
     return model, _tools(obj, req)
 
 

@@ -28,7 +28,7 @@ from zerolayer.codes import Cached, ErrorCode, FinishReason, Refusal
 from zerolayer.engine.backend import ModelInfo
 from zerolayer.engine.step import StepOutput
 from zerolayer.hooks import Principal
-from zerolayer.http import anthropic, embeddings, openai
+from zerolayer.http import anthropic, embeddings, openai, responses, tokenize
 from zerolayer.http.errors import HttpError, http_error, stream_error_event
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.reply import Ending, Reply
@@ -37,6 +37,7 @@ from zerolayer.http.routes import (
     CHAT,
     COMPLETION,
     COUNT_TOKENS,
+    DETOKENIZE,
     EMBEDDINGS,
     KEYLESS,
     MESSAGES,
@@ -44,6 +45,8 @@ from zerolayer.http.routes import (
     MODEL_PREFIX,
     MODELS,
     OPS,
+    RESPONSES,
+    TOKENIZE,
     OpsPages,
     api_key,
     api_of,
@@ -419,11 +422,21 @@ def _count_tokens(api: HttpApi, request: Incoming) -> bytes | Deferred:
     return lambda: anthropic.count_tokens_body(inputs.count_prompt_tokens(req))
 
 
+def _tokenize(api: HttpApi, request: Incoming) -> bytes | Deferred:
+    return tokenize.tokenize(bytes(request.body), api.model, api.path.inputs, api.strings)
+
+
+def _detokenize(api: HttpApi, request: Incoming) -> bytes:
+    return tokenize.detokenize(bytes(request.body), api.model, api.path.inputs)
+
+
 # endpoint → its answer without the engine: the body, or the work that makes it off the loop
 LOCAL: dict[str, Callable[[HttpApi, Incoming], bytes | Deferred]] = {
     MODELS: _models,
     MODEL: _model,
     COUNT_TOKENS: _count_tokens,
+    TOKENIZE: _tokenize,
+    DETOKENIZE: _detokenize,
 }
 
 # endpoint → the parser of its body into a Request and the Reply that answers it
@@ -434,4 +447,5 @@ PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
     EMBEDDINGS: lambda body, api: embeddings.parse_embeddings(
         body, api.model, api.path.inputs.info.hidden_size
     ),
+    RESPONSES: lambda body, api: responses.parse_responses(body, api.model, api.strings),
 }

@@ -206,9 +206,10 @@ def _call_history(value: object, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
-    """Chat messages for the template (zerolayer.http.tools' convention), and the system text
-    (system/developer messages first)."""
+def chat_messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
+    """Chat messages for the template (zerolayer.http.tools' convention), and the system text:
+    the leading system/developer messages; a later one stays in place as a ``system`` message
+    (zerolayer.request_path.inputs renders it)."""
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
@@ -228,8 +229,9 @@ def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
         text = get_text_parts(m.get("content", ""), f"{where}.content")
         if role in ("system", "developer"):
             if out:
-                raise invalid(f"{where}: system messages must come before the conversation", where)
-            system.append(text)
+                out.append({"role": "system", "content": text})
+            else:
+                system.append(text)
             continue
         message: dict[str, Any] = {"role": role, "content": text}
         if "name" in m:
@@ -241,12 +243,12 @@ def _messages(obj: JsonObject) -> tuple[list[dict[str, Any]], str | None]:
                 raise invalid(f"{where}.tool_call_id is required", f"{where}.tool_call_id")
             message["tool_call_id"] = get_text(m["tool_call_id"], f"{where}.tool_call_id")
         out.append(message)
-    if not out:
+    if all(m["role"] == "system" for m in out):
         raise invalid("messages must hold at least one user or assistant message", "messages")
     return out, ("\n".join(system) if system else None)
 
 
-def _tools(obj: JsonObject, req: Request) -> ToolUse | None:
+def chat_tools(obj: JsonObject, req: Request) -> ToolUse | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``: the definitions go to the chat
     template (unless the choice is ``none``), a forced choice becomes the request's constraint."""
     parallel = get_bool(obj, "parallel_tool_calls", True)
@@ -270,8 +272,8 @@ def parse_chat(body: bytes, served: str, strings: TokenStrings | None = None) ->
     model = check_model(obj, served)
     req = Request(max_tokens=_max_tokens(obj, None), want_text=True)
     _sampling(obj, req)
-    req.messages, req.system = _messages(obj)
-    use = _tools(obj, req)
+    req.messages, req.system = chat_messages(obj)
+    use = chat_tools(obj, req)
     stream, include_usage = _stream_flags(obj)
     return ChatReply(validate(req), stream, model, include_usage, use, strings)
 

@@ -760,3 +760,37 @@ def bounded(calls: list[ToolCall]) -> list[ToolCall]:
             return calls[:i]
         seen.add((call.name, call.arguments))
     return calls[:MAX_CALLS]
+
+
+# -- the Responses API's forms (POST /v1/responses) -----------------------------------------
+
+
+def tools_from_responses(value: Any) -> list[Tool]:
+    """Responses ``tools``: [{"type": "function", name, description, parameters, strict}] (the
+    function's fields at the top level); hosted tools (web search, file search, ...) are a
+    ``ToolError`` naming ``tools[i].type``."""
+    if not isinstance(value, list):
+        raise ToolError("tools", "must be a list")
+    out = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise ToolError(f"tools[{i}]", "must be an object")
+        if entry.get("type") != "function":
+            raise ToolError(f"tools[{i}].type", "only function tools are supported")
+        params = entry.get("parameters")
+        out.append(
+            _tool(entry.get("name"), entry.get("description"), params, f"tools[{i}]", "parameters")
+        )
+    return _unique(out, "tools")
+
+
+def choice_from_responses(value: Any, tools: list[Tool]) -> Choice:
+    """Responses ``tool_choice``: none, auto, required or ``{"type": "function", "name"}``;
+    ``allowed_tools`` and hosted tools are a ``ToolError`` naming ``tool_choice.type``."""
+    if value is None or value in ("none", "auto", "required"):
+        return choice_from_openai(value, tools)
+    if isinstance(value, dict) and value.get("type") == "function":
+        return Choice("required", _named(value.get("name"), tools, "tool_choice.name"))
+    if isinstance(value, dict):
+        raise ToolError("tool_choice.type", "only none, auto, required or a function")
+    raise ToolError("tool_choice", "must be none, auto, required or a named function")

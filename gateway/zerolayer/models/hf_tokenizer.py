@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import Tokenizer as _RustTokenizer
 
 from zerolayer.models.templates import template_supports_tools
-from zerolayer.tokenizer import Tokenizer
+from zerolayer.tokenizer import TemplateRefused, Tokenizer
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -60,7 +60,7 @@ def _as_id_list(value: Any) -> list[int]:
 
 def _raise_exception(message: str) -> None:
     # Chat templates call raise_exception() to reject conversations they cannot render.
-    raise ValueError(f"chat template: {message}")
+    raise TemplateRefused(f"the chat template refused the conversation: {message}")
 
 
 def _byte_map() -> dict[str, int]:

@@ -5,6 +5,7 @@
   ``template_tools`` / ``tools_of_template``: the definitions as that variable takes them.
 - ``system_prompt``: the generic rendering, in the system turn, for a template without tools.
 - ``plain_history``: calls and results as Hermes text, for a template without tools.
+- ``merge_system``: the conversation without system messages, for a template that refuses them.
 
 Parsing the model's output back into calls is the HTTP door's (``zerolayer.http.tools``).
 """
@@ -102,4 +103,30 @@ def plain_history(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
                 out.append({"role": "user", "content": block})
         else:
             out.append({"role": role, "content": content})
+    return out
+
+
+def merge_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """The conversation without system messages, for a chat template that refused them: each
+    system message's text (``system``, the leading one, first) is prefixed to the next user
+    message, a blank line between; with no user message after it, appended to the previous
+    one; with neither (no user message at all), they become one user message at the end.
+    Messages are copied, never changed in place (docs/http.md, "System messages")."""
+    out: list[dict[str, Any]] = []
+    waiting: list[str] = [system] if system else []  # system texts for the next user message
+    for m in messages:
+        if m["role"] == "system":
+            waiting.append(m.get("content") or "")
+        elif m["role"] == "user" and waiting:
+            out.append({**m, "content": "\n\n".join([*waiting, m.get("content") or ""])})
+            waiting = []
+        else:
+            out.append(m)
+    if waiting:
+        last = next((i for i in range(len(out) - 1, -1, -1) if out[i]["role"] == "user"), None)
+        if last is None:
+            out.append({"role": "user", "content": "\n\n".join(waiting)})
+        else:
+            joined = "\n\n".join([out[last].get("content") or "", *waiting])
+            out[last] = {**out[last], "content": joined}
     return out

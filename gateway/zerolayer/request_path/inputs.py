@@ -26,7 +26,7 @@ from zerolayer.request_path import offload
 from zerolayer.request_path.prompts import CompiledPrompt, PromptRegistry
 from zerolayer.request_path.request import Request
 from zerolayer.sampling_params import SamplingParams
-from zerolayer.tokenizer import Detokenizer, Tokenizer
+from zerolayer.tokenizer import Detokenizer, TemplateRefused, Tokenizer
 
 _NO_STOP_IDS: frozenset[int] = frozenset()
 
@@ -197,9 +197,13 @@ class InputProcessor:
         """The prompt's length in tokens, as ``prepare`` would make it (chat template and
         registered prompt included), without the context or sampling checks (the cheap text bound
         does apply)."""
+        return len(self.prompt_ids(req))
+
+    def prompt_ids(self, req: Request) -> np.ndarray:
+        """The prompt's ids, as ``prepare`` would feed them to the engine (``/tokenize``)."""
         self.check_text_bound(req)
         compiled, system = self._registered(req)
-        return len(self._prompt_ids(req, compiled, system))
+        return self._prompt_ids(req, compiled, system)
 
     def check_text_bound(self, req: Request) -> int:
         """Refuse (PROMPT_TOO_LONG, naming the field) a prompt whose text has more UTF-8 bytes
@@ -256,15 +260,30 @@ class InputProcessor:
     def _render_chat(self, req: Request, system: str | None) -> str:
         """The chat through the model's template: its own rendering of the tools and of calls
         and results in the history where it has one, else the tools as system text
-        (``templates.system_prompt``) and the history as text (``templates.plain_history``)."""
+        (``templates.system_prompt``) and the history as text (``templates.plain_history``).
+
+        System messages after the first turn go to the template in place. When the template
+        refuses a conversation holding system messages, they are merged into the user turns
+        (``templates.merge_system``: the one rule, docs/http.md) and it renders again; a
+        refusal of that, or of a conversation without system messages, is a 400 naming
+        ``messages``."""
         assert req.messages is not None
         tok = self.tokenizer
-        if tok.renders_tools:
-            return tok.render_chat(req.messages, system, req.tools)
-        if req.tools:
-            listed = templates.system_prompt(templates.tools_of_template(req.tools))
-            system = f"{system}\n\n{listed}" if system else listed
-        return tok.render_chat(templates.plain_history(req.messages), system)
+        messages, tools = req.messages, req.tools
+        if not tok.renders_tools:
+            if tools:
+                listed = templates.system_prompt(templates.tools_of_template(tools))
+                system = f"{system}\n\n{listed}" if system else listed
+            messages, tools = templates.plain_history(messages), None
+        try:
+            return tok.render_chat(messages, system, tools)
+        except TemplateRefused as refused:
+            if system is None and all(m["role"] != "system" for m in messages):
+                raise invalid(str(refused), "messages") from None
+        try:
+            return tok.render_chat(templates.merge_system(messages, system), None, tools)
+        except TemplateRefused as refused:
+            raise invalid(str(refused), "messages") from None
 
     def _registered(self, req: Request) -> tuple[CompiledPrompt | None, str | None]:
         """The registered prompt the request names, and the system text to render."""
