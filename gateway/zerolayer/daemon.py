@@ -226,6 +226,7 @@ class StepSink:
         self.slots = slots
         self.engine: Engine | None = None  # set once the engine is built
         self._shown = (-1, -1, -1)
+        self._classes_shown = -1
 
     def __call__(self, step: StepOutput) -> None:
         engine = self.engine
@@ -234,6 +235,9 @@ class StepSink:
         if now != self._shown:
             self._shown = now
             self.metrics.set_queue(*now, self.slots)
+        if engine.class_version != self._classes_shown:
+            self._classes_shown = engine.class_version
+            self.metrics.set_classes(engine.class_rows)
         self.outbox.put(step)
 
 
@@ -300,6 +304,7 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
         prefill_chunk=ecfg.prefill_chunk,
         on_step=metrics.engine_step,
         prefix_store=store,
+        row_share=ecfg.row_share,
     )
     sink.engine = engine
     # n choices hold n slots at once: at most the slots there are.

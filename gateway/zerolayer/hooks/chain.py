@@ -109,7 +109,7 @@ class Chain:
         self.records = False
         self.is_async = False
         self.names: tuple[str, ...] = ()  # hook labels in chain order, for logs and docs
-        self._anonymous = Principal("anonymous")
+        self._anonymous = Principal("anonymous", principal_class="anonymous")
         self._on_hello: tuple[Callable[[bytes], Principal | None], ...] = ()
         self._on_certificate: tuple[Callable[[tuple[str, ...]], Principal | None], ...] = ()
         self._on_request: tuple[Callable[[Any], Any], ...] = ()

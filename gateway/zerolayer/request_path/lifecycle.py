@@ -192,12 +192,14 @@ class RequestPath:
         if self._records and prep.deterministic:
             st.record = True
             st.rec_text = [] if prep.detokenizer is not None else None
-        # Fair admission: an authenticated client's sequences share one turn, an anonymous
-        # client's share its connection's (zerolayer.engine.engine: round robin by this key).
-        fair_key = principal.name if principal.key_id else id(st.door)
+        # Fair admission: an authenticated client's sequences share one turn and one share of
+        # the rows, an anonymous client's those of its address, whatever its connections or
+        # doors (zerolayer.engine.admission).
+        fair_key = principal.name if principal.key_id else ("anonymous", st.door.peer_ip)
+        weight, pclass = principal.weight, principal.principal_class
         st.seq = Sequence(
             st, prep.prompt, prep.max_tokens, prep.sampling, prep.stop_ids, prep.stop_sequences,
-            prep.detokenizer, prep.ignore_eos, fair_key, grammar,
+            prep.detokenizer, prep.ignore_eos, fair_key, grammar, weight, pclass,
         )  # fmt: skip
         for sib in (st.group or (st,))[1:]:  # the other choices: their own seed stream and text
             sib.full_ids, sib.prompt_tokens = st.full_ids, st.prompt_tokens
@@ -208,7 +210,7 @@ class RequestPath:
             detok = Detokenizer(self.inputs.tokenizer) if prep.detokenizer is not None else None
             sib.seq = Sequence(
                 sib, prep.prompt, prep.max_tokens, sampling, prep.stop_ids, prep.stop_sequences,
-                detok, prep.ignore_eos, fair_key, grammar,
+                detok, prep.ignore_eos, fair_key, grammar, weight, pclass,
             )  # fmt: skip
             sib.seq.parent = st.seq
             st.seq.choices.append(sib.seq)
