@@ -215,3 +215,32 @@ def test_weight_and_class_from_the_keys_file_reach_the_principal(tmp_path, capsy
         keys_file.write_text(f'[[keys]]\nname = "a"\nsha256 = "{digest}"\n{field}\n')
         with pytest.raises(KeysFileError, match=message):
             load_keys(keys_file)
+
+
+def test_every_credential_is_checked_and_must_name_one_key(tmp_path):
+    """Issue #40 item 4, in the chain both doors call."""
+    keys_file = tmp_path / "keys.toml"
+    a, b = add_key(keys_file, "a"), add_key(keys_file, "b")
+    chain = auth_chain(keys_file)
+    assert chain.on_credentials([a.encode(), a.encode()]).name == "a"
+    refused = 0
+    for presented in (
+        [a.encode(), b"zl_bogus"],
+        [b"zl_bogus", a.encode()],
+        [a.encode(), b.encode()],
+    ):
+        with pytest.raises(HookError) as err:
+            chain.on_credentials(presented)
+        assert err.value.code == UNAUTHENTICATED
+        refused += 1
+    with pytest.raises(HookError):  # a HELLO key that is not the certificate's key
+        chain.on_credentials([b.encode()], chain.on_hello(a.encode()))
+    assert refused == 3
+    off = Chain.build(
+        SimpleNamespace(
+            auth=AuthConfig(enabled=False),
+            ratelimit=RateLimitConfig(),
+            cache=CacheConfig(enabled=False),
+        )
+    )
+    assert off.on_credentials([b"x", b"y"]).name == "anonymous"  # auth off: nothing is checked

@@ -38,8 +38,8 @@ from zerolayer.http.routes import (
     MODELS,
     OPS,
     OpsPages,
-    api_key,
     api_of,
+    credentials,
     route,
     wants_cache,
 )
@@ -178,7 +178,7 @@ class ApiConnection(HttpConnection):
         self.path.open(st, principal, reply.req)
 
     def _authenticate(self, request: Incoming) -> Principal:
-        return self.path.authenticate(api_key(request))  # a Refusal: handle maps it
+        return self.path.authenticate(credentials(request))  # a Refusal: handle maps it
 
     def _count_tokens(self, body: bytes) -> None:
         req = anthropic.parse_count_tokens(body, self.api.model)

@@ -114,9 +114,10 @@ class RequestPath:
 
     # ---- doors call these ------------------------------------------------------------------
 
-    def authenticate(self, key: bytes) -> Principal:
-        """A door's credentials → the principal; raises HookError (UNAUTHENTICATED)."""
-        return self.chain.on_hello(key)
+    def authenticate(self, keys: list[bytes], certificate: Principal | None = None) -> Principal:
+        """Every credential a door was given → the one principal; raises HookError
+        (UNAUTHENTICATED) for any invalid key, or keys of different principals."""
+        return self.chain.on_credentials(keys, certificate)
 
     def open(self, st: Stream, principal: Principal, req: Request) -> None:
         """Run ``req`` for ``st`` (already known to its door). Never raises for anything the
