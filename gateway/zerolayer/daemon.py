@@ -31,6 +31,7 @@ from typing import TypeVar
 
 import uvloop
 
+from zerolayer.cachedir import data_root, sweep
 from zerolayer.config.settings import (
     ConfigError,
     Settings,
@@ -272,6 +273,13 @@ def _grammars(tokenizer: Tokenizer, info: ModelInfo) -> Grammars | None:
 def _build(settings: Settings, metrics: Metrics, health: Health, listeners: Listeners) -> Parts:
     """Load the model, compile the registered prompts, build hooks, engine, path and doors."""
     health.starting("loading model")
+    # What an interrupted write of a cache directory left (a kill -9 mid-conversion or build):
+    # removed before anything is written, a concurrent start's directory being written kept.
+    cache = data_root(settings.model.data_dir)
+    swept = sweep(cache)
+    if swept:
+        log.info("removed %d unfinished cache director%s under %s", swept,
+                 "y" if swept == 1 else "ies", cache)  # fmt: skip
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
     # engine loop (see zerolayer.engine.compute for why one thread).
     compute = ComputeThread()
