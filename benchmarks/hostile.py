@@ -10,7 +10,10 @@ before the attack and after the attackers left. The canary (benchmarks/_canary.p
 
 Attacks (the items of issue #25): a lone surrogate in a JSON key (1), a header line growing
 without end (2), prompts far over the context (3), slowloris heads and bodies held open (4),
-one client flooding the engine queue (5), idle connections that sent HELLO (6).
+one client flooding the engine queue (5), idle connections that sent HELLO (6); and issue #40's:
+one address holding every slot from 8 connections (#40 2), a whole-vocabulary logit_bias from 8
+clients (#40 3). ``--only TEXT`` runs the attacks whose name contains TEXT; ``--tree DIR`` runs
+a daemon of another source tree (a baseline checkout) instead of this one.
 
 Bounded: each attack stops at the end of its window; loopback only.
 
@@ -26,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,6 +40,7 @@ from zerolayer.frames import protocol as p  # noqa: E402
 
 ATTACKERS = [f"127.0.0.{i}" for i in range(2, 10)]
 Attack = Callable[[Daemon, Callable[[], bool]], Awaitable[int]]
+SYNTHETIC_VOCAB = 32000  # engine.synthetic_vocab_size's default
 
 
 def fds(d: Daemon) -> int:
@@ -222,6 +227,59 @@ async def idle_hellos(d: Daemon, go_on: Callable[[], bool]) -> int:
     return len(writers)
 
 
+async def slot_hog(d: Daemon, go_on: Callable[[], bool]) -> int:
+    """Issue #40 item 2: one address on 8 frame connections keeps 8 streams of 300 tokens in
+    flight on each (64: every slot and more queued), each replaced as soon as it ends."""
+    sent = 0
+
+    async def connection(c: int) -> None:
+        nonlocal sent
+        conn = await connect(d, d.port, ATTACKERS[2])
+        if conn is None:
+            return
+        reader, writer = conn
+        writer.write(p.encode_hello())
+        welcome = p.HEADER.unpack(await reader.readexactly(12))
+        await reader.readexactly(welcome[0])
+        for i in range(8):
+            writer.write(p.encode_request(i + 1, f"hog {c} {i}", 300, cache=False))
+            sent += 1
+        while go_on():
+            try:
+                head = await asyncio.wait_for(reader.readexactly(12), 0.5)
+            except (asyncio.TimeoutError, TimeoutError):
+                continue
+            except (asyncio.IncompleteReadError, OSError):
+                return
+            length, ftype, _, _, stream = p.HEADER.unpack(head)
+            await reader.readexactly(length)
+            if ftype in (p.FrameType.DONE, p.FrameType.ERROR) and stream:
+                writer.write(p.encode_request(stream, f"hog {c} {stream}", 300, cache=False))
+                sent += 1
+        writer.close()
+
+    await asyncio.gather(*(connection(c) for c in range(8)))
+    return sent
+
+
+async def whole_vocabulary_bias(d: Daemon, go_on: Callable[[], bool]) -> int:
+    """Issue #40 item 3: 8 clients ask with a logit_bias on every id of the vocabulary."""
+    bias = {str(i): (i % 7) - 3 for i in range(SYNTHETIC_VOCAB)}
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "b"}], "max_tokens": 20, "logit_bias": bias}
+    ).encode()
+    request = post(b"/v1/chat/completions", body)
+
+    async def one(n: int, conn: Conn) -> None:
+        reader, writer = conn
+        writer.write(request)
+        await answered(reader, 30.0)
+        while await asyncio.wait_for(reader.read(1 << 16), 30.0):
+            pass
+
+    return await http_clients(d, 8, go_on, one)
+
+
 ATTACKS: list[tuple[str, Attack]] = [
     ("1 lone surrogate in a JSON key", surrogate_keys),
     ("2 a header line without end", endless_header),
@@ -229,6 +287,8 @@ ATTACKS: list[tuple[str, Attack]] = [
     ("4 slowloris heads and held bodies", slowloris),
     ("5 one client floods the engine queue", queue_flood),
     ("6 idle connections after HELLO", idle_hellos),
+    ("#40 2 one address holds every slot (8 connections)", slot_hog),
+    ("#40 3 whole-vocabulary logit_bias from 8 clients", whole_vocabulary_bias),
 ]
 
 
@@ -266,7 +326,11 @@ def main() -> None:
     ap.add_argument("--quiet-s", type=float, default=4.0)
     ap.add_argument("--attack-s", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default="", help="run the attacks whose name contains this")
+    ap.add_argument("--tree", default="", help="a source tree to run instead of this one")
     args = ap.parse_args()
+    attacks = [(name, attack) for name, attack in ATTACKS if args.only in name]
+    tree = {"raw_env": {"PYTHONPATH": f"{args.tree}/gateway"}, "root": Path(args.tree)}
     env = {
         "ENGINE__BACKEND": "synthetic",
         "ENGINE__SYNTHETIC_STEP_MS": "2",
@@ -274,12 +338,12 @@ def main() -> None:
         "HTTP__HEADER_TIMEOUT_S": "10",
     }
     results: dict[str, dict] = {}
-    with Daemon(env) as d:
+    with Daemon(env, **(tree if args.tree else {})) as d:  # type: ignore[arg-type]
         import uvloop
 
         rss_by_round = [round(d.rss_mb(), 1)]
         for _ in range(args.rounds):  # a later round shows whether memory keeps growing
-            for name, attack in ATTACKS:
+            for name, attack in attacks:
                 results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
                 print(name, json.dumps(results[name]), file=sys.stderr)
             rss_by_round.append(round(d.rss_mb(), 1))
