@@ -34,7 +34,8 @@ async def frame(reader: asyncio.StreamReader) -> tuple[int, int]:
 
 async def run(host: str, port: int, args: argparse.Namespace) -> dict:
     ra, wa = await asyncio.open_connection(host, port)
-    rb, wb = await asyncio.open_connection(host, port)
+    # B from another loopback address: anonymous clients are one principal per address
+    rb, wb = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
     wa.write(b"".join(p.encode_request(2 * i + 1, [5, 6, i % 200 + 1], args.a_tokens)
                       for i in range(args.streams)))  # fmt: skip
     a_done = 0
@@ -91,7 +92,8 @@ def main() -> None:
         f"`python benchmarks/fairness.py --streams {args.streams}` — synthetic backend, "
         f"{args.step_ms:g} ms per step, 32 slots. Client A queues {args.streams} streams of "
         f"{args.a_tokens} tokens on one connection; when A's first token arrives, client B sends "
-        f"one request of {args.b_tokens} tokens on its own connection.\n\n"
+        f"one request of {args.b_tokens} tokens on its own connection from another address "
+        "(127.0.0.2: anonymous clients are one principal per address).\n\n"
         + table(
             ["B's time to first token", "B's total", "A's streams finished before B's first token"],
             [

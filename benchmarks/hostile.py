@@ -11,9 +11,12 @@ before the attack and after the attackers left. The canary (benchmarks/_canary.p
 Attacks (the items of issue #25): a lone surrogate in a JSON key (1), a header line growing
 without end (2), prompts far over the context (3), slowloris heads and bodies held open (4),
 one client flooding the engine queue (5), idle connections that sent HELLO (6) — on the
-synthetic backend; and issue #40's grammars that stalled the step (#40 7: four clients sending
-benchmarks/hostile_grammars.py's schemas in a loop, each answer's status counted: all 400
-expected, no 500) on the default model (SmolLM2, cpu), in a second daemon.
+synthetic backend; and issue #40's: one address holding every slot from 8 connections (#40 2),
+a whole-vocabulary logit_bias from 8 clients (#40 3), and the grammars that stalled the step
+(#40 7: four clients sending benchmarks/hostile_grammars.py's schemas in a loop, each answer's
+status counted: all 400 expected, no 500) on the default model (SmolLM2, cpu), in a second
+daemon. ``--only TEXT`` runs the attacks whose name contains TEXT; ``--tree DIR`` runs a
+daemon of another source tree (a baseline checkout) instead of this one.
 
 Bounded: each attack stops at the end of its window; loopback only.
 
@@ -32,6 +35,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,6 +47,7 @@ from zerolayer.frames import protocol as p  # noqa: E402
 
 ATTACKERS = [f"127.0.0.{i}" for i in range(2, 10)]
 Attack = Callable[[Daemon, Callable[[], bool]], Awaitable[int]]
+SYNTHETIC_VOCAB = 32000  # engine.synthetic_vocab_size's default
 
 
 def fds(d: Daemon) -> int:
@@ -229,6 +234,59 @@ async def idle_hellos(d: Daemon, go_on: Callable[[], bool]) -> int:
     return len(writers)
 
 
+async def slot_hog(d: Daemon, go_on: Callable[[], bool]) -> int:
+    """Issue #40 item 2: one address on 8 frame connections keeps 8 streams of 300 tokens in
+    flight on each (64: every slot and more queued), each replaced as soon as it ends."""
+    sent = 0
+
+    async def connection(c: int) -> None:
+        nonlocal sent
+        conn = await connect(d, d.port, ATTACKERS[2])
+        if conn is None:
+            return
+        reader, writer = conn
+        writer.write(p.encode_hello())
+        welcome = p.HEADER.unpack(await reader.readexactly(12))
+        await reader.readexactly(welcome[0])
+        for i in range(8):
+            writer.write(p.encode_request(i + 1, f"hog {c} {i}", 300, cache=False))
+            sent += 1
+        while go_on():
+            try:
+                head = await asyncio.wait_for(reader.readexactly(12), 0.5)
+            except (asyncio.TimeoutError, TimeoutError):
+                continue
+            except (asyncio.IncompleteReadError, OSError):
+                return
+            length, ftype, _, _, stream = p.HEADER.unpack(head)
+            await reader.readexactly(length)
+            if ftype in (p.FrameType.DONE, p.FrameType.ERROR) and stream:
+                writer.write(p.encode_request(stream, f"hog {c} {stream}", 300, cache=False))
+                sent += 1
+        writer.close()
+
+    await asyncio.gather(*(connection(c) for c in range(8)))
+    return sent
+
+
+async def whole_vocabulary_bias(d: Daemon, go_on: Callable[[], bool]) -> int:
+    """Issue #40 item 3: 8 clients ask with a logit_bias on every id of the vocabulary."""
+    bias = {str(i): (i % 7) - 3 for i in range(SYNTHETIC_VOCAB)}
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "b"}], "max_tokens": 20, "logit_bias": bias}
+    ).encode()
+    request = post(b"/v1/chat/completions", body)
+
+    async def one(n: int, conn: Conn) -> None:
+        reader, writer = conn
+        writer.write(request)
+        await answered(reader, 30.0)
+        while await asyncio.wait_for(reader.read(1 << 16), 30.0):
+            pass
+
+    return await http_clients(d, 8, go_on, one)
+
+
 GRAMMAR_ANSWERS: collections.Counter[str] = collections.Counter()  # HTTP status: count
 
 
@@ -266,6 +324,8 @@ ATTACKS: list[tuple[str, Attack]] = [
     ("4 slowloris heads and held bodies", slowloris),
     ("5 one client floods the engine queue", queue_flood),
     ("6 idle connections after HELLO", idle_hellos),
+    ("#40 2 one address holds every slot (8 connections)", slot_hog),
+    ("#40 3 whole-vocabulary logit_bias from 8 clients", whole_vocabulary_bias),
 ]
 
 
@@ -303,8 +363,12 @@ def main() -> None:
     ap.add_argument("--quiet-s", type=float, default=4.0)
     ap.add_argument("--attack-s", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default="", help="run the attacks whose name contains this")
+    ap.add_argument("--tree", default="", help="a source tree to run instead of this one")
     ap.add_argument("--grammars-only", action="store_true", help="only #40 7, on SmolLM2")
     args = ap.parse_args()
+    attacks = [(name, attack) for name, attack in ATTACKS if args.only in name]
+    tree = {"raw_env": {"PYTHONPATH": f"{args.tree}/gateway"}, "root": Path(args.tree)}
     env = {
         "ENGINE__BACKEND": "synthetic",
         "ENGINE__SYNTHETIC_STEP_MS": "2",
@@ -317,17 +381,18 @@ def main() -> None:
     rss_by_round: list[float] = []
     alive, tracebacks = True, 0
     if not args.grammars_only:
-        with Daemon(env) as d:
+        with Daemon(env, **(tree if args.tree else {})) as d:  # type: ignore[arg-type]
             rss_by_round.append(round(d.rss_mb(), 1))
             for _ in range(args.rounds):  # a later round shows whether memory keeps growing
-                for name, attack in ATTACKS:
+                for name, attack in attacks:
                     results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
                     print(name, json.dumps(results[name]), file=sys.stderr)
                 rss_by_round.append(round(d.rss_mb(), 1))
             alive = d.proc.poll() is None
             tracebacks = d.log.count("Traceback")
+    grammar_attacks = [(name, attack) for name, attack in GRAMMAR_ATTACKS if args.only in name]
     with Daemon({"ENGINE__BACKEND": "cpu", "MODEL__PATH": "@smollm2"}) as d:  # the real model
-        for name, attack in GRAMMAR_ATTACKS:
+        for name, attack in grammar_attacks:
             GRAMMAR_ANSWERS.clear()
             results[name] = uvloop.run(run_attack(d, attack, args.quiet_s, args.attack_s))
             results[name]["answers"] = dict(GRAMMAR_ANSWERS)

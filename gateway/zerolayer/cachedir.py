@@ -1,23 +1,48 @@
-"""Cache directories: where they live (``data_root``) and writing one once (``ensure_dir``):
-the built-in model, converted GGUF files, the built GGUF block kernel.
+"""Cache directories: where they live (``data_root``), writing one once (``ensure_dir``) and
+removing what interrupted writes left (``sweep``): the built-in model, converted GGUF files,
+the built GGUF block kernel.
 
-A directory is written into a temporary sibling and renamed into place, so a crash or a
-concurrent daemon never leaves a half-written directory behind; ``marker`` (a file the writer
-creates last or at all) tells a complete directory.
+A directory is written into a temporary sibling (``.<name>-<8 random characters>``) and renamed
+into place, so a crash or a concurrent daemon never leaves a half-written directory in place of
+the real one; ``marker`` (a file the writer creates last or at all) tells a complete directory.
+The writer holds an exclusive ``flock`` on the temporary directory while it writes, so a process
+killed mid-write (kill -9, a power cut) leaves a temporary directory nobody holds, which the
+next start's ``sweep`` removes, while a concurrent start's live one, still locked, is kept.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+# mkdtemp's names: the prefix below, then 8 characters of [a-z0-9_]
+_TEMPORARY = re.compile(r"\..+-[a-z0-9_]{8}")
+SWEEP_DEPTH = 3  # data_root/gguf/<conversion>, data_root/kernels/<build>: deep enough
+
 
 def data_root(data_dir: str = "") -> Path:
     """``model.data_dir``, or ``~/.cache/zerolayer`` when it is empty."""
     return Path(data_dir).expanduser() if data_dir else Path.home() / ".cache" / "zerolayer"
+
+
+def _locked_temporary(target: Path) -> tuple[Path, int]:
+    """A fresh temporary sibling of ``target`` and a descriptor holding its lock."""
+    for _ in range(3):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return tmp, fd
+        except FileNotFoundError:
+            pass  # a sweep took it between mkdtemp and flock: make another
+        os.close(fd)
+    raise OSError(f"cannot hold a temporary directory beside {target}")
 
 
 def ensure_dir(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
@@ -26,7 +51,7 @@ def ensure_dir(target: Path, marker: str, write: Callable[[Path], None]) -> Path
     if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp, fd = _locked_temporary(target)
     try:
         write(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any download
@@ -38,4 +63,37 @@ def ensure_dir(target: Path, marker: str, write: Callable[[Path], None]) -> Path
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)  # the lock goes with it
     return target
+
+
+def sweep(root: Path, depth: int = SWEEP_DEPTH) -> int:
+    """Remove the temporary directories under ``root`` (``depth`` levels down) that no writer
+    holds: what an interrupted ``ensure_dir`` left. Returns how many were removed."""
+    removed = 0
+    try:
+        entries = list(os.scandir(root))
+    except OSError:  # no cache yet, or unreadable: nothing to sweep here
+        return 0
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        if not _TEMPORARY.fullmatch(entry.name):
+            if depth > 1:
+                removed += sweep(Path(entry.path), depth - 1)
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += not os.path.exists(entry.path)
+        finally:
+            os.close(fd)
+    return removed

@@ -31,6 +31,7 @@ from typing import TypeVar
 
 import uvloop
 
+from zerolayer.cachedir import data_root, sweep
 from zerolayer.config.settings import (
     ConfigError,
     EngineConfig,
@@ -227,6 +228,7 @@ class StepSink:
         self.slots = slots
         self.engine: Engine | None = None  # set once the engine is built
         self._shown = (-1, -1, -1)
+        self._classes_shown = -1
 
     def __call__(self, step: StepOutput) -> None:
         engine = self.engine
@@ -235,6 +237,9 @@ class StepSink:
         if now != self._shown:
             self._shown = now
             self.metrics.set_queue(*now, self.slots)
+        if engine.class_version != self._classes_shown:
+            self._classes_shown = engine.class_version
+            self.metrics.set_classes(engine.class_rows)
         self.outbox.put(step)
 
 
@@ -276,6 +281,13 @@ def _grammars(tokenizer: Tokenizer, info: ModelInfo, ecfg: EngineConfig) -> Gram
 def _build(settings: Settings, metrics: Metrics, health: Health, listeners: Listeners) -> Parts:
     """Load the model, compile the registered prompts, build hooks, engine, path and doors."""
     health.starting("loading model")
+    # What an interrupted write of a cache directory left (a kill -9 mid-conversion or build):
+    # removed before anything is written, a concurrent start's directory being written kept.
+    cache = data_root(settings.model.data_dir)
+    swept = sweep(cache)
+    if swept:
+        log.info("removed %d unfinished cache director%s under %s", swept,
+                 "y" if swept == 1 else "ies", cache)  # fmt: skip
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
     # engine loop (see zerolayer.engine.compute for why one thread).
     compute = ComputeThread()
@@ -308,6 +320,7 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
         prefill_chunk=ecfg.prefill_chunk,
         on_step=metrics.engine_step,
         prefix_store=store,
+        row_share=ecfg.row_share,
     )
     sink.engine = engine
     # n choices hold n slots at once: at most the slots there are.

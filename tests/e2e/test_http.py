@@ -269,6 +269,52 @@ def test_keys_and_one_rate_limit_budget_across_ports(tmp_path):
         assert oai(d, other).chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
 
 
+def test_every_credential_presented_is_checked(tmp_path):
+    """Issue #40 item 4: an invalid credential is a 401 whichever header carries it, even beside
+    a valid one; two valid keys of different principals are a 401; the same key twice is not."""
+    keys = tmp_path / "keys.toml"
+    key, other = add_key(keys, "tenant"), add_key(keys, "other")
+    env = {"AUTH__ENABLED": "true", "AUTH__KEYS_FILE": str(keys), "CACHE__ENABLED": "false"}
+    bogus = "zl_" + "x" * 43
+    with Daemon(env) as d:
+        refused = 0
+        # openai sends Authorization: Bearer <api_key>; the extra header is x-api-key
+        for bearer, x_api_key in ((bogus, key), (key, bogus), (key, other)):
+            client = oai(d, bearer, default_headers={"x-api-key": x_api_key})
+            with pytest.raises(openai.AuthenticationError):
+                client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+            refused += 1
+        # anthropic with auth_token sends Authorization: Bearer; x-api-key as an extra header
+        for bearer, x_api_key in ((key, bogus), (other, key)):
+            client = anthropic.Anthropic(base_url=d.http_url, auth_token=bearer, max_retries=0)
+            with pytest.raises(anthropic.AuthenticationError):
+                client.messages.create(
+                    model=MODEL, messages=USER, max_tokens=2, extra_headers={"x-api-key": x_api_key}
+                )
+            refused += 1
+        # a repeated x-api-key line is checked too (raw: the SDKs send a header once)
+        for second in (bogus, other):
+            conn = socket.create_connection(("127.0.0.1", d.http_port))
+            conn.sendall(
+                b"POST /v1/messages HTTP/1.1\r\nhost: t\r\nx-api-key: %s\r\n"
+                b"x-api-key: %s\r\ncontent-length: 2\r\n\r\n{}" % (key.encode(), second.encode())
+            )
+            assert conn.recv(65536).startswith(b"HTTP/1.1 401 ")
+            conn.close()
+            refused += 1
+        assert refused == 7
+        both = oai(d, key, default_headers={"x-api-key": key})
+        assert both.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+        ant_both = anthropic.Anthropic(base_url=d.http_url, auth_token=other, max_retries=0)
+        both_headers = {"x-api-key": other}
+        assert ant_both.messages.create(
+            model=MODEL, messages=USER, max_tokens=2, extra_headers=both_headers
+        )
+        frames = rc.RawConnection(d.host, d.port)
+        frames.send(rc.hello(bogus.encode()))
+        assert frames.read_frame()[0] == rc.ERROR
+
+
 def test_overload_is_503_and_anthropic_529():
     env = {
         "ENGINE__MAX_BATCH_SIZE": "1",

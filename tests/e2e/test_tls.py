@@ -181,7 +181,7 @@ def test_tls12_allowed_when_configured(pki):
 def test_client_certificate_stands_for_an_api_key(pki, tmp_path):
     keys = tmp_path / "keys.toml"
     add_key(keys, "alice", rpm=2, cert_names=("alice",))
-    add_key(keys, "bob", cert_names=("bob.clients.example",))  # matched by its SAN
+    key_bob = add_key(keys, "bob", cert_names=("bob.clients.example",))  # matched by its SAN
     key_carol = add_key(keys, "carol")
     with Daemon(pki.env(AUTH__ENABLED="true", AUTH__KEYS_FILE=str(keys))) as d:
 
@@ -201,11 +201,15 @@ def test_client_certificate_stands_for_an_api_key(pki, tmp_path):
             for _ in range(3):
                 assert (await (await bob.generate("b", 2)).collect()).completion_tokens == 2
             await bob.close()
-            # A key in HELLO wins over the certificate.
-            carol = await Client.connect(tls_endpoint(d), key_carol, ssl=pki.client(pki.alice))
+            # Issue #40 item 4: a key in HELLO must be the certificate's own key; another key,
+            # or an invalid one, is refused rather than silently chosen over the certificate.
+            for other in (key_carol, "zl_" + "x" * 43):
+                with pytest.raises(UnauthenticatedError):
+                    await Client.connect(tls_endpoint(d), other, ssl=pki.client(pki.alice))
+            bob = await Client.connect(tls_endpoint(d), key_bob, ssl=pki.client(pki.bob))
             for _ in range(3):
-                assert (await (await carol.generate("c", 2)).collect()).completion_tokens == 2
-            await carol.close()
+                assert (await (await bob.generate("b", 2)).collect()).completion_tokens == 2
+            await bob.close()
 
         run(main())
 

@@ -193,3 +193,54 @@ def test_auth_off_ignores_keys():
     assert not chain.auth_required
     assert chain.on_hello(b"anything") is chain.anonymous()
     assert chain.anonymous().name == "anonymous"
+
+
+def test_weight_and_class_from_the_keys_file_reach_the_principal(tmp_path, capsys):
+    """Issue #40 item 2: weighted shares of the rows per key, a class for the metrics."""
+    keys_file = tmp_path / "keys.toml"
+    args = ("keys", "add", "gold", "--keys-file", str(keys_file), "--weight", "3")
+    assert run(*args, "--class", "premium") == 0
+    key = capsys.readouterr().out.strip()
+    plain = add_key(keys_file, "plain")
+    assert [(e.weight, e.principal_class) for e in load_keys(keys_file)] == [
+        (3, "premium"),
+        (1, "default"),
+    ]
+    chain = auth_chain(keys_file)
+    gold = chain.on_hello(key.encode())
+    assert (gold.weight, gold.principal_class) == (3, "premium")
+    assert chain.on_hello(plain.encode()).principal_class == "default"
+    digest = "a" * 64
+    for field, message in (("weight = 0", "weight must be"), ('class = "a b"', "class must be")):
+        keys_file.write_text(f'[[keys]]\nname = "a"\nsha256 = "{digest}"\n{field}\n')
+        with pytest.raises(KeysFileError, match=message):
+            load_keys(keys_file)
+
+
+def test_every_credential_is_checked_and_must_name_one_key(tmp_path):
+    """Issue #40 item 4, in the chain both doors call."""
+    keys_file = tmp_path / "keys.toml"
+    a, b = add_key(keys_file, "a"), add_key(keys_file, "b")
+    chain = auth_chain(keys_file)
+    assert chain.on_credentials([a.encode(), a.encode()]).name == "a"
+    refused = 0
+    for presented in (
+        [a.encode(), b"zl_bogus"],
+        [b"zl_bogus", a.encode()],
+        [a.encode(), b.encode()],
+    ):
+        with pytest.raises(HookError) as err:
+            chain.on_credentials(presented)
+        assert err.value.code == UNAUTHENTICATED
+        refused += 1
+    with pytest.raises(HookError):  # a HELLO key that is not the certificate's key
+        chain.on_credentials([b.encode()], chain.on_hello(a.encode()))
+    assert refused == 3
+    off = Chain.build(
+        SimpleNamespace(
+            auth=AuthConfig(enabled=False),
+            ratelimit=RateLimitConfig(),
+            cache=CacheConfig(enabled=False),
+        )
+    )
+    assert off.on_credentials([b"x", b"y"]).name == "anonymous"  # auth off: nothing is checked

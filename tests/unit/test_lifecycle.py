@@ -34,6 +34,7 @@ class Door:
         self.open = True
         self.dirty = False
         self.label = "t"
+        self.peer_ip = "127.0.0.1"
         self.tokens: dict[int, list[int]] = {}
         self.endings: list[tuple[int, str, object]] = []  # (key, "done"/"error", detail)
         self.refusals: list[Refusal] = []  # each ERROR as the door was given it

@@ -21,6 +21,7 @@ class ChoiceDoor:
         self.open = True
         self.dirty = False
         self.label = "c"
+        self.peer_ip = "127.0.0.1"
         self.tokens: dict[tuple[int, int], list[int]] = {}
         self.endings: list[tuple[int, int, str, object]] = []
         self.ended: list[Stream] = []

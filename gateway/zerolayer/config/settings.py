@@ -104,6 +104,10 @@ class EngineConfig(_Section):
     prefill_chunk: int = Field(256, ge=1)
     max_context: int = Field(2048, ge=16)
     max_n: int = Field(8, ge=1, le=MAX_N)  # most choices (``n``) a request may ask for (#27)
+    # The rows one principal may hold while others wait (zerolayer.engine.admission): 0 = an
+    # equal share of the slots among the principals with work, weighted by the keys file's
+    # ``weight``; a fraction in (0, 1] = a fixed cap of ceil(row_share * max_batch_size).
+    row_share: float = Field(0.0, ge=0.0, le=1.0)
     synthetic_step_ms: float = Field(0.0, ge=0)
     synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)

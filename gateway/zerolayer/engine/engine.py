@@ -2,7 +2,8 @@
 
 A step is schedule → execute → update (``step``):
 - **schedule** takes in new sequences and cancellations, admits waiting sequences into free KV
-  slots (``_admit``: fair by client, then the longest prompt prefix the prefix store knows is
+  slots (``_admit``: fair by client — each principal's share of the rows, zerolayer.engine.admission
+  —, then the longest prompt prefix the prefix store knows is
   loaded, so prefill starts after it), and returns a ``StepPlan``: prompt chunks for sequences
   still in prefill (within ``max_step_tokens``) and the decode batch of every decoding row.
 - **execute** runs the backend on the plan (nothing else); a failing batched call is retried row
@@ -40,7 +41,7 @@ from typing import TypeVar
 import numpy as np
 
 from zerolayer.codes import FinishReason
-from zerolayer.engine.admission import QueueShares
+from zerolayer.engine.admission import QueueShares, RowShares
 from zerolayer.engine.backend import Backend, PrefixKV
 from zerolayer.engine.compute import ComputeThread
 from zerolayer.engine.finish import CANCEL, FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
@@ -105,6 +106,7 @@ class Engine:
         prefill_chunk: int,
         on_step: Callable[[str, float, int], None] | None = None,
         prefix_store: PrefixStore | None = None,
+        row_share: float = 0.0,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -116,8 +118,9 @@ class Engine:
         self._store = prefix_store  # consulted at admission, fed at prefill completion
         self._inbox: collections.deque[Sequence] = collections.deque()
         # Waiting sequences by fairness key (Sequence.fair_key), in round-robin order: admission
-        # takes the head of the first key's queue and moves that key to the end, so a client
-        # with many queued sequences cannot starve one with a single request.
+        # takes the head of the key ``RowShares.pick`` names (under its share of the rows; ties
+        # in this order) and moves that key to the end, so a client with many queued or
+        # running sequences cannot starve one with a single request.
         self._waiting: dict[object, collections.deque[Sequence]] = {}
         self._running: list[Sequence] = []  # every sequence holding a slot
         self._prefilling: list[Sequence] = []  # ... whose prompt is not all in the cache yet
@@ -127,6 +130,11 @@ class Engine:
         self._extra: list[Finished] = []  # endings of choices without a row, for the step
         n = backend.num_slots
         self._free_slots = list(range(n))  # a min-heap: the lowest free slot goes first
+        self._row_shares = RowShares(n, row_share)  # rows running per fairness key
+        # Rows [running, waiting] per principal class, for the metrics (no key names), and a
+        # counter bumped at every change so that a reader sets its gauges only then.
+        self.class_rows: dict[str, list[int]] = {}
+        self.class_version = 0
         info = backend.info
         self._rows = Rows(n, info.max_context, info.vocab_size, tokenizer.eos_token_ids)
         self._wake = threading.Event()
@@ -171,7 +179,8 @@ class Engine:
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("engine is shutting down")
-            if self._queued >= self._max_queue or not self._shares.take(seq.fair_key):
+            rows = 1 + len(seq.choices)  # n choices count as n
+            if self._queued >= self._max_queue or not self._shares.take(seq.fair_key, rows):
                 raise EngineOverloaded(self.retry_after_ms())
             self._queued += 1
             self._inbox.append(seq)
@@ -265,11 +274,12 @@ class Engine:
             if queue is None:
                 self._waiting[seq.fair_key] = queue = collections.deque()
             queue.append(seq)
+            self._count_class(seq, 1, 1 + len(seq.choices))
         while self._waiting and self._free_slots:
-            head = next(iter(self._waiting.values()))[0]
-            if 1 + len(head.choices) > len(self._free_slots):
-                break  # n choices are admitted together, when n slots are free (in turn)
-            self._admit(self._next_waiting(), finished)
+            key = self._pick()
+            if 1 + len(self._waiting[key][0].choices) > len(self._free_slots):
+                break  # held for that head: n choices are admitted together, when n are free
+            self._admit(self._next_waiting(key), finished)
         self._drop_cancelled_waiting(finished)
         if not self._running:
             return None
@@ -303,11 +313,15 @@ class Engine:
             plan.chunk_seqs.append(seq)
         return plan
 
-    def _next_waiting(self) -> Sequence:
-        """Admission order, in one place: the head of the first fairness key's queue, which
-        then goes to the end of the round."""
+    def _pick(self) -> object:
+        """The fairness key whose head is admitted next (zerolayer.engine.admission)."""
+        heads = [(key, 1 + len(q[0].choices), q[0].weight) for key, q in self._waiting.items()]
+        return heads[self._row_shares.pick(heads)][0]
+
+    def _next_waiting(self, key: object) -> Sequence:
+        """Admission order, in one place: the head of ``key``'s queue, and ``key`` goes to the
+        end of the round."""
         waiting = self._waiting
-        key = next(iter(waiting))
         queue = waiting.pop(key)
         seq = queue.popleft()
         if queue:
@@ -318,9 +332,27 @@ class Engine:
     def _dequeued(self, seq: Sequence) -> None:
         """``seq`` left the queue (admitted or cancelled): the one place both the queue's count
         and its client's share go down."""
+        rows = 1 + len(seq.choices)
         with self._lock:
             self._queued -= 1
-            self._shares.give_back(seq.fair_key)
+            self._shares.give_back(seq.fair_key, rows)
+        self._count_class(seq, 1, -rows)
+
+    def _count_class(self, seq: Sequence, which: int, rows: int) -> None:
+        """``rows`` more rows running (``which`` 0) or waiting (1) for ``seq``'s class."""
+        counts = self.class_rows.get(seq.principal_class)
+        if counts is None:
+            self.class_rows[seq.principal_class] = counts = [0, 0]
+        counts[which] += rows
+        self.class_version += 1
+
+    def _take_slot(self, seq: Sequence) -> None:
+        """Give ``seq`` the lowest free slot, counted in its principal's rows. Lowest slot first
+        keeps the active slots consecutive, which lets the CPU kernels read the KV cache in
+        place instead of gathering it (and the rows give views)."""
+        seq.slot = heapq.heappop(self._free_slots)
+        self._row_shares.took(seq.fair_key, seq.weight)
+        self._count_class(seq, 0, 1)
 
     def _admit(self, seq: Sequence, finished: list[Finished]) -> None:
         """Give ``seq`` the lowest free slot and its row, and load its known prefix."""
@@ -328,9 +360,8 @@ class Engine:
         if seq.cancelled:
             finished.append(self._end(seq, FinishReason.CANCELLED))
             return
-        # Lowest slot first keeps the active slots consecutive, which lets the CPU kernels
-        # read the KV cache in place instead of gathering it (and the rows give views).
-        seq.slot = slot = heapq.heappop(self._free_slots)
+        self._take_slot(seq)
+        slot = seq.slot
         try:
             self._rows.add(slot, seq)
             if self._store is not None and not seq.prompt_outputs:
@@ -342,7 +373,7 @@ class Engine:
             self._free(seq)
             return
         for choice in seq.choices:  # reserved now; their rows start when the prompt is in
-            choice.slot = heapq.heappop(self._free_slots)
+            self._take_slot(choice)
             choice.t_admit = seq.t_admit
         self._running.append(seq)
         self._prefilling.append(seq)
@@ -670,6 +701,8 @@ class Engine:
             self.backend.free(slot)
             heapq.heappush(self._free_slots, slot)
             seq.slot = -1
+            self._row_shares.gave_back(seq.fair_key)
+            self._count_class(seq, 0, -1)
 
     def _release(self, seqs: list[Sequence]) -> None:
         """Ended sequences leave: their slots and rows are freed."""

@@ -19,7 +19,7 @@ rows are never moved, so nothing per row is copied when others come and go.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,7 +38,7 @@ from zerolayer.engine.types import DecodeBatch
 from zerolayer.sampling_params import SAMPLING_ROW
 
 if TYPE_CHECKING:
-    from zerolayer.engine.sampling import Processing
+    from zerolayer.engine.sampling import Processing, SparseRows
     from zerolayer.structured import RowMatcher
 
 
@@ -82,7 +82,10 @@ class Rows:
         self.presence = np.zeros(n, np.float32)
         self.frequency = np.zeros(n, np.float32)
         self.repetition = np.ones(n, np.float32)
-        self.bias: list[Mapping[int, float] | None] = [None] * n
+        # logit_bias by slot as (ids int64, values float32), made once at admission; the decode
+        # set's SparseRows is made once per row set (``_decode_bias``), not per step.
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
+        self._decode_bias: SparseRows | None = None
         self.min_tokens = np.zeros(n, np.int32)
         self.top_logprobs = np.full(n, -1, np.int32)  # -1: no logprobs
         self.matcher: list[RowMatcher | None] = [None] * n
@@ -140,7 +143,12 @@ class Rows:
         self.presence[slot] = sampling.presence_penalty
         self.frequency[slot] = sampling.frequency_penalty
         self.repetition[slot] = sampling.repetition_penalty
-        self.bias[slot] = sampling.logit_bias or None
+        bias = sampling.logit_bias
+        if bias:
+            self.bias[slot] = (
+                np.fromiter(bias.keys(), np.int64, len(bias)),
+                np.fromiter(bias.values(), np.float32, len(bias)),
+            )
         self.min_tokens[slot] = sampling.min_tokens
         self.top_logprobs[slot] = sampling.logprob_count
         self.logprob_rows += sampling.logprobs
@@ -237,9 +245,14 @@ class Rows:
             proc.presence, proc.frequency = self.presence[sl], self.frequency[sl]
             proc.repetition = self.repetition[sl]
             proc.counts, proc.seen = self.counts[sl], self.seen[sl]
-        biases = [self.bias[s] for s in slots]
-        if any(biases):
-            proc.bias = SparseRows.from_rows(biases)
+        if slots is self.decoding and self._decode_bias is not None:
+            proc.bias = self._decode_bias or None
+        else:
+            biases = [self.bias[s] for s in slots]
+            bias = SparseRows.from_arrays(biases)
+            if slots is self.decoding:
+                self._decode_bias = bias
+            proc.bias = bias or None
         below = self.min_tokens[sl] > self.cap[sl] - self.left[sl]
         if below.any():
             proc.banned = SparseRows.from_rows(
@@ -295,6 +308,7 @@ class Rows:
             [(r, s) for r, s in enumerate(slots) if self.processed[s]] if self._processing else []
         )
         self._sampling = None  # the batch's arrays: made by ``batch`` when this row set decodes
+        self._decode_bias = None  # made by ``processing`` when this row set first needs it
 
     def advance(self, sampled: np.ndarray) -> np.ndarray:
         """Every row of the decode set sampled ``sampled`` (slot order): feed it back as the

@@ -133,6 +133,19 @@ class SparseRows:
                 values.append(float(value))
         return cls(np.array(rows, np.int64), np.array(ids, np.int64), np.array(values, np.float32))
 
+    @classmethod
+    def from_arrays(cls, per_row: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> SparseRows:
+        """From one (ids int64, values float32) pair per row, None = nothing: array operations
+        only (a row's pairs are made once, when it is admitted), whatever the entries."""
+        present = [(r, pair) for r, pair in enumerate(per_row) if pair is not None]
+        if not present:
+            return cls(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float32))
+        lengths = np.array([len(pair[0]) for _, pair in present], np.int64)
+        rows = np.repeat(np.array([r for r, _ in present], np.int64), lengths)
+        ids = np.concatenate([pair[0] for _, pair in present])
+        values = np.concatenate([pair[1] for _, pair in present])
+        return cls(rows, ids.astype(np.int64, copy=False), values.astype(np.float32, copy=False))
+
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
@@ -213,8 +226,12 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, proc: Processing) -> torch.Tensor:
-    """Steps 1-5 of the module docstring: float32 [b, vocab] processed logits (a new tensor)."""
-    x = logits.float().clone()
+    """Steps 1-5 of the module docstring: float32 [b, vocab] processed logits. ``logits`` is
+    never written: it is copied once before the first change, and returned as it is (float32)
+    when nothing changes it (rows that only want logprobs)."""
+    x = logits.float()
+    if x is logits and _changes_logits(proc):
+        x = x.clone()
     b, vocab = x.shape
     keep = None
     if proc.allowed is not None and proc.constrained is not None and proc.constrained.any():
@@ -254,6 +271,16 @@ def process_logits(logits: torch.Tensor, proc: Processing) -> torch.Tensor:
     return x
 
 
+def _changes_logits(proc: Processing) -> bool:
+    """Whether steps 1-5 change anything for this batch."""
+    return (
+        (proc.allowed is not None and proc.constrained is not None and bool(proc.constrained.any()))
+        or (proc.banned is not None and len(proc.banned) > 0)
+        or (proc.bias is not None and len(proc.bias) > 0)
+        or proc.penalised() is not None
+    )
+
+
 def gather_logprobs(
     processed: torch.Tensor, temperature: np.ndarray, ids: np.ndarray, want: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -266,8 +293,14 @@ def gather_logprobs(
     top_lp = np.full((b, k), np.nan, np.float32)
     rows = np.flatnonzero(want >= 0)
     temps = np.asarray(temperature, dtype=np.float32)[rows]
-    t = torch.from_numpy(np.where(temps > 0, temps, 1.0).astype(np.float32))[:, None]
-    lp = torch.log_softmax(processed[torch.from_numpy(rows)] / t, dim=-1)
+    # The whole batch at once: one log_softmax (torch's fused kernel: on CPU cheaper than a
+    # logsumexp, which runs max, subtract, exp, sum and log as passes of their own), one top-k
+    # and one gather over the rows that asked; no copy of the rows when all of them did.
+    x = processed if len(rows) == processed.shape[0] else processed[torch.from_numpy(rows)]
+    if bool((temps != 1.0).any()):
+        t = np.where(temps > 0, temps, 1.0).astype(np.float32)
+        x = x / torch.from_numpy(t)[:, None]
+    lp = torch.log_softmax(x, dim=-1)
     chosen = torch.from_numpy(np.asarray(ids, dtype=np.int64)[rows])[:, None]
     logprob[rows] = lp.gather(1, chosen).squeeze(1).numpy()
     if k:

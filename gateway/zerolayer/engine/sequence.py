@@ -28,9 +28,9 @@ class Sequence:
 
     __slots__ = ("owner", "prompt", "max_tokens", "sampling", "stop_ids", "stop_sequences",
                  "detok", "reused", "slot", "prefilled", "held", "cancelled", "t_admit",
-                 "ignore_eos", "fair_key", "matched_stop", "_max_stop", "grammar", "grammar_error",
-                 "choices", "parent", "pool", "score", "pooled", "prompt_logprobs",
-                 "_scored")  # fmt: skip
+                 "ignore_eos", "fair_key", "weight", "principal_class", "matched_stop", "_max_stop",
+                 "grammar", "grammar_error", "choices", "parent", "pool", "score", "pooled",
+                 "prompt_logprobs", "_scored")  # fmt: skip
 
     def __init__(
         self,
@@ -44,6 +44,8 @@ class Sequence:
         ignore_eos: bool = False,
         fair_key: object = None,
         grammar: Grammar | None = None,
+        weight: int = 1,
+        principal_class: str = "default",
         pool: bool = False,
         score: int = -1,
     ) -> None:
@@ -62,6 +64,8 @@ class Sequence:
         self.t_admit = 0.0
         self.ignore_eos = ignore_eos  # generate past EOS (vLLM's extension, HTTP only)
         self.fair_key = fair_key  # sequences sharing a key share one turn at admission
+        self.weight = weight  # the fair_key's weight in the share of the rows (admission.py)
+        self.principal_class = principal_class  # the metrics' label for its principal
         self.matched_stop: str | None = None  # the stop sequence that ended it (finish STOP)
         self._max_stop = max(map(len, stop_sequences)) if stop_sequences else 0
         self.grammar = grammar  # structured output: the row's matcher is made at admission

@@ -392,7 +392,8 @@ class Connection(asyncio.BufferedProtocol):
             self._queue_frame(self.server.welcomes[version], "WELCOME")
             return
         try:
-            principal = self.path.authenticate(key)
+            # A certificate and a HELLO key must be the same key (both are credentials)
+            principal = self.path.authenticate([key], self.cert_principal)
         except HookError as exc:
             self.connection_error(exc.code, exc.message, exc.retry_after_ms)
             return

@@ -63,7 +63,11 @@ class Auth:
 
     def _install(self, entries: list[KeyEntry]) -> None:
         table = tuple(
-            (bytes.fromhex(e.sha256), Principal(e.name, e.rpm, e.tpm, e.sha256)) for e in entries
+            (
+                bytes.fromhex(e.sha256),
+                Principal(e.name, e.rpm, e.tpm, e.sha256, e.weight, e.principal_class),
+            )
+            for e in entries
         )
         # One assignment each: the event loop never sees a half-built table.
         self._by_id = {p.key_id: p for _, p in table}

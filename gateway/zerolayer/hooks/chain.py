@@ -109,7 +109,7 @@ class Chain:
         self.records = False
         self.is_async = False
         self.names: tuple[str, ...] = ()  # hook labels in chain order, for logs and docs
-        self._anonymous = Principal("anonymous")
+        self._anonymous = Principal("anonymous", principal_class="anonymous")
         self._on_hello: tuple[Callable[[bytes], Principal | None], ...] = ()
         self._on_certificate: tuple[Callable[[tuple[str, ...]], Principal | None], ...] = ()
         self._on_request: tuple[Callable[[Any], Any], ...] = ()
@@ -267,6 +267,20 @@ class Chain:
         if self.auth_required:
             raise HookError(UNAUTHENTICATED, "invalid API key" if key else "missing API key")
         return self._anonymous
+
+    def on_credentials(self, keys: list[bytes], certificate: Principal | None = None) -> Principal:
+        """Every credential one client presents (the keys of each header or HELLO, and a
+        verified certificate's principal) → its one principal. Each key is resolved on its own,
+        so an invalid one is refused (UNAUTHENTICATED) whichever header carried it, even beside
+        a valid one; two credentials that are different keys are refused too. With auth off
+        every key is the anonymous principal, so nothing is refused."""
+        principals = [self.on_hello(key) for key in keys] or [self.on_hello(b"")]
+        if certificate is not None and self.auth_required:
+            principals.append(certificate)
+        first = principals[0]
+        if any(other.key_id != first.key_id for other in principals[1:]):
+            raise HookError(UNAUTHENTICATED, "the credentials presented are different keys")
+        return first
 
     def on_certificate(self, names: tuple[str, ...]) -> Principal | None:
         """The principal a verified client certificate (its CN and SANs) stands for, or None."""

@@ -10,6 +10,8 @@ creation time; the key itself is printed once by ``keys add`` and never stored::
     tpm = 100000
     created = "2026-05-09T07:35:25Z"
     cert_names = ["alice.clients.example"]  # optional: mTLS client certificates that stand for it
+    weight = 3          # optional (1..1000, default 1): its part in the share of the engine's rows
+    class = "premium"   # optional (default "default"): the label its rows have in the metrics
 
 Writes are atomic (temp file + rename, mode 0600), so a daemon reloading on SIGHUP never reads a
 half-written file.
@@ -37,7 +39,8 @@ else:  # pragma: no cover
 KEY_PREFIX = "zl_"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-_FIELDS = {"name", "sha256", "rpm", "tpm", "created", "cert_names"}
+_FIELDS = {"name", "sha256", "rpm", "tpm", "created", "cert_names", "weight", "class"}
+MAX_WEIGHT = 1000
 _CERT_NAME_RE = re.compile(r"[\x21-\x7e]{1,255}")  # printable ASCII, no spaces or quotes
 
 
@@ -54,6 +57,26 @@ class KeyEntry:
     created: str = ""
     # Subject CNs / SANs of verified client certificates that authenticate as this key (mTLS).
     cert_names: tuple[str, ...] = ()
+    # Its part in the share of the engine's rows (zerolayer.engine.admission), and the class its
+    # rows are counted under in the metrics (a label: never the key's own name).
+    weight: int = 1
+    principal_class: str = "default"
+
+
+def _weight(value: object, what: str) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WEIGHT:
+        raise KeysFileError(f"{what} must be an integer in 1..{MAX_WEIGHT}, got {value!r}")
+    return value
+
+
+def _class(value: object, what: str) -> str:
+    if value is None:
+        return "default"
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise KeysFileError(f"{what} must be 1-64 letters, digits, '_', '.', '-', got {value!r}")
+    return value
 
 
 def new_key() -> str:
@@ -143,6 +166,8 @@ def load_keys(path: str | Path) -> list[KeyEntry]:
                 _limit(item.get("tpm"), f"{where}: tpm"),
                 str(created),
                 certs,
+                _weight(item.get("weight"), f"{where}: weight"),
+                _class(item.get("class"), f"{where}: class"),
             )
         )
     return entries
@@ -166,6 +191,10 @@ def save_keys(path: str | Path, entries: list[KeyEntry]) -> None:
         if e.cert_names:
             _cert_names(list(e.cert_names), f"key {e.name!r}: cert_names")
             lines.append("cert_names = [" + ", ".join(f'"{c}"' for c in e.cert_names) + "]")
+        if e.weight != 1:
+            lines.append(f"weight = {_weight(e.weight, f'key {e.name!r}: weight')}")
+        if e.principal_class != "default":
+            lines.append(f'class = "{_class(e.principal_class, f"key {e.name!r}: class")}"')
     text = "\n".join(lines) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=path.parent)
@@ -187,6 +216,8 @@ def add_key(
     rpm: int | None = None,
     tpm: int | None = None,
     cert_names: tuple[str, ...] = (),
+    weight: int = 1,
+    principal_class: str = "default",
 ) -> str:
     """Create a key named ``name`` in the file (created if missing); returns the key itself."""
     if not NAME_RE.fullmatch(name):
@@ -196,6 +227,8 @@ def add_key(
     _limit(rpm, "rpm")
     _limit(tpm, "tpm")
     _cert_names(list(cert_names), "cert names")
+    _weight(weight, "weight")
+    _class(principal_class, "class")
     entries = load_keys(path) if Path(path).exists() else []
     if any(e.name == name for e in entries):
         raise KeysFileError(f"a key named {name!r} already exists in {path}; revoke it first")
@@ -205,7 +238,11 @@ def add_key(
             raise KeysFileError(f"cert name {sorted(taken)[0]!r} already belongs to {e.name!r}")
     key = new_key()
     created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    entries.append(KeyEntry(name, key_digest(key), rpm, tpm, created, tuple(cert_names)))
+    entries.append(
+        KeyEntry(
+            name, key_digest(key), rpm, tpm, created, tuple(cert_names), weight, principal_class
+        )
+    )
     save_keys(path, entries)
     return key
 
@@ -242,7 +279,9 @@ def _run(args: argparse.Namespace, action: Callable[[str], int]) -> int:
 
 def _cmd_add(args: argparse.Namespace) -> int:
     def action(path: str) -> int:
-        key = add_key(path, args.name, args.rpm, args.tpm, tuple(args.cert_name))
+        key = add_key(
+            path, args.name, args.rpm, args.tpm, tuple(args.cert_name), args.weight, args.klass
+        )
         print(key)
         print(
             f"added key {args.name!r} to {path}; it is shown only this once. "
@@ -315,6 +354,18 @@ def add_keys_subparser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         action="append",
         default=[],
         help="a client certificate subject CN or SAN that authenticates as this key (mTLS); repeat",
+    )
+    add.add_argument(
+        "--weight",
+        type=positive_int,
+        default=1,
+        help=f"its part in the share of the engine's rows (1..{MAX_WEIGHT}, default 1)",
+    )
+    add.add_argument(
+        "--class",
+        dest="klass",
+        default="default",
+        help="the label its rows are counted under in the metrics (default: default)",
     )
     add.set_defaults(func=_cmd_add)
 

@@ -43,13 +43,17 @@ class Principal:
     """Who is calling. ``rpm``/``tpm`` None = fall back to the rate-limit defaults.
 
     ``key_id`` is set by the built-in auth hook (the key's SHA-256 hex digest) so that a key
-    revoked by a reload stops working on connections that are already open.
+    revoked by a reload stops working on connections that are already open. ``weight`` is the
+    principal's part in the share of the engine's rows, ``principal_class`` the label its rows
+    are counted under in the metrics (never the key's name): both from the keys file.
     """
 
     name: str
     rpm: int | None = None
     tpm: int | None = None
     key_id: str = ""
+    weight: int = 1
+    principal_class: str = "default"
 
 
 @dataclass(slots=True)

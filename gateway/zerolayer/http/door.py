@@ -48,8 +48,8 @@ from zerolayer.http.routes import (
     RESPONSES,
     TOKENIZE,
     OpsPages,
-    api_key,
     api_of,
+    credentials,
     route,
     wants_cache,
 )
@@ -176,7 +176,7 @@ class ApiConnection(HttpConnection):
         self.path.open(st, principal, reply.req)
 
     def _authenticate(self, request: Incoming) -> Principal:
-        return self.path.authenticate(api_key(request))  # a Refusal: handle maps it
+        return self.path.authenticate(credentials(request))  # a Refusal: handle maps it
 
     def _answer(self, request: Incoming, endpoint: str) -> None:
         """Answer a LOCAL endpoint: its body now, or the body its deferred work makes off the

@@ -133,19 +133,27 @@ def route(request: Incoming) -> str:
     return endpoint
 
 
-def api_key(request: Incoming) -> bytes:
-    """The key from ``x-api-key`` or ``Authorization: Bearer``; empty when there is none. An
-    Authorization header of another scheme is a 401."""
-    key = request.headers.get(b"x-api-key")
-    if key is not None:
-        return key.strip()
-    auth = request.headers.get(b"authorization")
-    if auth is None:
-        return b""
-    scheme, _, value = auth.strip().partition(b" ")
-    if scheme.lower() != b"bearer":
-        raise HttpError(401, "Authorization must use the Bearer scheme", code="invalid_api_key")
-    return value.strip()
+MAX_CREDENTIALS = 4  # x-api-key and Authorization headers one request may carry
+
+
+def credentials(request: Incoming) -> list[bytes]:
+    """Every key the request presents: each ``x-api-key`` and ``Authorization: Bearer`` header
+    (a repeated one included), empty when there is none; the caller checks each of them. An
+    Authorization header of another scheme is a 401, and so are more than
+    ``MAX_CREDENTIALS`` headers (each one costs a comparison with every stored key)."""
+    found: list[bytes] = []
+    presented = request.credential_headers()
+    if len(presented) > MAX_CREDENTIALS:
+        raise HttpError(401, "too many credential headers", code="invalid_api_key")
+    for name, value in presented:
+        if name == b"authorization":
+            scheme, _, value = value.strip().partition(b" ")
+            if scheme.lower() != b"bearer":
+                raise HttpError(
+                    401, "Authorization must use the Bearer scheme", code="invalid_api_key"
+                )
+        found.append(value.strip())
+    return found
 
 
 def wants_cache(request: Incoming) -> bool:

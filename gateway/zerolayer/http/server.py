@@ -54,6 +54,7 @@ WANTED_HEADERS = frozenset(
         b"access-control-request-headers",
     }
 )
+_CREDENTIALS = (b"x-api-key", b"authorization")
 _CHUNK_HOLE = b"00000000\r\n"  # a chunk's size line, patched at flush (leading zeros are valid)
 _CHUNK_HOLE_LEN = len(_CHUNK_HOLE)
 RETRY_AFTER_S = 1  # the Retry-After of a connection or body refused for capacity
@@ -78,6 +79,7 @@ class Incoming:
         "api",
         "state",
         "held",
+        "repeated",
     )
 
     def __init__(self, t_recv: float) -> None:
@@ -90,6 +92,13 @@ class Incoming:
         self.api = OPENAI
         self.state: object = None  # the door's per-request object
         self.held = 0  # body bytes counted in HttpServer.body_bytes for this request
+        # Credential headers after the first of their name: every credential is checked
+        self.repeated: list[tuple[bytes, bytes]] = []
+
+    def credential_headers(self) -> list[tuple[bytes, bytes]]:
+        """Each ``x-api-key`` and ``authorization`` header, a repeated one included."""
+        found = [(n, v) for n in _CREDENTIALS if (v := self.headers.get(n)) is not None]
+        return found + self.repeated
 
 
 class HttpServer:
@@ -400,8 +409,12 @@ class HttpConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head_bytes += len(name) + len(value)
         name = name.lower()
-        if name in WANTED_HEADERS and self.cur is not None:
-            self.cur.headers[name] = value
+        cur = self.cur
+        if name in WANTED_HEADERS and cur is not None:
+            if name in _CREDENTIALS and name in cur.headers:
+                cur.repeated.append((name, value))  # not overwritten: each one is checked
+                return
+            cur.headers[name] = value
 
     def on_headers_complete(self) -> None:
         cur = self.cur

@@ -174,6 +174,27 @@ class Metrics:
         self.waiting = Gauge(
             p + "num_requests_waiting", "Requests queued for a KV slot.", registry=r
         )
+        # The share of the rows (zerolayer.engine.admission) by principal class: the keys
+        # file's ``class`` values, "default" and "anonymous"; never a key's name.
+        self.class_running = Gauge(
+            p + "principal_rows_running",
+            "Rows (sequences, n choices counted as n) holding a KV slot, by principal class.",
+            ["principal_class"],
+            registry=r,
+        )
+        self.class_waiting = Gauge(
+            p + "principal_rows_waiting",
+            "Rows queued for a KV slot, by principal class.",
+            ["principal_class"],
+            registry=r,
+        )
+        self.class_preempted = Counter(
+            p + "principal_rows_preempted",
+            "Rows preempted to give their slot to another principal, by principal class "
+            "(always 0 until preemption comes with paged KV: a principal over its share waits).",
+            ["principal_class"],
+            registry=r,
+        )
         tallies = TallyFamilies()
         # Written on the event loop only (the request path and the doors).
         self.ttft = tallies.histogram(
@@ -405,6 +426,13 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_slots_used.set(slots_used / slots_total if slots_total else 0.0)
+
+    def set_classes(self, rows: dict[str, list[int]]) -> None:
+        """Rows [running, waiting] by principal class, set when they change."""
+        for principal_class, (running, waiting) in rows.items():
+            self.class_running.labels(principal_class).set(running)
+            self.class_waiting.labels(principal_class).set(waiting)
+            self.class_preempted.labels(principal_class)  # exported at 0
 
     # -- connections and frames -----------------------------------------------------------
 

@@ -93,6 +93,14 @@ def _grammar_failed(st: Stream, count: int) -> Refusal:
     )
 
 
+def fair_share(principal: Principal, st: Stream) -> tuple[object, int, str]:
+    """Who a request's sequences count against at admission (zerolayer.engine.admission): an
+    authenticated client's share one turn and one share of the rows, an anonymous client's those
+    of its address, whatever its connections or doors; with the principal's weight and class."""
+    key = principal.name if principal.key_id else ("anonymous", st.door.peer_ip)
+    return key, principal.weight, principal.principal_class
+
+
 def charged_prompt_tokens(st: Stream) -> int:
     """The charging policy, in one place: a request pays for its prompt once its prefill started
     in the engine or it was answered from the response cache; refused, or cancelled or
@@ -135,9 +143,10 @@ class RequestPath:
 
     # ---- doors call these ------------------------------------------------------------------
 
-    def authenticate(self, key: bytes) -> Principal:
-        """A door's credentials → the principal; raises HookError (UNAUTHENTICATED)."""
-        return self.chain.on_hello(key)
+    def authenticate(self, keys: list[bytes], certificate: Principal | None = None) -> Principal:
+        """Every credential a door was given → the one principal; raises HookError
+        (UNAUTHENTICATED) for any invalid key, or keys of different principals."""
+        return self.chain.on_credentials(keys, certificate)
 
     def open(self, st: Stream, principal: Principal, req: Request) -> None:
         """Run ``req`` for ``st`` (already known to its door). Never raises for anything the
@@ -210,13 +219,13 @@ class RequestPath:
         self, st: Stream, principal: Principal, req: Request, preps: list[Prepared]
     ) -> None:
         """Each input's sequence, then the hooks and the engine as for any request."""
-        fair_key = principal.name if principal.key_id else id(st.door)
+        fair_key, weight, pclass = fair_share(principal, st)
         for member, prep in zip(st.group or (st,), preps, strict=True):
             member.full_ids = prep.prompt
             member.prompt_tokens = len(prep.prompt)
             member.seq = Sequence(
                 member, prep.prompt, prep.max_tokens, prep.sampling, fair_key=fair_key,
-                pool=req.embed, score=req.prompt_logprobs,
+                weight=weight, principal_class=pclass, pool=req.embed, score=req.prompt_logprobs,
             )  # fmt: skip
         self._after_prepared(st, principal, req)
 
@@ -277,12 +286,11 @@ class RequestPath:
         if self._records and prep.deterministic:
             st.record = True
             st.rec_text = [] if prep.detokenizer is not None else None
-        # Fair admission: an authenticated client's sequences share one turn, an anonymous
-        # client's share its connection's (zerolayer.engine.engine: round robin by this key).
-        fair_key = principal.name if principal.key_id else id(st.door)
+        fair_key, weight, pclass = fair_share(principal, st)
         st.seq = Sequence(
             st, prep.prompt, prep.max_tokens, prep.sampling, prep.stop_ids, prep.stop_sequences,
-            prep.detokenizer, prep.ignore_eos, fair_key, grammar, score=req.prompt_logprobs,
+            prep.detokenizer, prep.ignore_eos, fair_key, grammar, weight, pclass,
+            score=req.prompt_logprobs,
         )  # fmt: skip
         for sib in (st.group or (st,))[1:]:  # the other choices: their own seed stream and text
             sib.full_ids, sib.prompt_tokens = st.full_ids, st.prompt_tokens
@@ -293,7 +301,7 @@ class RequestPath:
             detok = Detokenizer(self.inputs.tokenizer) if prep.detokenizer is not None else None
             sib.seq = Sequence(
                 sib, prep.prompt, prep.max_tokens, sampling, prep.stop_ids, prep.stop_sequences,
-                detok, prep.ignore_eos, fair_key, grammar,
+                detok, prep.ignore_eos, fair_key, grammar, weight, pclass,
             )  # fmt: skip
             sib.seq.parent = st.seq
             st.seq.choices.append(sib.seq)

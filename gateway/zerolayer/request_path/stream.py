@@ -45,6 +45,7 @@ class Door(Protocol):
 
     dirty: bool  # has unwritten output; the output processor flushes it after a delivery
     label: str  # names the door in logs ("7" for frame connection 7)
+    peer_ip: str  # the client's address: an anonymous client's fairness key
 
     # Read-only here (a door may derive them), so a door may name its own writer type.
     @property
