@@ -316,7 +316,7 @@ def load_gguf(
         "model.quantized_decode is off" if kernel_cache is None else qmatmul.build(kernel_cache)
     )
     if reason is not None:
-        log.warning("GGUF block kernel unavailable, serving dense weights: %s", reason)
+        log.warning("GGUF block kernel unavailable, serving dense weights only: %s", reason)
     arch = str(gguf_file.header.get("general.architecture"))
     # What llama.cpp changed follows the file's architecture, not the config's family (a llama
     # file with a sliding window is served as Mistral, its q/k rows permuted all the same).
@@ -390,7 +390,7 @@ def load_gguf(
     except RuntimeError as exc:
         raise ModelLoadError(f"{path}: weights do not match its metadata: {exc}") from exc
     try:
-        model.use_blocks(blocks, every_forward=bool(blocks), qk_orders=orders)
+        used = model.use_blocks(blocks, every_forward=bool(blocks), qk_orders=orders)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     model.eval()
@@ -401,11 +401,12 @@ def load_gguf(
             len(dense_kinds),
             describe_dense(dense_kinds),
         )
-    log.info(
-        "%s mapped: %d matrices computed on the file's own blocks, none copied",
-        path,
-        len(blocks),
-    )
+    if used:
+        log.info(
+            "%s mapped: all forwards compute on %d of the GGUF's quantized matrices, not copied",
+            path,
+            used,
+        )
     return LoadedModel(
         name=name or path.stem,
         path=directory,
