@@ -15,7 +15,13 @@ from zerolayer.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def cpu(tmp_path_factory):
     data_dir = str(tmp_path_factory.mktemp("builtin"))
-    cfg = EngineConfig(max_batch_size=32, max_context=256, prefill_chunk=64, max_step_tokens=256)
+    cfg = EngineConfig(  # float32 KV: the parity mode these tests compare against
+        max_batch_size=32,
+        max_context=256,
+        prefill_chunk=64,
+        max_step_tokens=256,
+        kv_dtype="float32",
+    )
     backend, tokenizer = create_cpu_backend(ModelConfig(path=BUILTIN_MODEL, data_dir=data_dir), cfg)
     return backend, tokenizer, data_dir
 
@@ -201,3 +207,22 @@ def test_logprobs_and_bias_on_the_cpu_backend_match_the_model_stepped_by_hand(cp
                 torch.tensor([token]), torch.tensor([position]), torch.tensor([slot]), cache
             )[0]
     assert len(lps) == len(ids["lp"]) > 0
+
+
+def test_kv_is_bfloat16_by_default_and_its_size_is_logged(cpu, caplog) -> None:
+    import logging
+
+    import torch
+
+    caplog.set_level(logging.INFO, logger="zerolayer.engine")
+    cfg = EngineConfig(max_batch_size=2, max_context=64)
+    backend, tokenizer = create_cpu_backend(ModelConfig(path=BUILTIN_MODEL, data_dir=cpu[2]), cfg)
+    assert backend.cache.k.dtype == torch.bfloat16 and backend.cache.v.dtype == torch.bfloat16
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
+    assert lines == [
+        f"KV cache {backend.cache.nbytes / 2**30:.2f} GiB bfloat16: 2 slots of 64 positions"
+    ]
+    # The float32 parity mode's cache (the module's fixture) is twice the bytes a position.
+    assert cpu[0].cache.k.dtype == torch.float32
+    got = run(backend, tokenizer, [seq("kv", "hello", tokenizer, n=4)])
+    assert 1 <= len(got["kv"]) <= 4  # served on the bfloat16 cache (EOS may end it early)

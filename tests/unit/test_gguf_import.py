@@ -12,6 +12,7 @@ import torch
 
 from tests.support.gguf_files import HEADS, llama_cpp_permute, write_gguf
 from zerolayer.config.settings import ModelConfig
+from zerolayer.kernels.qmatmul import QStack
 from zerolayer.models import gguf_import
 from zerolayer.models.decoder import KVCache
 from zerolayer.models.gguf_errors import GGUFImportError
@@ -40,7 +41,11 @@ def test_converted_model_matches_transformers_gguf_loader(tiny, tmp_path: Path) 
     assert loaded.config.tie_word_embeddings and loaded.config.rope_theta == 50000.0
     assert loaded.config.num_key_value_heads == 2 and loaded.max_context == 256
     # Q4_1 is lossy, but close: the un-permuted q rows match the original layout.
-    q = loaded.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    # q's rows stay the file's (mapped blocks); the outputs are put back in transformers' order.
+    attn = loaded.model.layers[0].self_attn
+    assert isinstance(attn.qkv_blocks, QStack) and attn.qkv_order is not None
+    rows = attn.qkv_blocks.parts[0].dense(torch.float32)
+    q = rows[attn.qkv_order[: rows.shape[0]]].numpy()
     assert np.abs(q - source["model.layers.0.self_attn.q_proj.weight"]).max() < 0.05
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
@@ -121,7 +126,7 @@ def test_failed_conversion_leaves_nothing_behind(
         ({"tokenizer_model": "bert"}, "unsupported tokenizer model 'bert'"),
         ({"pre": "deepseek-coder"}, "unsupported pre-tokenizer 'deepseek-coder'"),
         ({"matrix_type": "I8"}, "unsupported tensor type I8 (e.g. blk.0.attn_q.weight)"),
-        ({"extra_tensor": "rope_freqs.weight"}, "holds rope_freqs.weight"),
+        ({"extra_tensor": "rope_factors_long.weight"}, "holds rope_factors_long.weight"),
         (
             {"extra_tensor": "blk.0.attn_q_norm.weight"},
             "unexpected tensor 'blk.0.attn_q_norm.weight' for the llama architecture",

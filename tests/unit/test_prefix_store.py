@@ -266,7 +266,10 @@ def builtin(smollm2_dir: Path):
     conversion."""
     from zerolayer.engine.backends.cpu import create_cpu_backend
 
-    engine_cfg = EngineConfig(max_batch_size=2, max_context=512, prefill_chunk=24)
+    # float32 KV, the parity mode: the byte counts below are float32's
+    engine_cfg = EngineConfig(
+        max_batch_size=2, max_context=512, prefill_chunk=24, kv_dtype="float32"
+    )
     return create_cpu_backend(ModelConfig(data_dir=data_dir_of(smollm2_dir)), engine_cfg)
 
 

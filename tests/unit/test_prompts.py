@@ -306,8 +306,8 @@ def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def builtin(builtin_dir: Path):
     from zerolayer.engine.backends.cpu import create_cpu_backend
 
-    engine_cfg = EngineConfig(
-        max_batch_size=2, max_context=512, prefill_chunk=16, max_step_tokens=64
+    engine_cfg = EngineConfig(  # float32 KV, the parity mode: its byte counts are asserted
+        max_batch_size=2, max_context=512, prefill_chunk=16, max_step_tokens=64, kv_dtype="float32"
     )
     return create_cpu_backend(
         ModelConfig(path=BUILTIN_MODEL, data_dir=str(builtin_dir)), engine_cfg

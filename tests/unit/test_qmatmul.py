@@ -326,8 +326,8 @@ def greedy(model: Decoder, prompt: list[int], steps: int, rows: int = 1) -> tupl
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_uses_the_blocks_for_a_few_rows_only(converted, dtype) -> None:
-    path, directory = converted
-    cfg = ModelConfig(path=str(path), data_dir=str(directory.parent.parent), dtype=dtype)
+    _, directory = converted  # the converted checkpoint: dense weights, blocks for few rows
+    cfg = ModelConfig(path=str(directory), data_dir=str(directory.parent.parent), dtype=dtype)
     fused = load_model(cfg, 64).model
     dense = load_model(cfg.model_copy(update={"quantized_decode": False}), 64).model
     most = qmatmul.MAX_ROWS[fused.rope_cos.dtype]

@@ -112,6 +112,9 @@ class EngineConfig(_Section):
     synthetic_prefill_us_per_token: float = Field(0.0, ge=0)
     synthetic_vocab_size: int = Field(32000, ge=259)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default (one per core)
+    # How the CPU backend stores K and V: bfloat16 (half the bytes, computed in the model's
+    # dtype), or float32, the parity mode (with model.dtype float32: transformers' math).
+    kv_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     # Automatic prefix reuse (docs/prefix-cache.md): on where the backend can save/load KV.
     prefix_cache: bool = True
     prefix_cache_bytes: int = Field(1024 * 1024 * 1024, ge=0)  # unpinned blocks, LRU

@@ -4,9 +4,9 @@ The C++ kernel dequantizes 32 weights at a time in registers and multiplies them
 sums, with exactly the weights of the dense model (the gguf package's float32 values, rounded to
 bfloat16 for bfloat16 models), reading 4.5-6.6 bits a weight (``BLOCK_BYTES`` * 8 /
 ``BLOCK_WEIGHTS``) instead of 32 or 16; only the order of the sums differs from a dense matmul.
-Its time grows with the number of input rows, a dense matmul's hardly at all, so models use it
-for at most ``MAX_ROWS``
-rows (per dtype).
+Its time grows with the number of input rows, a dense matmul's hardly at all, so for more than
+``MAX_ROWS`` input rows (per dtype) a call dequantizes the blocks a tile of rows at a time into a
+dense product instead (``tiled``): prefill of long prompts, with no dense copy of the matrix.
 
 ``build`` compiles the source once per source, torch version and instruction set into a cache
 directory (``torch.utils.cpp_extension.load``: needs a C++ compiler and ninja) and registers the
@@ -169,19 +169,26 @@ class QWeight:
 
     @staticmethod
     def stack(parts: list[QWeight]) -> QWeight | QStack:
-        """Weights of one input laid one under the other, one call for all their outputs: one
-        QWeight when their kinds agree, else a QStack of them (a Q4_K_M file's Q6_K v_proj
-        beside Q4_K q_proj / k_proj)."""
+        """Weights of one input laid one under the other, one call for all their outputs: the
+        one QWeight itself, else a QStack of them, whatever their kinds (a Q4_K_M file's Q6_K
+        v_proj beside Q4_K q_proj / k_proj). The parts are never concatenated: each stays a
+        view of the file's own blocks."""
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("stacked weights must have one input size")
-        if len({p.kind for p in parts}) != 1:
-            return QStack(tuple(parts))
-        if len(parts) == 1:
-            return parts[0]
-        return QWeight(torch.cat([p.blocks for p in parts]).contiguous(), parts[0].kind)
+        return parts[0] if len(parts) == 1 else QStack(tuple(parts))
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` [...] of the weight [..., K] in ``dtype``: an embedding looked up from
+        its blocks, the same values as the dense weight's rows (gguf's float32 values, then
+        cast)."""
+        picked = self.blocks.index_select(0, ids.reshape(-1))
+        dense: torch.Tensor = torch.ops.zerolayer.dequantize(picked, KINDS[self.kind], False)
+        return dense.to(dtype).view(*ids.shape, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_ROWS.get(x.dtype, rows.shape[0]):
+            return tiled(rows, (self,)).view(*x.shape[:-1], self.out_features)
         out: torch.Tensor = torch.ops.zerolayer.qmatmul(rows, self.blocks, KINDS[self.kind])
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -211,7 +218,31 @@ class QStack:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_ROWS.get(x.dtype, rows.shape[0]):
+            return tiled(rows, self.parts).view(*x.shape[:-1], self.out_features)
         blocks = [p.blocks for p in self.parts]
         kinds = [KINDS[p.kind] for p in self.parts]
         out: torch.Tensor = torch.ops.zerolayer.qmatmul_parts(rows, blocks, kinds)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+# Weight rows dequantized at a time by ``tiled``: a float32 tile of about 2 MiB, which stays in
+# the caches while the input rows stream past it.
+TILE_BYTES = 2 << 20
+
+
+def tiled(x: torch.Tensor, parts: tuple[QWeight, ...]) -> torch.Tensor:
+    """x [M, K] @ [w_0; w_1; ...].T for many input rows: each part's blocks dequantized a tile
+    of rows at a time (the weights of the dense model: gguf's float32 values, rounded to
+    bfloat16 for bfloat16 inputs) and multiplied as a dense product, so no dense copy of the
+    whole matrix is ever held."""
+    bf16 = x.dtype == torch.bfloat16
+    k = x.shape[1]
+    step = max(16, TILE_BYTES // (4 * k))
+    outs = []
+    for part in parts:
+        for start in range(0, part.out_features, step):
+            tile = part.blocks.narrow(0, start, min(step, part.out_features - start))
+            w = torch.ops.zerolayer.dequantize(tile, KINDS[part.kind], bf16).to(x.dtype)
+            outs.append(x @ w.T)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

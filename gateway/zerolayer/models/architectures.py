@@ -105,6 +105,9 @@ class DecoderConfig:
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position: int = 8192  # llama3 only
     rope_local_theta: float | None = None  # sliding layers' own (unscaled) rope base (Gemma 3)
+    # Per-pair divisors of the full layers' frequencies, as a GGUF's rope_freqs.weight holds
+    # them (llama.cpp writes Llama 3.1's llama3 scaling so): config.json's rope_freq_factors.
+    rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases
     o_bias: bool = False
@@ -229,6 +232,7 @@ class DecoderConfig:
             rope_high_freq_factor=float(full.get("high_freq_factor", 4.0)),
             rope_original_max_position=int(full.get("original_max_position_embeddings", 8192)),
             rope_local_theta=local_theta,
+            rope_freq_factors=_freq_factors(cfg.get("rope_freq_factors")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             o_bias=o_bias,
@@ -240,6 +244,14 @@ class DecoderConfig:
             attn_logit_softcapping=optional("attn_logit_softcapping"),
             final_logit_softcapping=optional("final_logit_softcapping"),
         )
+
+
+def _freq_factors(value: Any) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, int | float) for v in value):
+        raise ValueError("rope_freq_factors must be a list of numbers")
+    return tuple(float(v) for v in value)
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:

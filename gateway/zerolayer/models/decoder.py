@@ -20,14 +20,17 @@ reads only the first ``attn_len`` cache positions; callers pick ``attn_len`` fro
 of buckets (``attention_bucket``) so cost follows the real length while shapes stay fixed;
 sliding-window layers keep every position too and mask the ones outside their window.
 Parameter names match the Hugging Face ``*ForCausalLM`` with the ``model.`` prefix removed
-(Phi-3's fused matrices are split by the loader). A model converted from a GGUF file can also
-hold its matrices as the file's own blocks (``Decoder.use_blocks``, ``zerolayer.kernels.qmatmul``:
-the same weights, fewer bytes), which forwards of a few tokens use instead of the dense weights.
+(Phi-3's fused matrices are split by the loader). A model loaded from a GGUF file holds its
+matrices as the file's own blocks (``Decoder.use_blocks``, ``zerolayer.kernels.qmatmul``: the same
+weights, fewer bytes, views of the mapped file) and computes every forward on them, the embedding
+looked up from its blocks; a checkpoint directory converted from a GGUF keeps its dense weights
+for forwards of many tokens.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +90,13 @@ def rope_inv_freq(cfg: DecoderConfig, local: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(is_mid, smoothed, scaled)
+    if cfg.rope_freq_factors is not None:
+        # ggml's rope: theta_i = pos * base^(-2i/d) / factor_i.
+        if len(cfg.rope_freq_factors) != inv_freq.shape[0]:
+            raise ValueError(
+                f"{len(cfg.rope_freq_factors)} rope_freq_factors for {inv_freq.shape[0]} pairs"
+            )
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     return inv_freq
 
 
@@ -187,6 +197,10 @@ class Attention(nn.Module):
         # with their biases stacked alike.
         self.qkv_blocks: QWeight | QStack | None = None
         self.qkv_bias: torch.Tensor | None = None
+        # Output columns of qkv_blocks in the checkpoint's order, when the blocks keep the rows
+        # in another (llama.cpp's rope permutation of q/k): each output is the same row's dot
+        # product, so picking columns gives the un-permuted weights' results bit for bit.
+        self.qkv_order: torch.Tensor | None = None
         self.o_blocks: QWeight | QStack | None = None
 
     def forward(
@@ -205,6 +219,8 @@ class Attention(nn.Module):
         n = group_n // group
         if rows.blocks and self.qkv_blocks is not None:
             qkv: torch.Tensor = self.qkv_blocks(x)  # one matmul for q, k and v
+            if self.qkv_order is not None:
+                qkv = qkv.index_select(-1, self.qkv_order)
             if self.qkv_bias is not None:
                 qkv = qkv + self.qkv_bias
             qkv = qkv.reshape(*qkv.shape[:-1], self.n_heads + 2 * self.n_kv, self.head_dim)
@@ -221,14 +237,16 @@ class Attention(nn.Module):
         # mask hides positions after each query (later chunk tokens, stale data of old sequences)
         # and, in a sliding layer, those outside the window.
         # Indexing [write_slots, :, write_positions] selects [*tokens, kv_heads, head_dim].
-        k_cache[rows.write_slots, :, rows.write_positions] = k
-        v_cache[rows.write_slots, :, rows.write_positions] = v
+        k_cache[rows.write_slots, :, rows.write_positions] = k.to(k_cache.dtype)
+        v_cache[rows.write_slots, :, rows.write_positions] = v.to(v_cache.dtype)
         if rows.slot_start is None:  # any slots: a gather (a copy of each row's first attn_len)
             keys = k_cache[rows.slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
             values = v_cache[rows.slots, :, :attn_len]
         else:  # consecutive slots: a view of the cache, no copy per layer and step
             keys = k_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
             values = v_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
+        if keys.dtype != q.dtype:  # a bfloat16 cache of a float32 model: computed in float32
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if rows.packed is not None:  # queries back into the padded [B, n] layout; padding = 0
             q = q.new_zeros(B * n, self.n_heads, self.head_dim).index_copy_(0, rows.packed, q)
         q = q.view(B, n, self.n_heads, self.head_dim)
@@ -355,6 +373,10 @@ class KVCache:
         return self.k.shape[1]
 
     @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    @property
     def max_context(self) -> int:
         return self.k.shape[3]
 
@@ -413,6 +435,7 @@ class Decoder(nn.Module):
         # Forwards of at most this many tokens use the GGUF block weights; 0 until use_blocks.
         self.blocks_max_rows = 0
         self.head_blocks: QWeight | QStack | None = None
+        self.embed_blocks: QWeight | None = None  # the embedding looked up from its blocks
 
     def blocks(self) -> list[Block]:
         """The layers, typed (``nn.ModuleList`` holds them as modules)."""
@@ -427,13 +450,22 @@ class Decoder(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
-    def use_blocks(self, weights: dict[str, QWeight]) -> int:
+    def use_blocks(
+        self,
+        weights: dict[str, QWeight],
+        every_forward: bool = False,
+        qk_orders: dict[str, torch.Tensor] | None = None,
+    ) -> int:
         """Give the matrices found in ``weights`` (GGUF blocks under this model's parameter
         names) block copies, which forwards of at most ``qmatmul.MAX_ROWS[dtype]`` tokens use
-        (q/k/v and gate/up each stacked into one matmul when all of them are there, a
-        ``QStack`` when their block types differ, their biases stacked alike); the dense
-        weights stay for longer forwards.
+        (q/k/v and gate/up each stacked into one call when all of them are there, a
+        ``QStack`` of views, their biases stacked alike); the dense weights stay for longer
+        forwards. With ``every_forward`` there are no dense weights for these matrices (a
+        GGUF file's blocks, mapped): every forward uses the blocks, the embedding too.
+        ``qk_orders`` (by q_proj / k_proj weight name): the checkpoint's row order of blocks
+        kept in the file's (``unpermute_rows`` of an arange).
         Needs the kernel built (``qmatmul.build``). Returns how many matrices got a copy."""
+        orders = qk_orders or {}
 
         def stacked(prefix: str, names: tuple[str, ...]) -> QWeight | QStack | None:
             keys = [f"{prefix}{name}.weight" for name in names]
@@ -453,6 +485,7 @@ class Decoder(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_blocks = stacked(f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"))
             attn.qkv_bias = _bias([attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.qkv_order = self._qkv_order(i, orders) if attn.qkv_blocks is not None else None
             attn.o_blocks = stacked(f"layers.{i}.self_attn.", ("o_proj",))
             mlp.gate_up_blocks = stacked(f"layers.{i}.mlp.", ("gate_proj", "up_proj"))
             mlp.gate_up_bias = _bias([mlp.gate_proj, mlp.up_proj])
@@ -463,7 +496,22 @@ class Decoder(nn.Module):
         self.head_blocks = stacked("", ("embed_tokens" if self.lm_head is None else "lm_head",))
         used += self.head_blocks is not None
         self.blocks_max_rows = qmatmul.MAX_ROWS[self.rope_cos.dtype] if used else 0
+        if every_forward:
+            self.blocks_max_rows = sys.maxsize
+            self.embed_blocks = weights.get("embed_tokens.weight")
         return used
+
+    def _qkv_order(self, layer: int, orders: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Columns of layer ``layer``'s stacked q|k|v output in the checkpoint's order."""
+        prefix = f"layers.{layer}.self_attn."
+        q, k = orders.get(f"{prefix}q_proj.weight"), orders.get(f"{prefix}k_proj.weight")
+        if q is None and k is None:
+            return None
+        cfg = self.cfg
+        nq, nkv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        q = torch.arange(nq) if q is None else q
+        k = torch.arange(nkv) if k is None else k
+        return torch.cat((q, nq + k, torch.arange(nq + nkv, nq + 2 * nkv)))
 
     def forward(
         self,
@@ -529,7 +577,11 @@ class Decoder(nn.Module):
                 slot_start,
                 self.blocks_max_rows > 0 and int(lengths.sum()) <= self.blocks_max_rows,
             )
-        x = self.embed_tokens(tokens)  # [B, n, hidden], or [T, hidden] when packed
+        # [B, n, hidden], or [T, hidden] when packed
+        if self.embed_blocks is not None:
+            x = self.embed_blocks.rows(tokens, self.rope_cos.dtype)
+        else:
+            x = self.embed_tokens(tokens)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         # [..., 1, head_dim]: broadcast over heads

@@ -95,6 +95,9 @@ TENSOR_NAMES: dict[str, dict[str, str]] = {
 
 
 GGUF_MAGIC = b"GGUF"
+# Llama 3.1's llama3 rope scaling as llama.cpp's converter writes it: one divisor per rotated
+# pair of dimensions (config.json's rope_freq_factors), not a weight of the model.
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def is_gguf(path: Path) -> bool:
@@ -170,12 +173,27 @@ class ArrayInfo:
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's data lies in its file: its dims (outermost first, as numpy and torch
+    list them; GGUF lists them innermost first), type name and byte offset from the start of
+    the file (the data section's start plus the tensor's own offset)."""
+
+    shape: tuple[int, ...]
+    kind: str
+    offset: int
+
+
+@dataclass(frozen=True)
 class Header:
     """What a GGUF file says before its tensor data: metadata values (arrays of more than
-    ``SMALL_ARRAY`` elements as ``ArrayInfo``) and each tensor's name and type name."""
+    ``SMALL_ARRAY`` elements as ``ArrayInfo``), each tensor's name and type name, where each
+    tensor's data lies (``layout``) and how many bytes the header takes (``size``: where the
+    aligned data section starts)."""
 
     values: dict[str, Any]
     tensors: list[tuple[str, str]]
+    layout: dict[str, TensorInfo]
+    size: int
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
@@ -253,14 +271,23 @@ def _parse_header(data: mmap.mmap, gguf: Any) -> Header:
         (kind,) = struct.unpack_from("<I", data, offset)
         values[key], offset = value(kind, offset + 4)
     tensors = []
+    places: list[tuple[str, tuple[int, ...], str, int]] = []
     for _ in range(n_tensors):
         name, offset = string(offset)
         (dims,) = struct.unpack_from("<I", data, offset)
+        shape = struct.unpack_from(f"<{dims}Q", data, offset + 4)
         offset += 4 + 8 * dims
-        kind, _ = struct.unpack_from("<IQ", data, offset)
+        kind, at = struct.unpack_from("<IQ", data, offset)
         offset += 12
-        tensors.append((name, gguf.GGMLQuantizationType(kind).name))
-    return Header(values, tensors)
+        kind_name = gguf.GGMLQuantizationType(kind).name
+        tensors.append((name, kind_name))
+        places.append((name, tuple(int(d) for d in reversed(shape)), kind_name, int(at)))
+    alignment = values.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"general.alignment {alignment!r} is not a positive integer")
+    start = -(-offset // alignment) * alignment
+    layout = {name: TensorInfo(shape, kind, start + at) for name, shape, kind, at in places}
+    return Header(values, tensors, layout, start)
 
 
 class _Fields:
@@ -318,12 +345,14 @@ def read_config(fields: _Fields, path: Path, tensor_names: set[str]) -> dict[str
         rope["factor"] = float(fields.require(f"{arch}.rope.scaling.factor"))
     elif scaling != "none":
         raise GGUFImportError(f"{path}: unsupported rope scaling {scaling!r}")
-    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
         if name in tensor_names:
             raise GGUFImportError(
-                f"{path}: holds {name} (per-frequency rope factors, as Llama 3.1 and long-context "
-                "Phi-3 files do); not supported"
+                f"{path}: holds {name} (long-context Phi-3's per-frequency rope factors); "
+                "not supported"
             )
+    if ROPE_FREQS in tensor_names and family.sliding_pattern:
+        raise GGUFImportError(f"{path}: {ROPE_FREQS} in a {arch} file is not supported")
     vocab = fields.get(f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(fields.require("tokenizer.ggml.tokens"))
@@ -396,7 +425,7 @@ def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def _hf_name(name: str, arch: str) -> str | None:
+def hf_name(name: str, arch: str) -> str | None:
     """The Hugging Face name of GGUF tensor ``name`` in a file of architecture ``arch``."""
     stem, dot, kind = name.rpartition(".")
     if not dot or kind not in ("weight", "bias"):
@@ -442,8 +471,8 @@ def check_header(header: Header, path: Path) -> dict[str, Any]:
             f"{path}: unsupported tensor type {found}; the gguf package dequantizes "
             f"{', '.join(sorted(supported))}"
         )
-    for name in sorted(names):
-        if _hf_name(name, arch) is None:
+    for name in sorted(names - {ROPE_FREQS}):
+        if hf_name(name, arch) is None:
             raise GGUFImportError(
                 f"{path}: unexpected tensor {name!r} for the {arch} architecture; its tensors: "
                 f"{', '.join(sorted({*_GLOBAL_TENSORS, *TENSOR_NAMES[arch]}))}"
@@ -475,7 +504,9 @@ def read_tensors(reader: Any, path: Path, config: dict[str, Any]) -> Tensors:
     family = BY_GGUF_ARCH[arch]
     out = Tensors({}, {}, {})
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name, arch)
+        if tensor.name == ROPE_FREQS:
+            continue  # in config.json (rope_freq_factors)
+        name = hf_name(tensor.name, arch)
         assert name is not None  # check_header refused files with other tensors
         # F32 tensors come back as read-only views of the memory-mapped file: copy them.
         data = np.array(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -509,8 +540,7 @@ def convert(path: Path, directory: Path) -> None:
 
     config = check_header(read_header(path), path)
     reader = _open(path)
-    fields = _Fields(reader, path)
-    tokenizer, tok_cfg = build_tokenizer(fields, path)
+    _add_rope_factors(config, reader)
     tensors = read_tensors(reader, path, config)
     if tensors.blocks:  # a file of float matrices only keeps no blocks
         write_blocks(directory, tensors.blocks)
@@ -520,6 +550,21 @@ def convert(path: Path, directory: Path) -> None:
         "converter_version": CONVERTER_VERSION,
         "dense_matrices": tensors.dense_only,
     }
+    _write_small_files(directory, path, config, reader, source)
+
+
+def _add_rope_factors(config: dict[str, Any], reader: Any) -> None:
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            values = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+            config["rope_freq_factors"] = [float(v) for v in values]
+
+
+def _write_small_files(
+    directory: Path, path: Path, config: dict[str, Any], reader: Any, source: dict[str, Any]
+) -> None:
+    """config.json, generation_config.json, tokenizer.json, tokenizer_config.json, source.json."""
+    tokenizer, tok_cfg = build_tokenizer(_Fields(reader, path), path)
     tokenizer.save(str(directory / "tokenizer.json"))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
     for name, data in (
@@ -529,6 +574,45 @@ def convert(path: Path, directory: Path) -> None:
         (SOURCE_FILE, source),
     ):
         (directory / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# Bump when what ``ensure_described`` writes changes. 1: config, generation config, tokenizer.
+DESCRIPTION_VERSION = 1
+
+
+def description_key(path: Path, header: Header) -> str:
+    """Names what ``ensure_described`` caches for ``path``: the file's size, modification time
+    and inode, and the SHA-256 of its header (metadata and tensor table), never of its tensor
+    data (a whole 5 GB file read at every start)."""
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|".encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(header.size))
+    return h.hexdigest()[:16]
+
+
+def ensure_described(path: Path, data_dir: str = "") -> tuple[Path, Header]:
+    """A small directory describing GGUF file ``path`` (config.json with the rope factors,
+    tokenizer.json and tokenizer_config.json rebuilt from its vocabulary, generation_config.json,
+    source.json), written on first use and reused while the file is unchanged; and the file's
+    header. The weights stay in the file (``zerolayer.models.gguf_file``). Raises
+    ``GGUFImportError`` for files it does not serve."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise GGUFImportError(f"GGUF file {path} does not exist")
+    header = read_header(path)
+    config = check_header(header, path)  # refused here, before anything is written
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:60]
+    key = description_key(path, header)
+    target = data_root(data_dir) / "gguf" / f"{stem}-{key}-d{DESCRIPTION_VERSION}"
+
+    def write(tmp: Path) -> None:
+        reader = _open(path)
+        _add_rope_factors(config, reader)
+        _write_small_files(tmp, path, config, reader, {"gguf": str(path)})
+
+    ensure_dir(target, SOURCE_FILE, write)
+    return target, header
 
 
 def dense_matrices(directory: Path) -> dict[str, str]:

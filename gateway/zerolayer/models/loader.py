@@ -6,9 +6,14 @@ listed in model.safetensors.index.json), tokenizer.json and the optional tokeniz
 chat_template.jinja and generation_config.json. Every problem a user can cause (wrong path,
 missing file, other architecture, missing tensors) is a ``ModelLoadError`` naming the path and
 what is wrong. ``load_model`` is what the engine calls; ``resolve_source`` turns ``model.path``
-(a directory, a ``.gguf`` file, or a named model) into a checkpoint directory. A model
-converted from a GGUF also gets its matrices as the file's own blocks (``model.quantized_decode``,
-``zerolayer.kernels.qmatmul``: the same weights in fewer bytes), used for forwards of a few tokens.
+(a directory, a ``.gguf`` file, or a named model) into a checkpoint directory, or for a GGUF
+file into a small directory describing it (config and tokenizer, ``gguf_import.ensure_described``)
+beside the file itself. ``load_gguf`` opens a GGUF file mapped (``zerolayer.models.gguf_file``):
+its matrices of a block type are the file's own blocks, views of the map that every forward
+computes on (``model.quantized_decode``, ``zerolayer.kernels.qmatmul``), with no dense copy; only
+the small tensors (norms, biases) and matrices of other types are read into dense float weights.
+A directory converted from a GGUF (``gguf_import.ensure_converted``, for tools that need a dense
+checkpoint) also gets block copies of its matrices, used for forwards of a few tokens.
 Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` matrices (dense or blocks) are split into the
 decoder's q/k/v and gate/up on the way in (``split_fused``).
 """
@@ -265,6 +270,154 @@ def attach_blocks(model: Decoder, cfg: DecoderConfig, directory: Path, kernel_ca
         log.info("%s keeps no usable GGUF blocks: dense weights only", directory)
 
 
+# The matrices the decoder computes on in one call each (Decoder.use_blocks): either all of a
+# group are blocks or all are dense.
+_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+def load_gguf(
+    path: Path,
+    directory: Path,
+    max_context: int,
+    dtype: torch.dtype = torch.float32,
+    name: str = "",
+    kernel_cache: Path | None = None,
+) -> LoadedModel:
+    """Open GGUF file ``path`` (described by ``directory``: ``gguf_import.ensure_described``)
+    without converting it. With ``kernel_cache`` (where the block kernel is built), every matrix
+    of a type the kernel computes on stays the file's blocks, mapped; the rest is dequantized
+    into dense ``dtype`` weights, the way llama.cpp's converter changed them undone (q/k rows of
+    the llama architecture un-permuted: for blocks by reordering their outputs, Gemma's norms
+    less 1). One log line names the matrices that are dense."""
+    import numpy as np
+
+    from zerolayer.kernels import qmatmul
+    from zerolayer.models.architectures import BY_GGUF_ARCH
+    from zerolayer.models.gguf_errors import GGUFImportError
+    from zerolayer.models.gguf_file import GGUFFile
+    from zerolayer.models.gguf_import import ROPE_FREQS, describe_dense, hf_name, unpermute_rows
+    from zerolayer.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
+
+    cfg = read_config(directory)
+    try:
+        tokenizer = HFTokenizer(directory)
+    except TokenizerLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    try:
+        gguf_file = GGUFFile.open(path)
+    except GGUFImportError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    reason = (
+        "model.quantized_decode is off" if kernel_cache is None else qmatmul.build(kernel_cache)
+    )
+    if reason is not None:
+        log.warning("GGUF block kernel unavailable, serving dense weights only: %s", reason)
+    arch = str(gguf_file.header.get("general.architecture"))
+    # What llama.cpp changed follows the file's architecture, not the config's family (a llama
+    # file with a sliding window is served as Mistral, its q/k rows permuted all the same).
+    family = BY_GGUF_ARCH[arch]
+    permuted = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+
+    def qk_heads(key: str) -> int | None:
+        """Heads of a q/k weight whose rows llama.cpp permuted, else None."""
+        module, _, kind = key.rpartition(".")
+        if not family.gguf_permuted_qk or kind != "weight":
+            return None
+        return permuted.get(module.rpartition(".")[2])
+
+    blocks: dict[str, QWeight] = {}
+    orders: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    dense_kinds: dict[str, str] = {}
+
+    def read_dense(gguf_name: str, key: str) -> torch.Tensor:
+        values = gguf_file.dense(gguf_name)
+        heads = qk_heads(key)
+        if heads is not None:
+            values = torch.from_numpy(unpermute_rows(values.numpy(), heads))
+        if family.norm_offset and key.endswith("norm.weight"):
+            values = values - family.norm_offset
+        return values.to(dtype)
+
+    names: dict[str, str] = {}  # decoder name -> GGUF name
+    for gguf_name, info in gguf_file.header.layout.items():
+        if gguf_name == ROPE_FREQS:
+            continue  # read into config.json's rope_freq_factors
+        key = hf_name(gguf_name, arch)
+        if key is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r}")
+        full, key = key, key.removeprefix("model.")
+        names[key] = gguf_name
+        if len(info.shape) == 2 and info.kind in qmatmul.KINDS and reason is None:
+            blocks[key] = QWeight(gguf_file.blocks(gguf_name), info.kind)
+            heads = qk_heads(key)
+            if heads is not None:
+                order = unpermute_rows(np.arange(info.shape[0]), heads)
+                orders[key] = torch.from_numpy(order)
+        else:
+            dense[key] = read_dense(gguf_name, key)
+            if len(info.shape) == 2:
+                dense_kinds[full] = info.kind
+    blocks = split_fused(blocks, cfg, _block_rows)
+    dense = split_fused(dense, cfg, lambda t, a, b: t[a:b])
+    # A group with a dense member is dense whole (one call per group).
+    for i in range(cfg.num_hidden_layers):
+        for group in _GROUPS:
+            keys = [f"layers.{i}.{m}.weight" for m in group]
+            if any(k in dense for k in keys):
+                for k in keys:
+                    if k in blocks:
+                        del blocks[k]
+                        orders.pop(k, None)
+                        dense[k] = read_dense(names[k], k)
+                        dense_kinds[f"model.{k}"] = gguf_file.info(names[k]).kind
+    context = min(max_context, cfg.max_position_embeddings)
+    model = Decoder(cfg, context, dtype=dtype, device="meta")
+    expected = set(model.state_dict())
+    missing = sorted(expected - dense.keys() - blocks.keys())
+    if missing:
+        raise ModelLoadError(f"{path}: tensors missing: {', '.join(missing[:5])}")
+    unexpected = sorted((dense.keys() | blocks.keys()) - expected)
+    if unexpected:
+        raise ModelLoadError(f"{path}: tensors the model does not account for: {unexpected[:5]}")
+    try:
+        model.load_state_dict(dense, strict=False, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"{path}: weights do not match its metadata: {exc}") from exc
+    try:
+        used = model.use_blocks(blocks, every_forward=bool(blocks), qk_orders=orders)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    model.eval()
+    if dense_kinds:
+        log.info(
+            "%d of the GGUF's matrices load as dense weights only (types without a block "
+            "kernel): %s",
+            len(dense_kinds),
+            describe_dense(dense_kinds),
+        )
+    if used:
+        log.info(
+            "%s mapped: all forwards compute on %d of the GGUF's quantized matrices, not copied",
+            path,
+            used,
+        )
+    return LoadedModel(
+        name=name or path.stem,
+        path=directory,
+        config=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_context=context,
+    )
+
+
 def _block_rows(weight: QWeight, start: int, end: int) -> QWeight:
     return QWeight(weight.blocks[start:end], weight.kind)
 
@@ -285,6 +438,7 @@ class ModelSource:
     directory: Path
     name: str
     tokenizer: Tokenizer | None = None
+    gguf: Path | None = None  # the GGUF file whose weights are served (directory describes it)
 
 
 def resolve_source(model_cfg: ModelConfig) -> ModelSource:
@@ -293,7 +447,7 @@ def resolve_source(model_cfg: ModelConfig) -> ModelSource:
     Conversion runs here, so call it where the model is loaded (the engine thread)."""
     from zerolayer.models import bundled
     from zerolayer.models.gguf_errors import GGUFImportError
-    from zerolayer.models.gguf_import import ensure_converted, is_gguf
+    from zerolayer.models.gguf_import import ensure_described, is_gguf
 
     path = model_cfg.path
     if not path:
@@ -326,9 +480,8 @@ def resolve_source(model_cfg: ModelConfig) -> ModelSource:
                     "a .gguf file or a checkpoint directory"
                 )
             return ModelSource(directory, model_cfg.name or directory.name)
-        return ModelSource(
-            ensure_converted(gguf_file, model_cfg.data_dir), model_cfg.name or default_name
-        )
+        directory, _ = ensure_described(gguf_file, model_cfg.data_dir)
+        return ModelSource(directory, model_cfg.name or default_name, gguf=gguf_file)
     except (bundled.BundledModelError, GGUFImportError) as exc:
         raise ModelLoadError(str(exc)) from exc
     except OSError as exc:
@@ -355,13 +508,21 @@ def load_model(
     ``dtype`` defaults to ``model_cfg.dtype``."""
     torch_dtype = resolve_dtype(dtype if dtype is not None else model_cfg.dtype)
     source = resolve_source(model_cfg)
+    kernel_cache = data_root(model_cfg.data_dir) / "kernels"
+    if source.gguf is not None:
+        return load_gguf(
+            source.gguf,
+            source.directory,
+            max_context,
+            torch_dtype,
+            source.name,
+            kernel_cache if model_cfg.quantized_decode else None,
+        )
     return load_checkpoint(
         source.directory,
         max_context,
         torch_dtype,
         tokenizer=source.tokenizer,
         name=source.name,
-        kernel_cache=data_root(model_cfg.data_dir) / "kernels"
-        if model_cfg.quantized_decode
-        else None,
+        kernel_cache=kernel_cache if model_cfg.quantized_decode else None,
     )

@@ -88,7 +88,9 @@ class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
         num_slots: int,
         max_context: int,
         sampler_seed: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: how K and V are stored; None = the model's dtype."""
         super().__init__(sampler_seed)
         self.model = loaded.model
         self.num_slots = num_slots
@@ -100,7 +102,14 @@ class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
             max_context=context,
             hidden_size=loaded.config.hidden_size,
         )
-        self.cache = KVCache.allocate(loaded.config, num_slots, context, loaded.dtype)
+        self.cache = KVCache.allocate(loaded.config, num_slots, context, kv_dtype or loaded.dtype)
+        log.info(
+            "KV cache %.2f GiB %s: %d slots of %d positions",
+            self.cache.nbytes / 2**30,
+            str(self.cache.k.dtype).removeprefix("torch."),
+            num_slots,
+            context,
+        )
         self._thread = threading.get_ident()  # the thread that loaded the model
         self._thread_warned = False
 
@@ -245,5 +254,10 @@ def create_cpu_backend(
     if engine_cfg.threads:
         torch.set_num_threads(engine_cfg.threads)
     loaded = load_model(model_cfg, engine_cfg.max_context)
-    backend = CpuBackend(loaded, engine_cfg.max_batch_size, engine_cfg.max_context)
+    backend = CpuBackend(
+        loaded,
+        engine_cfg.max_batch_size,
+        engine_cfg.max_context,
+        kv_dtype=getattr(torch, engine_cfg.kv_dtype),
+    )
     return backend, loaded.tokenizer
