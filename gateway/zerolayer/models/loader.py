@@ -8,7 +8,8 @@ missing file, other architecture, missing tensors) is a ``ModelLoadError`` namin
 what is wrong. ``load_model`` is what the engine calls; ``resolve_source`` turns ``model.path``
 (a directory, a ``.gguf`` file, or a named model) into a checkpoint directory. A model
 converted from a GGUF also gets its matrices as the file's own blocks (``model.quantized_decode``,
-``zerolayer.kernels.qmatmul``: the same weights in fewer bytes), used for forwards of a few tokens.
+``zerolayer.kernels.qmatmul``: the same weights in fewer bytes), used for forwards of a few tokens,
+with 8-bit or float activations as ``model.kernel`` says.
 Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` matrices (dense or blocks) are split into the
 decoder's q/k/v and gate/up on the way in (``split_fused``).
 """
@@ -26,6 +27,7 @@ import torch
 
 from zerolayer.cachedir import data_root
 from zerolayer.config.settings import BUILTIN_MODEL, ModelConfig
+from zerolayer.kernels import qmatmul
 from zerolayer.kernels.qmatmul import QWeight
 from zerolayer.models.architectures import DecoderConfig, find_architecture
 from zerolayer.models.decoder import Decoder
@@ -231,7 +233,6 @@ def attach_blocks(model: Decoder, cfg: DecoderConfig, directory: Path, kernel_ca
     ``kernel_cache``. One log line names the matrices of types the kernel does not compute on
     (dense only). A kernel that cannot be built leaves the dense weights only, with one log
     line saying why."""
-    from zerolayer.kernels import qmatmul
     from zerolayer.models.gguf_blocks import read_blocks
     from zerolayer.models.gguf_import import dense_matrices, describe_dense
 
@@ -355,7 +356,7 @@ def load_model(
     ``dtype`` defaults to ``model_cfg.dtype``."""
     torch_dtype = resolve_dtype(dtype if dtype is not None else model_cfg.dtype)
     source = resolve_source(model_cfg)
-    return load_checkpoint(
+    loaded = load_checkpoint(
         source.directory,
         max_context,
         torch_dtype,
@@ -365,3 +366,5 @@ def load_model(
         if model_cfg.quantized_decode
         else None,
     )
+    loaded.model.use_int8_activations(qmatmul.uses_int8(model_cfg.kernel, torch_dtype))
+    return loaded
