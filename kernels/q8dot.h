@@ -84,10 +84,10 @@ inline __m256i mul_signed(__m256i w, __m256i y) {
 template <int KIND, int M>
 void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* out) {
   __m256 acc[M];
-  float accm[M];
+  __m128 accm[M];
   for (int m = 0; m < M; ++m) {
     acc[m] = _mm256_setzero_ps();
-    accm[m] = 0.0f;
+    accm[m] = _mm_setzero_ps();
   }
   const __m256i m4 = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
@@ -98,10 +98,25 @@ void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* ou
     __m256i q[8];       // weights 32i .. 32i + 31
     __m256i scale[8];   // int16 scales of q[i]: low lane weights 0..15, high lane 16..31
     float d, dmin = 0.0f;
-    int16_t mins[8] = {};
+    __m128i mins = _mm_setzero_si128();  // Q4_K / Q5_K: the 8 mins as int16
     if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
-      d = half_at(p);
-      dmin = half_at(p + 2);
+      d = half_fast(p);
+      dmin = half_fast(p + 2);
+      // The 12 bytes of 6-bit scales and mins rearranged as 8 scale bytes, then 8 min bytes
+      // (scale_min_k4 for all eight at once).
+      uint32_t u[4];
+      std::memcpy(u, p + 4, 12);
+      const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+      u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+      const uint32_t low_mins = u[1] & k1;
+      u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+      u[2] = low_mins;
+      u[0] &= k1;
+      const __m256i both = _mm256_cvtepu8_epi16(_mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0])));
+      mins = _mm256_extracti128_si256(both, 1);
+      const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(both));
+      for (int c = 0; c < 8; ++c)  // int16 scale c in every lane: its bytes 2c, 2c + 1
+        scale[c] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>((2 * c) | ((2 * c + 1) << 8))));
       const uint8_t* ql = p + (KIND == kQ4_K ? 16 : 48);
       for (int j = 0; j < 4; ++j) {
         const __m256i bits = load32(ql + 32 * j);
@@ -114,14 +129,8 @@ void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* ou
           q[c] = _mm256_or_si256(
               q[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, c), one), 4));
       }
-      for (int c = 0; c < 8; ++c) {
-        int sc, mn;
-        scale_min_k4(p + 4, c, sc, mn);
-        scale[c] = _mm256_set1_epi16(static_cast<int16_t>(sc));
-        mins[c] = static_cast<int16_t>(mn);
-      }
     } else {  // Q6_K
-      d = half_at(p + 208);
+      d = half_fast(p + 208);
       const uint8_t* ql = p;
       const uint8_t* qh = p + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
@@ -155,14 +164,17 @@ void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* ou
         s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(scale[c + 1], p1));
       }
       acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc[m]);
-      if constexpr (KIND != kQ6_K) {
-        int sm = 0;
-        for (int c = 0; c < 8; ++c) sm += mins[c] * (a.bsum[2 * c] + a.bsum[2 * c + 1]);
-        accm[m] += dmin * a.d * static_cast<float>(sm);
+      if constexpr (KIND != kQ6_K) {  // sum_c m_c * (sum of y over chunk c)
+        const __m256i bs = load32(a.bsum);
+        const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        accm[m] = _mm_fmadd_ps(_mm_set1_ps(dmin * a.d), _mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)), accm[m]);
       }
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = q8_hsum(acc[m]) - accm[m];
+  for (int m = 0; m < M; ++m) {
+    __m128 s = _mm_add_ps(accm[m], _mm_movehl_ps(accm[m], accm[m]));
+    out[m] = q8_hsum(acc[m]) - _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
 }
 
 // One weight row's 32-weight blocks (Q4_0, Q4_1, Q8_0) against M activation rows.
@@ -179,7 +191,7 @@ void q8_row_32(const uint8_t* row, int64_t nb, const Q8<32>* const* y, float* ou
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = row + kBytes<KIND> * b;
     _mm_prefetch(reinterpret_cast<const char*>(p + 8 * kBytes<KIND>), _MM_HINT_T0);
-    const float d = half_at(p);
+    const float d = half_fast(p);
     __m256i q;
     if constexpr (KIND == kQ8_0) {
       q = load32(p + 2);
@@ -188,7 +200,7 @@ void q8_row_32(const uint8_t* row, int64_t nb, const Q8<32>* const* y, float* ou
       q = _mm256_setr_m128i(_mm_and_si128(bytes, m4), _mm_and_si128(_mm_srli_epi16(bytes, 4), m4));
       if constexpr (KIND == kQ4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
     }
-    const float mn = KIND == kQ4_1 ? half_at(p + 2) : 0.0f;
+    const float mn = KIND == kQ4_1 ? half_fast(p + 2) : 0.0f;
     for (int m = 0; m < M; ++m) {
       const Q8<32>& a = y[m][b];
       const __m256i ya = load32(a.q);
