@@ -98,12 +98,13 @@ def main() -> None:
     ap.add_argument("--model", action="append", help="repeatable; default @smollm2, @gemma3-270m")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--data-dir", default="", help="model.data_dir (default ~/.cache/zerolayer)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     text = TEXT.read_text()
     results = {}
     for name in args.model or ["@smollm2", "@gemma3-270m"]:
-        cfg = ModelConfig(path=name, dtype=args.dtype, kernel="float")
+        cfg = ModelConfig(path=name, dtype=args.dtype, kernel="float", data_dir=args.data_dir)
         loaded = load_model(cfg, args.chunk)
         results[name] = token_stats(loaded, text, args.chunk)
         print(name, results[name], file=sys.stderr)
