@@ -5,7 +5,9 @@
 //     -> [M, N] in x's dtype;
 //   zerolayer::qmatmul_parts(x, [blocks_0, blocks_1, ...], [kind_0, kind_1, ...]) -> the
 //     products by the matrices stacked one under the other, each of its own kind, in one call;
-//   zerolayer::dequantize(blocks, kind, bfloat16) -> [N, K] float32, the weights qmatmul uses.
+//   zerolayer::dequantize(blocks, kind, bfloat16) -> [N, K] float32, the weights qmatmul uses;
+//   zerolayer::q8matmul_parts and quantize_q8: the same products with 8-bit activations
+//     (q8dot.h, included below).
 // kind: 0 = Q4_0 (w = d * (q - 8)), 1 = Q4_1 (w = d * q + m), 2 = Q8_0 (w = d * q), blocks of 32
 // weights; 3 = Q4_K (w = d * sc * q - dmin * m), 4 = Q5_K (the same with 5-bit q), 5 = Q6_K
 // (w = d * sc * (q - 32)), super-blocks of 256 weights with a scale (and min) per 32 or 16 of
@@ -34,8 +36,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -625,14 +630,11 @@ void run(const In* x, int64_t M, int64_t K, const std::vector<Part>& parts, Out*
   });
 }
 
-at::Tensor qmatmul_parts(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds) {
-  TORCH_CHECK(x.dim() == 2, "qmatmul: x [M, K]");
+// The parts of a product with K inputs, checked; N: their output rows together.
+std::vector<Part> parts_of(int64_t K, at::TensorList blocks, at::IntArrayRef kinds, int64_t& N) {
   TORCH_CHECK(!blocks.empty() && blocks.size() == kinds.size(), "qmatmul: one kind a part");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "qmatmul: x float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1);
   std::vector<Part> parts;
-  int64_t N = 0;
+  N = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const at::Tensor& b = blocks[i];
     TORCH_CHECK(b.dim() == 2 && b.scalar_type() == at::kByte && b.is_contiguous(),
@@ -643,6 +645,16 @@ at::Tensor qmatmul_parts(const at::Tensor& x, at::TensorList blocks, at::IntArra
     parts.push_back({b.data_ptr<uint8_t>(), b.size(1), kinds[i], b.size(0), N});
     N += b.size(0);
   }
+  return parts;
+}
+
+at::Tensor qmatmul_parts(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef kinds) {
+  TORCH_CHECK(x.dim() == 2, "qmatmul: x [M, K]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "qmatmul: x float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t N = 0;
+  const std::vector<Part> parts = parts_of(K, blocks, kinds, N);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef ZL_DPBF16
@@ -700,16 +712,22 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t kind, bool bf16) {
   return out;
 }
 
+#include "q8dot.h"  // the products with 8-bit activations
+
 }  // namespace
 
 TORCH_LIBRARY(zerolayer, m) {
   m.def("qmatmul(Tensor x, Tensor blocks, int kind) -> Tensor");
   m.def("qmatmul_parts(Tensor x, Tensor[] blocks, int[] kinds) -> Tensor");
   m.def("dequantize(Tensor blocks, int kind, bool bfloat16) -> Tensor");
+  m.def("q8matmul_parts(Tensor x, Tensor[] blocks, int[] kinds) -> Tensor");
+  m.def("quantize_q8(Tensor x, int block) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(zerolayer, CPU, m) {
   m.impl("qmatmul", &qmatmul);
   m.impl("qmatmul_parts", &qmatmul_parts);
   m.impl("dequantize", &dequantize);
+  m.impl("q8matmul_parts", &q8matmul_parts);
+  m.impl("quantize_q8", &quantize_q8);
 }

@@ -214,6 +214,95 @@ def test_mixed_kind_stack_is_the_separate_products_bit_for_bit(dtype, rows) -> N
     assert torch.equal(stack(x.view(1, rows, 512))[0], alone)
 
 
+def q8_reference(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The activations' 8-bit blocks by numpy: d = max|x| / 127, q = rint(x * 127 / max|x|)
+    in float32 (ties to even), sums of 16 quants."""
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // block, block)
+    amax = np.abs(blocks).max(axis=-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0))
+    q = np.rint(blocks * inv[..., None].astype(np.float32)).astype(np.int8).reshape(rows, cols)
+    bsum = q.reshape(rows, cols // 16, 16).astype(np.int16).sum(axis=-1, dtype=np.int16)
+    return (amax / np.float32(127)).astype(np.float32), q, bsum
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_int8_activations_are_numpys_rounding_bit_for_bit(block) -> None:
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((5, 1024)) * rng.uniform(0.01, 30, (5, 1))).astype(np.float32)
+    x[1, :block] = 0.0  # an all-zero block: d = 0, quants 0
+    x[2, 7] = 1e4  # one large value crushes the rest of its block
+    x[3] = np.round(x[3] * 4) / 4  # ties at .5 of the quantization step do occur
+    d, q, bsum = torch.ops.zerolayer.quantize_q8(torch.from_numpy(x), block)
+    rd, rq, rs = q8_reference(x, block)
+    assert np.array_equal(d.numpy(), rd) and np.array_equal(q.numpy(), rq)
+    assert np.array_equal(bsum.numpy(), rs)
+    assert int(np.abs(q.numpy()).max()) == 127 and not q.numpy()[1, :block].any()
+
+
+def int8_reference(x: torch.Tensor, dense: torch.Tensor, kind: str) -> torch.Tensor:
+    """x's 8-bit blocks (as numpy rounds them) times the gguf package's weights, in float64."""
+    block = qmatmul.BLOCK_WEIGHTS[kind] if kind in K_KINDS else 32
+    d, q, _ = q8_reference(x.float().numpy(), block)
+    y = q.astype(np.float64).reshape(len(q), -1, block) * d[..., None].astype(np.float64)
+    return torch.from_numpy(y.reshape(len(q), -1)) @ dense.double().t()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_products_are_the_quantized_activations_times_the_weights(kind, dtype) -> None:
+    # The integer algebra of every kind (scales, mins, offsets, high bits) against float64:
+    # the only inexactness left is the weights' own float32 rounding and the float32 sums.
+    cols = 768 if kind in K_KINDS else 160
+    w, dense = quantized(kind, 45, cols, seed=1)
+    w8 = w.with_int8(True)
+    torch.manual_seed(2)
+    for rows in (1, 2, 8, 9, 17):
+        x = torch.randn(rows, cols).to(dtype)
+        out = w8(x)
+        assert out.shape == (rows, 45) and out.dtype == dtype
+        exact = int8_reference(x, dense, kind)
+        slack = cols * 2.0**-22 * (x.double().abs() @ dense.double().abs().t())
+        if dtype == torch.bfloat16:
+            slack = slack + exact.abs() * 2.0**-8
+        assert bool(((out.double() - exact).abs() <= slack + 1e-30).all()), rows
+        # And near the float path: the activations' rounding is the whole difference.
+        error = (out.double() - w(x).double()).norm() / w(x).double().norm()
+        assert float(error) < 0.02, float(error)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_1"])
+def test_int8_rows_are_computed_alone(kind) -> None:
+    # Each row is quantized on its own: the same bits alone and among 10 others.
+    w, _ = quantized(kind, 70, 512, seed=3)
+    w8 = w.with_int8(True)
+    torch.manual_seed(4)
+    x = torch.randn(11, 512)
+    together = w8(x)
+    for i in range(11):
+        assert torch.equal(w8(x[i : i + 1])[0], together[i])
+
+
+def test_int8_mixed_kind_stack_is_the_separate_products_bit_for_bit() -> None:
+    parts = [quantized("Q4_K", 96, 512, 1)[0], quantized("Q6_K", 40, 512, 3)[0]]
+    parts += [quantized("Q8_0", 7, 512, 4)[0], quantized("Q5_K", 3, 512, 5)[0]]
+    stack = QWeight.stack(parts).with_int8(True)
+    assert isinstance(stack, QStack) and all(p.int8 for p in stack.parts)
+    x = torch.randn(5, 512)
+    assert torch.equal(stack(x), torch.cat([p.with_int8(True)(x) for p in parts], dim=-1))
+    with pytest.raises(ValueError, match="one kind of activations"):
+        QWeight.stack([parts[0], parts[0].with_int8(True)])
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "int8"),
+    [("auto", torch.float32, False), ("auto", torch.bfloat16, True), ("int8", torch.float32, True)]
+    + [("float", torch.bfloat16, False)],
+)
+def test_the_kernel_setting_picks_the_activations(kernel, dtype, int8) -> None:
+    assert qmatmul.uses_int8(kernel, dtype) is int8
+
+
 OTHER_BUILDS = ["avx2", "default"]
 
 
@@ -227,7 +316,7 @@ def other_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     children = {
         capability: subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-            + ["-k", "bit_for_bit or summation_order or computed_alone or real_shaped"]
+            + ["-k", "bit_for_bit or summation_order or computed_alone or real_shaped or int8"]
             + ["--basetemp", str(tmp_path_factory.mktemp(capability))],
             env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
             stdout=subprocess.PIPE,
@@ -250,7 +339,7 @@ def test_other_builds_pass_the_same_tests(capability: str, other_builds: dict) -
         pytest.skip(f"the {capability} build is this process's (the tests above)")
     output, _ = other_builds[capability].communicate(timeout=280)
     assert other_builds[capability].returncode == 0, output[-6000:]
-    assert "\n44 passed" in output, output[-500:]
+    assert "\n63 passed" in output, output[-500:]
 
 
 def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:
@@ -327,7 +416,10 @@ def greedy(model: Decoder, prompt: list[int], steps: int, rows: int = 1) -> tupl
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_uses_the_blocks_for_a_few_rows_only(converted, dtype) -> None:
     _, directory = converted  # the converted checkpoint: dense weights, blocks for few rows
-    cfg = ModelConfig(path=str(directory), data_dir=str(directory.parent.parent), dtype=dtype)
+    # The float path: the dense weights exactly (8-bit activations: test_kl.py).
+    cfg = ModelConfig(
+        path=str(directory), data_dir=str(directory.parent.parent), dtype=dtype, kernel="float"
+    )
     fused = load_model(cfg, 64).model
     dense = load_model(cfg.model_copy(update={"quantized_decode": False}), 64).model
     most = qmatmul.MAX_ROWS[fused.rope_cos.dtype]

@@ -234,7 +234,10 @@ def forced_logits(loaded, prompts: list[list[int]], continuations: list[list[int
 def test_bfloat16_decode_on_the_files_blocks_matches_dense_bfloat16(
     loaded, smollm2_dir: Path
 ) -> None:
-    cfg = ModelConfig(path=SMOLLM2_MODEL, data_dir=data_dir_of(smollm2_dir), dtype="bfloat16")
+    # The float path: the dense model's bfloat16 weights (8-bit activations: test_kl.py).
+    cfg = ModelConfig(
+        path=SMOLLM2_MODEL, data_dir=data_dir_of(smollm2_dir), dtype="bfloat16", kernel="float"
+    )
     fused = load_model(cfg, 1024)
     dense = load_model(cfg.model_copy(update={"quantized_decode": False}), 1024)
     assert fused.model.blocks_max_rows >= len(CHATS) and dense.model.blocks_max_rows == 0

@@ -147,6 +147,10 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     # GGUF models: forwards of a few tokens compute on the file's own blocks (the same weights)
     quantized_decode: bool = True
+    # The block products' activations: "int8" (quantized once per call, llama.cpp's way; faster),
+    # "float" (the dense model's arithmetic, bit-exact weights), "auto" = int8 for bfloat16,
+    # float for float32 (the parity mode)
+    kernel: Literal["auto", "int8", "float"] = "auto"
 
 
 class AuthConfig(_Section):

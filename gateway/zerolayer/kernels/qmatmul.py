@@ -8,9 +8,15 @@ Its time grows with the number of input rows, a dense matmul's hardly at all, so
 ``MAX_ROWS`` input rows (per dtype) a call dequantizes the blocks a tile of rows at a time into a
 dense product instead (``tiled``): prefill of long prompts, with no dense copy of the matrix.
 
+With 8-bit activations (``int8=True``, ``kernels/q8dot.h``) each input row is quantized once
+per call to int8 blocks and multiplied by the weights' quants in integers, as llama.cpp's CPU
+backend does: faster, but no longer the dense model's arithmetic (benchmarks/kl.py measures the
+distance). ``model.kernel`` picks the path (``uses_int8``); the float path is the parity mode.
+
 ``build`` compiles the source once per source, torch version and instruction set into a cache
 directory (``torch.utils.cpp_extension.load``: needs a C++ compiler and ninja) and registers the
-ops ``torch.ops.zerolayer.qmatmul`` / ``dequantize``; it returns why not when it cannot.
+ops ``torch.ops.zerolayer.qmatmul`` / ``dequantize`` / ``q8matmul_parts`` / ``quantize_q8``; it
+returns why not when it cannot.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -65,6 +71,13 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", *arch]
 
 
+def uses_int8(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether products take 8-bit activations under ``model.kernel`` = ``kernel``: "int8"
+    always, "float" never, "auto" for bfloat16 models (float32 is the parity mode: the dense
+    model's weights, bit-exact)."""
+    return kernel == "int8" or (kernel == "auto" and dtype == torch.bfloat16)
+
+
 def with_environment_tools(path: str, executable: str = sys.executable) -> str:
     """``path`` (a PATH value) with the directory of this Python first when it is not on it: the
     ``ninja`` that pip installed with the cpu extra sits beside the virtualenv's Python, and a
@@ -76,6 +89,8 @@ def with_environment_tools(path: str, executable: str = sys.executable) -> str:
 def build_key(flags: list[str]) -> str:
     """Names a build: the source, torch's version and the compiler flags."""
     digest = hashlib.sha256(SOURCE.read_bytes())
+    for header in sorted(SOURCE.parent.glob("*.h")):  # the headers it includes
+        digest.update(header.read_bytes())
     digest.update(f"{torch.__version__}|{' '.join(flags)}".encode())
     return digest.hexdigest()[:16]
 
@@ -146,10 +161,12 @@ def build(cache_root: Path) -> str | None:
 class QWeight:
     """A weight [N, K] as GGUF blocks of one kind: ``blocks`` [N, K / weights * bytes] uint8
     (``BLOCK_WEIGHTS``, ``BLOCK_BYTES``).
-    Calling it on x [..., K] (float32 or bfloat16) gives x @ w.T [..., N] in x's dtype."""
+    Calling it on x [..., K] (float32 or bfloat16) gives x @ w.T [..., N] in x's dtype, with x
+    quantized to 8-bit blocks first when ``int8``."""
 
     blocks: torch.Tensor
     kind: str
+    int8: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -175,7 +192,9 @@ class QWeight:
         view of the file's own blocks."""
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("stacked weights must have one input size")
-        return parts[0] if len(parts) == 1 else QStack(tuple(parts))
+        if len({p.int8 for p in parts}) != 1:
+            raise ValueError("stacked weights must take one kind of activations")
+        return parts[0] if len(parts) == 1 else QStack(tuple(parts), parts[0].int8)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` [...] of the weight [..., K] in ``dtype``: an embedding looked up from
@@ -185,11 +204,19 @@ class QWeight:
         dense: torch.Tensor = torch.ops.zerolayer.dequantize(picked, KINDS[self.kind], False)
         return dense.to(dtype).view(*ids.shape, self.in_features)
 
+    def with_int8(self, int8: bool) -> QWeight:
+        """The same weight, products with 8-bit activations or not."""
+        return replace(self, int8=int8)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > MAX_ROWS.get(x.dtype, rows.shape[0]):
             return tiled(rows, (self,)).view(*x.shape[:-1], self.out_features)
-        out: torch.Tensor = torch.ops.zerolayer.qmatmul(rows, self.blocks, KINDS[self.kind])
+        out: torch.Tensor
+        if self.int8:
+            out = torch.ops.zerolayer.q8matmul_parts(rows, [self.blocks], [KINDS[self.kind]])
+        else:
+            out = torch.ops.zerolayer.qmatmul(rows, self.blocks, KINDS[self.kind])
         return out.view(*x.shape[:-1], self.out_features)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -207,6 +234,10 @@ class QStack:
     walks each part's rows with its own kind's loop (``zerolayer::qmatmul_parts``)."""
 
     parts: tuple[QWeight, ...]
+    int8: bool = False  # 8-bit activations (QWeight.int8)
+
+    def with_int8(self, int8: bool) -> QStack:
+        return QStack(tuple(p.with_int8(int8) for p in self.parts), int8)
 
     @property
     def out_features(self) -> int:
@@ -222,7 +253,10 @@ class QStack:
             return tiled(rows, self.parts).view(*x.shape[:-1], self.out_features)
         blocks = [p.blocks for p in self.parts]
         kinds = [KINDS[p.kind] for p in self.parts]
-        out: torch.Tensor = torch.ops.zerolayer.qmatmul_parts(rows, blocks, kinds)
+        product = (
+            torch.ops.zerolayer.q8matmul_parts if self.int8 else torch.ops.zerolayer.qmatmul_parts
+        )
+        out: torch.Tensor = product(rows, blocks, kinds)
         return out.view(*x.shape[:-1], self.out_features)
 
 

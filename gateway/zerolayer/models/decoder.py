@@ -513,6 +513,19 @@ class Decoder(nn.Module):
         k = torch.arange(nkv) if k is None else k
         return torch.cat((q, nq + k, torch.arange(nq + nkv, nq + 2 * nkv)))
 
+    def use_int8_activations(self, int8: bool) -> None:
+        """Products on the blocks with 8-bit activations (``QWeight.int8``) or float ones."""
+
+        def switched(w: QWeight | QStack | None) -> QWeight | QStack | None:
+            return None if w is None else w.with_int8(int8)
+
+        for layer in self.blocks():
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_blocks, attn.o_blocks = switched(attn.qkv_blocks), switched(attn.o_blocks)
+            mlp.gate_up_blocks = switched(mlp.gate_up_blocks)
+            mlp.down_blocks = switched(mlp.down_blocks)
+        self.head_blocks = switched(self.head_blocks)
+
     def forward(
         self,
         tokens: torch.Tensor,  # [B, n] int64

@@ -13,7 +13,7 @@ its matrices of a block type are the file's own blocks, views of the map that ev
 computes on (``model.quantized_decode``, ``zerolayer.kernels.qmatmul``), with no dense copy; only
 the small tensors (norms, biases) and matrices of other types are read into dense float weights.
 A directory converted from a GGUF (``gguf_import.ensure_converted``, for tools that need a dense
-checkpoint) also gets block copies of its matrices, used for forwards of a few tokens.
+checkpoint) also gets block copies of its matrices, used for forwards of a few tokens. Products on the blocks take 8-bit or float activations as ``model.kernel`` says.
 Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` matrices (dense or blocks) are split into the
 decoder's q/k/v and gate/up on the way in (``split_fused``).
 """
@@ -31,6 +31,7 @@ import torch
 
 from zerolayer.cachedir import data_root
 from zerolayer.config.settings import BUILTIN_MODEL, ModelConfig
+from zerolayer.kernels import qmatmul
 from zerolayer.kernels.qmatmul import QWeight
 from zerolayer.models.architectures import DecoderConfig, find_architecture
 from zerolayer.models.decoder import Decoder
@@ -236,7 +237,6 @@ def attach_blocks(model: Decoder, cfg: DecoderConfig, directory: Path, kernel_ca
     ``kernel_cache``. One log line names the matrices of types the kernel does not compute on
     (dense only). A kernel that cannot be built leaves the dense weights only, with one log
     line saying why."""
-    from zerolayer.kernels import qmatmul
     from zerolayer.models.gguf_blocks import read_blocks
     from zerolayer.models.gguf_import import dense_matrices, describe_dense
 
@@ -510,7 +510,7 @@ def load_model(
     source = resolve_source(model_cfg)
     kernel_cache = data_root(model_cfg.data_dir) / "kernels"
     if source.gguf is not None:
-        return load_gguf(
+        loaded = load_gguf(
             source.gguf,
             source.directory,
             max_context,
@@ -518,7 +518,9 @@ def load_model(
             source.name,
             kernel_cache if model_cfg.quantized_decode else None,
         )
-    return load_checkpoint(
+        loaded.model.use_int8_activations(qmatmul.uses_int8(model_cfg.kernel, torch_dtype))
+        return loaded
+    loaded = load_checkpoint(
         source.directory,
         max_context,
         torch_dtype,
@@ -526,3 +528,5 @@ def load_model(
         name=source.name,
         kernel_cache=kernel_cache if model_cfg.quantized_decode else None,
     )
+    loaded.model.use_int8_activations(qmatmul.uses_int8(model_cfg.kernel, torch_dtype))
+    return loaded
