@@ -13,7 +13,8 @@ its matrices of a block type are the file's own blocks, views of the map that ev
 computes on (``model.quantized_decode``, ``zerolayer.kernels.qmatmul``), with no dense copy; only
 the small tensors (norms, biases) and matrices of other types are read into dense float weights.
 A directory converted from a GGUF (``gguf_import.ensure_converted``, for tools that need a dense
-checkpoint) also gets block copies of its matrices, used for forwards of a few tokens. Products on the blocks take 8-bit or float activations as ``model.kernel`` says.
+checkpoint) also gets block copies of its matrices, used for forwards of a few tokens. Products
+on the blocks take 8-bit or float activations as ``model.kernel`` says.
 Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` matrices (dense or blocks) are split into the
 decoder's q/k/v and gate/up on the way in (``split_fused``).
 """
