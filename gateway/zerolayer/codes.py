@@ -78,12 +78,14 @@ FINISH_BY_VALUE: dict[int, FinishReason] = {int(r): r for r in FinishReason}
 FRAMES = "frames"
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
-APIS: tuple[str, ...] = (FRAMES, OPENAI, ANTHROPIC)
+OLLAMA = "ollama"
+APIS: tuple[str, ...] = (FRAMES, OPENAI, ANTHROPIC, OLLAMA)
 
 #: Each finish reason's name in each API, the one table: ``FINISH_NAMES[api][reason]``. The
 #: frame door's names are the labels of metrics, logs and the CLI ("eos", "max_tokens", ...);
-#: OpenAI's ``finish_reason`` and Anthropic's ``stop_reason`` follow their APIs (a cancelled
-#: stream is never answered over HTTP: its client went away).
+#: OpenAI's ``finish_reason``, Anthropic's ``stop_reason`` and Ollama's ``done_reason`` follow
+#: their APIs (a cancelled stream is never answered over HTTP: its client went away). The
+#: Responses API is OpenAI's: its ``status`` is read from OpenAI's names.
 FINISH_NAMES: dict[str, dict[int, str]] = {
     FRAMES: {r: r.name.lower() for r in FinishReason},
     OPENAI: {
@@ -97,6 +99,12 @@ FINISH_NAMES: dict[str, dict[int, str]] = {
         FinishReason.MAX_TOKENS: "max_tokens",
         FinishReason.STOP: "stop_sequence",
         FinishReason.CANCELLED: "end_turn",
+    },
+    OLLAMA: {
+        FinishReason.EOS: "stop",
+        FinishReason.MAX_TOKENS: "length",
+        FinishReason.STOP: "stop",
+        FinishReason.CANCELLED: "stop",
     },
 }
 

@@ -1,15 +1,19 @@
 """The HTTP door: each HTTP connection is a door of the shared request path
 (zerolayer.request_path.lifecycle).
 
-For each request: route it (routes.py), check its key (``RequestPath.authenticate``), parse its
-body into a Request and a Reply (openai.py / anthropic.py), then open it as one Stream with text
-deltas. The path validates, tokenizes, runs the hooks and submits to the engine; its refusals
-come back through this door's ``write_done`` / ``write_error``, the engine's text through its
-encoder (``TextDeltas``), and each connection is flushed once per delivery. A
-streamed response's status line goes out with its first event, so a refusal that comes before
-any token is a plain HTTP error with its own status (what the SDKs turn into their exception
-types); one after it is the API's in-stream error event. A client that goes away cancels its
-stream (``RequestPath.cancel``): its slot is freed at the next engine step.
+For each request: route it (routes.py), check its key (``RequestPath.authenticate``; not for
+the ``KEYLESS`` listings), then dispatch on its endpoint through two tables: ``LOCAL`` answers
+without the engine (the model listings, counting tokens; a large input's work off the loop,
+zerolayer.request_path.offload), ``PARSERS`` parse the body into a Request and a Reply
+(openai.py / anthropic.py, one row per endpoint), opened as one Stream with text deltas. A
+routed endpoint in neither table is not served yet: 404. The path validates, tokenizes, runs
+the hooks and submits to the engine; its refusals come back through this door's
+``write_done`` / ``write_error``, the engine's text through its encoder (``TextDeltas``), and
+each connection is flushed once per delivery. A streamed response's status line goes out with
+its first event, so a refusal that comes before any token is a plain HTTP error with its own
+status (what the SDKs turn into their exception types); one after it is the API's in-stream
+error event. A client that goes away cancels its stream (``RequestPath.cancel``): its slot is
+freed at the next engine step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeAlias
 
 from zerolayer.codes import Cached, ErrorCode, FinishReason, Refusal
 from zerolayer.engine.backend import ModelInfo
@@ -32,6 +37,7 @@ from zerolayer.http.routes import (
     CHAT,
     COMPLETION,
     COUNT_TOKENS,
+    KEYLESS,
     MESSAGES,
     MODEL,
     MODEL_PREFIX,
@@ -144,32 +150,20 @@ class ApiConnection(HttpConnection):
         if endpoint in OPS:
             self.respond(*ops.answer(endpoint))
             return
-        if endpoint == MODELS:
-            self.respond(200, api.models_body)
-            return
-        if endpoint == MODEL:
-            name = request.path[len(MODEL_PREFIX) :].rstrip(b"/").decode("utf-8", "replace")
-            if name != api.model:
-                raise HttpError(
-                    404, f"the model {name!r} does not exist", param="model", code="model_not_found"
-                )
-            self.respond(200, api.model_body)
+        if endpoint in KEYLESS:
+            self._answer(request, endpoint)
             return
         if self.path.draining:
             self.close_after = True
             raise HttpError.from_code(ErrorCode.SHUTTING_DOWN, "server is draining")
         principal = self._authenticate(request)
-        body = bytes(request.body)
-        if endpoint == COUNT_TOKENS:
-            self._count_tokens(body)
+        if endpoint in LOCAL:
+            self._answer(request, endpoint)
             return
-        if endpoint == CHAT:
-            reply: Reply = openai.parse_chat(body, api.model, api.strings)
-        elif endpoint == COMPLETION:
-            reply = openai.parse_completion(body, api.model, api.strings)
-        else:
-            assert endpoint == MESSAGES
-            reply = anthropic.parse_messages(body, api.model)
+        parser = PARSERS.get(endpoint)
+        if parser is None:
+            raise _not_served(request)
+        reply = parser(bytes(request.body), api)
         reply.req.use_cache = wants_cache(request)
         self._keys += 1
         st = Stream(self, self._keys, reply.api, want_text=True)
@@ -180,31 +174,33 @@ class ApiConnection(HttpConnection):
     def _authenticate(self, request: Incoming) -> Principal:
         return self.path.authenticate(api_key(request))  # a Refusal: handle maps it
 
-    def _count_tokens(self, body: bytes) -> None:
-        req = anthropic.parse_count_tokens(body, self.api.model)
-        inputs = self.path.inputs
-        if not inputs.offloaded(req):  # a Refusal: handle maps it
-            self.respond(200, anthropic.count_tokens_body(inputs.count_prompt_tokens(req)))
+    def _answer(self, request: Incoming, endpoint: str) -> None:
+        """Answer a LOCAL endpoint: its body now, or the body its deferred work makes off the
+        loop (the request stays the active one until then)."""
+        local = LOCAL.get(endpoint)
+        if local is None:
+            raise _not_served(request)
+        answer = local(self.api, request)
+        if isinstance(answer, bytes):
+            self.respond(200, answer)
             return
-        # A large conversation is templated and tokenized off the loop, as a request's is
-        # (zerolayer.request_path.offload); the request stays the active one until the count is
-        # answered.
-        request = self.active
-        counted = offload.run(inputs.count_prompt_tokens, req)
-        counted.add_done_callback(lambda fut: self._counted(request, fut))
+        done = offload.run(answer)
+        done.add_done_callback(lambda fut: self._answered(request, fut))
 
-    def _counted(self, request: Incoming | None, fut: asyncio.Future[int]) -> None:
-        """The count of ``request`` is ready: answer it, unless its client left meanwhile."""
+    def _answered(self, request: Incoming, fut: asyncio.Future[bytes]) -> None:
+        """The deferred answer of ``request`` is ready: send it, unless its client left."""
         if not self.open or self.active is not request or fut.cancelled():
             return
         exc = fut.exception()
         if exc is None:
-            self.respond(200, anthropic.count_tokens_body(fut.result()))
+            self.respond(200, fut.result())
         elif isinstance(exc, Refusal):
             self.respond_error(http_error(refusal=exc))
+        elif isinstance(exc, HttpError):
+            self.respond_error(exc)
         else:
-            log.error("counting tokens failed", exc_info=exc)
-            self.respond_error(HttpError.from_code(ErrorCode.INTERNAL, "counting tokens failed"))
+            log.error("answering %r failed", request.path, exc_info=exc)
+            self.respond_error(HttpError.from_code(ErrorCode.INTERNAL, "answering failed"))
         self.flush()
 
     def disconnected(self, request: Incoming) -> None:
@@ -250,7 +246,8 @@ class ApiConnection(HttpConnection):
 
     def _start(self, st: Stream, ex: Exchange) -> None:
         ex.started = True
-        self.start_stream(extra=CACHE_HIT_HEADER if ex.cached else b"")
+        extra = CACHE_HIT_HEADER if ex.cached else b""
+        self.start_stream(ex.reply.stream_type, extra=extra)
         ex.reply.start(self.out, st.prompt_tokens)
 
     def write_done(
@@ -289,7 +286,8 @@ class ApiConnection(HttpConnection):
         ex.answered = True
         err = http_error(error)  # OpenAI's param is the field the Refusal names
         if ex.started:
-            self.out += stream_error_event(ex.reply.api, err)
+            event = ex.reply.error_event(err)
+            self.out += event if event is not None else stream_error_event(ex.reply.api, err)
             self.end_stream(advance=False)
         else:
             self.respond_error(err, advance=False, counted=True)
@@ -371,3 +369,49 @@ class TextDeltas:
 
 
 ApiConnection.encoder = TextDeltas
+
+# The body of a LOCAL endpoint's answer made off the event loop (a large input's tokens).
+Deferred: TypeAlias = Callable[[], bytes]
+
+
+def _not_served(request: Incoming) -> HttpError:
+    """A routed endpoint whose answer is not in LOCAL or PARSERS (not served yet)."""
+    shown = request.path.decode("utf-8", "replace")[:200]
+    return HttpError(404, f"{shown} is not served yet", code="unknown_url")
+
+
+def _models(api: HttpApi, request: Incoming) -> bytes:
+    return api.models_body
+
+
+def _model(api: HttpApi, request: Incoming) -> bytes:
+    name = request.path[len(MODEL_PREFIX) :].rstrip(b"/").decode("utf-8", "replace")
+    if name != api.model:
+        raise HttpError(
+            404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+        )
+    return api.model_body
+
+
+def _count_tokens(api: HttpApi, request: Incoming) -> bytes | Deferred:
+    req = anthropic.parse_count_tokens(bytes(request.body), api.model)
+    inputs = api.path.inputs
+    if not inputs.offloaded(req):  # a Refusal: handle maps it
+        return anthropic.count_tokens_body(inputs.count_prompt_tokens(req))
+    # A large conversation is templated and tokenized off the loop, as a request's is.
+    return lambda: anthropic.count_tokens_body(inputs.count_prompt_tokens(req))
+
+
+# endpoint → its answer without the engine: the body, or the work that makes it off the loop
+LOCAL: dict[str, Callable[[HttpApi, Incoming], bytes | Deferred]] = {
+    MODELS: _models,
+    MODEL: _model,
+    COUNT_TOKENS: _count_tokens,
+}
+
+# endpoint → the parser of its body into a Request and the Reply that answers it
+PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
+    CHAT: lambda body, api: openai.parse_chat(body, api.model, api.strings),
+    COMPLETION: lambda body, api: openai.parse_completion(body, api.model, api.strings),
+    MESSAGES: lambda body, api: anthropic.parse_messages(body, api.model),
+}

@@ -1,11 +1,12 @@
-"""HTTP errors of both APIs: the one table from our error codes to statuses, and the bodies.
+"""HTTP errors of every API: the one table from our error codes to statuses, and the bodies.
 
 Every refusal the HTTP door sends goes through here. ``STATUS`` maps the protocol's ErrorCode
 (the same codes the frame port sends) to an HTTP status: ``http_error`` turns a
 ``zerolayer.codes.Refusal`` (from validation, the input processor, a hook or the request path)
 into its HTTP form through it. ``_KINDS`` gives each status its error type in each API's own
 shape: OpenAI ``{"error": {"message", "type", "param", "code"}}``, Anthropic
-``{"type": "error", "error": {"type", "message"}}``. Anthropic answers "overloaded" with its own
+``{"type": "error", "error": {"type", "message"}}``, Ollama ``{"error": "<message>"}`` (and the
+same object as an NDJSON line mid-stream). Anthropic answers "overloaded" with its own
 529 where OpenAI uses 503. ``HttpError`` is the answer the HTTP shell writes; errors that only
 HTTP has (unknown path, method, body size, content type, timeouts, an unknown model) are raised
 as ``HttpError`` with their status directly.
@@ -14,6 +15,7 @@ as ``HttpError`` with their status directly.
 from __future__ import annotations
 
 from zerolayer.codes import ANTHROPIC as ANTHROPIC  # re-exported: the API labels
+from zerolayer.codes import OLLAMA as OLLAMA
 from zerolayer.codes import OPENAI as OPENAI
 from zerolayer.codes import ErrorCode, Refusal
 from zerolayer.http.reply import dumps
@@ -154,6 +156,8 @@ def error_body(api: str, err: HttpError) -> bytes:
     message = client_text(err.message)  # it may quote what the client sent
     if api == ANTHROPIC:
         obj: JsonObject = {"type": "error", "error": {"type": kind[1], "message": message}}
+    elif api == OLLAMA:
+        obj = {"error": message}
     else:
         param = None if err.param is None else client_text(err.param)
         obj = {
@@ -172,4 +176,6 @@ def stream_error_event(api: str, err: HttpError) -> bytes:
     body = error_body(api, err)
     if api == ANTHROPIC:
         return b"event: error\ndata: " + body + b"\n\n"
+    if api == OLLAMA:
+        return body + b"\n"  # one NDJSON line
     return b"data: " + body + b"\n\n"

@@ -19,10 +19,14 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # the C escaper: "text" -> '"text"' (non-ASCII kept)
+from typing import TYPE_CHECKING
 
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.tools import OutputCalls, ToolUse
 from zerolayer.request_path.request import Request
+
+if TYPE_CHECKING:
+    from zerolayer.http.errors import HttpError
 
 __all__ = ["ChoiceOut", "Ending", "Reply", "dumps", "encode_basestring", "new_id", "now"]
 
@@ -85,8 +89,9 @@ class Reply(ABC):
 
     __slots__ = ("req", "stream", "model", "tools", "strings", "choices", "left", "plain")
 
-    api = ""  # "openai" or "anthropic": error shapes and metrics labels
+    api = ""  # zerolayer.codes.APIS: error shapes and metrics labels
     content_type = b"application/json"
+    stream_type = b"text/event-stream"  # a streamed answer's (Ollama's: NDJSON)
     call_id_prefix = "call_"
 
     def __init__(
@@ -160,6 +165,11 @@ class Reply(ABC):
 
     def tail(self, out: bytearray) -> None:  # noqa: B027 - optional
         """After the last choice's ``end`` (streaming)."""
+
+    def error_event(self, err: HttpError) -> bytes | None:
+        """The in-stream error event, when this reply writes its own (the Responses API
+        numbers its events); None: the API's (zerolayer.http.errors.stream_error_event)."""
+        return None
 
     @abstractmethod
     def body(self) -> bytes:

@@ -2,8 +2,11 @@
 where a request's API key is, and the operator's pages on the API port.
 
 ``route`` names the endpoint of a request and sets the API whose error shape it gets (paths
-under ``/v1/messages`` are Anthropic's, the rest OpenAI's), or raises 404 (unknown path), 405
-(wrong method, with ``Allow``) or 415 (a body that is not JSON).
+under ``/v1/messages`` are Anthropic's, under ``/api/`` Ollama's, the rest OpenAI's — the
+Responses API, ``/tokenize`` and ``/v1/embeddings`` included), or raises 404 (unknown path;
+any path under ``/v1/responses/``: responses are not stored), 405 (wrong method, with
+``Allow``) or 415 (a body that is not JSON). ``KEYLESS`` are the API endpoints answered without
+a key (the model listings, as ``/v1/models``).
 
 ``OpsPages`` answers the endpoints that are not an API call (``/health``, ``/metrics``,
 ``/version``, the status page at ``/``) and the CORS rules: off unless ``http.cors_origins``
@@ -18,7 +21,7 @@ import time
 from importlib import metadata, resources
 from typing import TYPE_CHECKING
 
-from zerolayer.http.errors import ANTHROPIC, OPENAI, HttpError
+from zerolayer.http.errors import ANTHROPIC, OLLAMA, OPENAI, HttpError
 from zerolayer.http.server import Incoming
 
 if TYPE_CHECKING:
@@ -33,8 +36,24 @@ CHAT, COMPLETION, MODELS, MODEL, MESSAGES, COUNT_TOKENS = (
     "messages",
     "count_tokens",
 )
+RESPONSES, TOKENIZE, DETOKENIZE, EMBEDDINGS = "responses", "tokenize", "detokenize", "embeddings"
+# Ollama's API (paths under /api/)
+OLLAMA_TAGS, OLLAMA_SHOW, OLLAMA_VERSION, OLLAMA_PS = (
+    "api_tags",
+    "api_show",
+    "api_version",
+    "api_ps",
+)
+OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_EMBED, OLLAMA_EMBEDDINGS = (
+    "api_chat",
+    "api_generate",
+    "api_embed",
+    "api_embeddings",
+)
 HEALTH, METRICS, VERSION, STATUS_PAGE = "health", "metrics", "version", "status_page"
 OPS = frozenset({HEALTH, METRICS, VERSION, STATUS_PAGE})  # answered by OpsPages, no key needed
+# API endpoints answered without an API key: which model is served (as vLLM's /v1/models)
+KEYLESS = frozenset({MODELS, MODEL, OLLAMA_TAGS, OLLAMA_VERSION})
 
 # path → (method, API, endpoint)
 ROUTES: dict[bytes, tuple[bytes, str, str]] = {
@@ -43,20 +62,36 @@ ROUTES: dict[bytes, tuple[bytes, str, str]] = {
     b"/v1/models": (b"GET", OPENAI, MODELS),
     b"/v1/messages": (b"POST", ANTHROPIC, MESSAGES),
     b"/v1/messages/count_tokens": (b"POST", ANTHROPIC, COUNT_TOKENS),
+    b"/v1/responses": (b"POST", OPENAI, RESPONSES),
+    b"/v1/embeddings": (b"POST", OPENAI, EMBEDDINGS),
+    b"/tokenize": (b"POST", OPENAI, TOKENIZE),
+    b"/detokenize": (b"POST", OPENAI, DETOKENIZE),
+    b"/api/tags": (b"GET", OLLAMA, OLLAMA_TAGS),
+    b"/api/ps": (b"GET", OLLAMA, OLLAMA_PS),
+    b"/api/version": (b"GET", OLLAMA, OLLAMA_VERSION),
+    b"/api/show": (b"POST", OLLAMA, OLLAMA_SHOW),
+    b"/api/chat": (b"POST", OLLAMA, OLLAMA_CHAT),
+    b"/api/generate": (b"POST", OLLAMA, OLLAMA_GENERATE),
+    b"/api/embed": (b"POST", OLLAMA, OLLAMA_EMBED),
+    b"/api/embeddings": (b"POST", OLLAMA, OLLAMA_EMBEDDINGS),
     b"/health": (b"GET", OPENAI, HEALTH),
     b"/metrics": (b"GET", OPENAI, METRICS),
     b"/version": (b"GET", OPENAI, VERSION),
     b"/": (b"GET", OPENAI, STATUS_PAGE),
 }
 MODEL_PREFIX = b"/v1/models/"
+RESPONSE_PREFIX = b"/v1/responses/"  # a stored response's paths: we store none
 # Sent on an answer replayed from the response cache (the frame protocol's DONE cache bit 0).
 CACHE_HIT_HEADER = b"x-zerolayer-cache: hit\r\n"
 _NO_CACHE = (b"no-cache", b"no-store")
 
 
 def api_of(path: bytes) -> str:
-    """Paths under /v1/messages are Anthropic's, the rest OpenAI's (for error shapes)."""
-    return ANTHROPIC if path.startswith(b"/v1/messages") else OPENAI
+    """Paths under /v1/messages are Anthropic's, under /api/ Ollama's, the rest OpenAI's (for
+    error shapes)."""
+    if path.startswith(b"/v1/messages"):
+        return ANTHROPIC
+    return OLLAMA if path.startswith(b"/api/") else OPENAI
 
 
 def route(request: Incoming) -> str:
@@ -67,6 +102,12 @@ def route(request: Incoming) -> str:
     if found is None:
         if path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
             found = (b"GET", OPENAI, MODEL)
+        elif path.startswith(RESPONSE_PREFIX):
+            raise HttpError(
+                404,
+                "responses are not stored (store: false): send the whole conversation as input",
+                code="not_found",
+            )
         else:
             shown = path.decode("utf-8", "replace")[:200]
             raise HttpError(404, f"no such endpoint: {shown}", code="unknown_url")
