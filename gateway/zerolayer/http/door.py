@@ -28,7 +28,7 @@ from zerolayer.codes import Cached, ErrorCode, FinishReason, Refusal
 from zerolayer.engine.backend import ModelInfo
 from zerolayer.engine.step import StepOutput
 from zerolayer.hooks import Principal
-from zerolayer.http import anthropic, openai
+from zerolayer.http import anthropic, ollama, openai
 from zerolayer.http.errors import HttpError, http_error, stream_error_event
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.reply import Ending, Reply
@@ -42,11 +42,18 @@ from zerolayer.http.routes import (
     MODEL,
     MODEL_PREFIX,
     MODELS,
+    OLLAMA_EMBED,
+    OLLAMA_EMBEDDINGS,
+    OLLAMA_PS,
+    OLLAMA_SHOW,
+    OLLAMA_TAGS,
+    OLLAMA_VERSION,
     OPS,
     OpsPages,
     api_key,
     api_of,
     route,
+    version,
     wants_cache,
 )
 from zerolayer.http.server import HttpConnection, HttpServer, Incoming
@@ -72,6 +79,7 @@ class HttpApi:
         created = int(time.time())
         self.models_body = openai.models_body(self.model, created)
         self.model_body = openai.model_body(self.model, created)
+        self.ollama = ollama.OllamaModel(self.model, info.max_context, version())
         self.log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
 
     def connection(self, server: HttpServer) -> ApiConnection:
@@ -402,11 +410,21 @@ def _count_tokens(api: HttpApi, request: Incoming) -> bytes | Deferred:
     return lambda: anthropic.count_tokens_body(inputs.count_prompt_tokens(req))
 
 
+def _ollama_embed(api: HttpApi, request: Incoming) -> bytes:
+    raise ollama.not_available(request.path.decode("ascii", "replace"))
+
+
 # endpoint → its answer without the engine: the body, or the work that makes it off the loop
 LOCAL: dict[str, Callable[[HttpApi, Incoming], bytes | Deferred]] = {
     MODELS: _models,
     MODEL: _model,
     COUNT_TOKENS: _count_tokens,
+    OLLAMA_VERSION: lambda api, request: api.ollama.version_body,
+    OLLAMA_TAGS: lambda api, request: api.ollama.tags_body,
+    OLLAMA_PS: lambda api, request: api.ollama.ps_body,
+    OLLAMA_SHOW: lambda api, request: api.ollama.show(bytes(request.body)),
+    OLLAMA_EMBED: _ollama_embed,
+    OLLAMA_EMBEDDINGS: _ollama_embed,
 }
 
 # endpoint → the parser of its body into a Request and the Reply that answers it
