@@ -42,8 +42,10 @@ from zerolayer.http.routes import (
     MODEL,
     MODEL_PREFIX,
     MODELS,
+    OLLAMA_CHAT,
     OLLAMA_EMBED,
     OLLAMA_EMBEDDINGS,
+    OLLAMA_GENERATE,
     OLLAMA_PS,
     OLLAMA_SHOW,
     OLLAMA_TAGS,
@@ -292,7 +294,7 @@ class ApiConnection(HttpConnection):
         if ex.answered:
             return
         ex.answered = True
-        err = http_error(error)  # OpenAI's param is the field the Refusal names
+        err = ex.reply.named(http_error(error))  # the field the Refusal names, as the API says
         if ex.started:
             event = ex.reply.error_event(err)
             self.out += event if event is not None else stream_error_event(ex.reply.api, err)
@@ -432,4 +434,6 @@ PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
     CHAT: lambda body, api: openai.parse_chat(body, api.model, api.strings),
     COMPLETION: lambda body, api: openai.parse_completion(body, api.model, api.strings),
     MESSAGES: lambda body, api: anthropic.parse_messages(body, api.model),
+    OLLAMA_CHAT: lambda body, api: ollama.parse_chat(body, api.ollama),
+    OLLAMA_GENERATE: lambda body, api: ollama.parse_generate(body, api.ollama),
 }
