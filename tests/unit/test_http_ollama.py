@@ -45,6 +45,7 @@ def test_the_served_model_with_or_without_its_tag(body) -> None:
         ({"options": {"typo": 1}}, "options.typo"),
         ({"options": []}, "options"),
         ({"think": True}, "think"),
+        ({"stream": "no"}, "stream"),
         ({"images": ["aGk="]}, "images"),
         ({"options": {"num_predict": 0}}, "options.num_predict"),  # the OpenAI rule, renamed
         ({"options": {"repeat_penalty": -1}}, "options.repeat_penalty"),

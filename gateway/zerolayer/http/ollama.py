@@ -209,6 +209,14 @@ def _parsed(parse: Callable[[bytes, str], Reply], fields: dict[str, Any], served
         raise ollama_named(http_error(refusal)) from None
 
 
+def _streamed(obj: dict[str, Any]) -> bool:
+    """``stream``: true when absent (Ollama's default)."""
+    stream = obj.get("stream", True)
+    if not isinstance(stream, bool):
+        raise HttpError(400, "stream: true or false", param="stream")
+    return stream
+
+
 def parse_chat(body: bytes, model: OllamaModel) -> OllamaReply:
     """``POST /api/chat`` → the request of the OpenAI chat parser, answered in Ollama's shape."""
     obj = model.check(body)
@@ -225,7 +233,7 @@ def parse_chat(body: bytes, model: OllamaModel) -> OllamaReply:
                     )  # fmt: skip
     fields = {"model": model.name, "messages": messages, **_sampling(obj)}
     parsed = _parsed(openai.parse_chat, fields, model.name)
-    return OllamaReply(parsed, obj.get("stream", True) is not False, model.name, "message")
+    return OllamaReply(parsed, _streamed(obj), model.name, "message")
 
 
 def parse_generate(body: bytes, model: OllamaModel) -> OllamaReply:
@@ -245,7 +253,7 @@ def parse_generate(body: bytes, model: OllamaModel) -> OllamaReply:
         system_turn = [{"role": "system", "content": system}] if system else []
         fields["messages"] = [*system_turn, {"role": "user", "content": prompt}]
         parsed = _parsed(openai.parse_chat, fields, model.name)
-    return OllamaReply(parsed, obj.get("stream", True) is not False, model.name, "response")
+    return OllamaReply(parsed, _streamed(obj), model.name, "response")
 
 
 class OllamaReply(Reply):
