@@ -313,7 +313,7 @@ async def drive_daemon(
                 stream = await client.generate(prompts[i], max_tokens, temperature=0.0, text=False)
                 result = await stream.collect()
                 outputs[i] = result.ids
-                finish[i] = result.finish_reason
+                finish[i] = result.finish_code
                 ttft.append(result.ttft_us / 1e6)
 
         cpu0 = self_cpu_seconds()

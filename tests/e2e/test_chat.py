@@ -76,6 +76,7 @@ def test_two_turns_history_system_reset_multiline_and_exit(door):
             assert 0 < three < two  # after /reset: no history, only the system and two lines
             chat.send("/exit\r")
             assert chat.wait() == 0
+            assert b"Task was destroyed" not in chat.rest()  # a clean exit over both doors
         finally:
             chat.kill()
 
@@ -109,6 +110,7 @@ def test_ctrl_c_stops_the_answer_on_the_server_and_the_session_goes_on(door):
             chat.expect(">>> ")
             chat.send(b"\x04")
             assert chat.wait() == 0
+            assert b"Task was destroyed" not in chat.rest()  # an answer stopped mid-stream
         finally:
             chat.kill()
 

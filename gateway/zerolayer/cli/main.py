@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from zerolayer.cli.compile_check import add_compile_check_subparser
 from zerolayer.client.bench import add_bench_subparser
 from zerolayer.client.connection import DEFAULT_ENDPOINT, DEFAULT_TIMEOUT_S, Client, ServerError
-from zerolayer.codes import FinishReason
 from zerolayer.config.settings import (
     DEBUG_ENV,
     ConfigError,
@@ -37,12 +36,12 @@ COMMANDS = """\
 zerolayer serve [MODEL] [--config FILE] [FLAGS]   run the daemon (no --config: built-in defaults)
     [--host A] [--port N] [--http-port N] [--metrics-port N] [--dtype D] [--max-batch-size N]
     [--max-context N] [--api-key KEY]... [--tls-cert PEM --tls-key PEM] [--log-format text|json]
-zerolayer models [--json]                         list servable models (bundled, installed, cached)
+zerolayer models [--json] [--all]                 list servable models (bundled, installed, cached)
 zerolayer generate [OPTIONS] PROMPT               stream a completion (chat template unless --raw)
-    [--endpoint tcp://H:P] [--raw] [--system TEXT] [--prompt-id N] [--max-tokens N]
+    [--endpoint tcp://H:P | --config FILE] [--raw] [--system TEXT] [--prompt-id N] [--max-tokens N]
     [--temperature T] [--seed N] [--api-key KEY] [--json] [-v] [--timeout S]
     [--endpoint tls://H:P --tls-ca CA [--tls-cert CERT --tls-key KEY]]
-zerolayer chat [--endpoint tcp://H:P|http://H:P] [--system TEXT]  interactive chat
+zerolayer chat [--endpoint tcp://H:P|http://H:P | --config FILE] [--system TEXT]  interactive chat
 zerolayer keys add NAME [--rpm N] [--tpm N] [--cert-name CN] | keys list | keys revoke NAME
 zerolayer compile-check [FILE|-] [--config FILE]  validate system prompts for precompilation
 zerolayer config [--config FILE] [FLAGS]          print the effective configuration
@@ -188,11 +187,23 @@ def generate_request(args: argparse.Namespace) -> dict[str, Any]:
     return request
 
 
-def _finish_name(reason: int) -> str:
-    try:
-        return FinishReason(reason).label
-    except ValueError:
-        return str(reason)
+def settings_endpoint(settings: Settings) -> str:
+    """The frame port of a daemon started with ``settings``, as a client on this host reaches
+    it: ``server.host`` (a wildcard address becomes loopback) and ``server.port``, ``tls://``
+    when ``tls.cert_file`` is set."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(
+        settings.server.host, settings.server.host
+    )
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "tls" if settings.tls.cert_file else "tcp"
+    return f"{scheme}://{host}:{settings.server.port}"
+
+
+def _resolve_endpoint(args: argparse.Namespace) -> None:
+    """No --endpoint: the daemon's own settings (--config, ZEROLAYER_* variables, defaults)."""
+    if args.endpoint is None:
+        args.endpoint = settings_endpoint(load_settings(args.config))
 
 
 def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
@@ -223,7 +234,7 @@ async def _generate(args: argparse.Namespace) -> int:
         result = stream.result
         assert result is not None
     done = {
-        "finish_reason": _finish_name(result.finish_reason),
+        "finish_reason": result.finish_reason,
         "cache": result.cache,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
@@ -241,6 +252,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    _resolve_endpoint(args)
     if args.prompt == "-":  # the prompt from stdin, as `echo Hi | zerolayer generate -`
         args.prompt = sys.stdin.read().rstrip("\n")
     return asyncio.run(_generate(args))
@@ -249,6 +261,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from zerolayer.client.chat import connect, run_chat
 
+    _resolve_endpoint(args)
     loop = asyncio.new_event_loop()
     try:
         client = loop.run_until_complete(
@@ -266,6 +279,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         finally:
             loop.run_until_complete(client.close())
     finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())  # an answer left mid-stream
         loop.close()
 
 
@@ -280,13 +294,17 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_models(args: argparse.Namespace) -> int:
     from zerolayer.models.catalog import list_models
 
-    rows = list_models(load_settings(args.config).model.data_dir)
+    rows = list_models(load_settings(args.config).model.data_dir, everything=args.all)
     if args.json:
         print(json.dumps([row._asdict() for row in rows], indent=2))
         return 0
-    print(f"{'MODEL':<44} {'KIND':<10} {'SIZE':>10}  WHERE")
-    for row in rows:
-        print(f"{row.name:<44} {row.kind:<10} {_size(row.size_bytes):>10}  {row.where}")
+    table = [("MODEL", "KIND", "SIZE", "WHERE")] + [
+        (r.name, r.kind, _size(r.size_bytes), r.where + (" (converted)" if r.cache else ""))
+        for r in rows
+    ]
+    name_w, kind_w, size_w = (max(len(line[i]) for line in table) for i in range(3))
+    for name, kind, size, where in table:
+        print(f"{name:<{name_w}}  {kind:<{kind_w}}  {size:>{size_w}}  {where}".rstrip())
     return 0
 
 
@@ -337,9 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--endpoint",
-        default=DEFAULT_ENDPOINT,
+        default=None,
         metavar="tcp://H:P",
-        help=f"the daemon's frame port as tcp://HOST:PORT (default {DEFAULT_ENDPOINT})",
+        help="the daemon's frame port as tcp://HOST:PORT (default: server.host and "
+        f"server.port of --config and ZEROLAYER_* variables, else {DEFAULT_ENDPOINT})",
+    )
+    gen.add_argument(
+        "--config", default=None, metavar="FILE", help="the daemon's TOML file (for --endpoint)"
     )
     gen.add_argument(
         "--raw", action="store_true", help="send PROMPT as plain text, without the chat template"
@@ -391,10 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument(
         "--endpoint",
-        default=DEFAULT_ENDPOINT,
+        default=None,
         metavar="URL",
-        help=f"the daemon's frame port (default {DEFAULT_ENDPOINT}), or http(s)://H:P: any "
-        "OpenAI-compatible server (its /v1/chat/completions)",
+        help="the daemon's frame port (default: from --config and ZEROLAYER_* variables, as "
+        f"generate; else {DEFAULT_ENDPOINT}), or http(s)://H:P: any OpenAI-compatible server "
+        "(its /v1/chat/completions)",
+    )
+    chat.add_argument(
+        "--config", default=None, metavar="FILE", help="the daemon's TOML file (for --endpoint)"
     )
     chat.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
     chat.add_argument(
@@ -436,6 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--config", default=None, help="TOML file (for model.data_dir)")
     models.add_argument("--json", action="store_true", help="one JSON list")
+    models.add_argument(
+        "--all",
+        action="store_true",
+        help="also the converted caches of GGUF files not listed (other checkouts', by path)",
+    )
     models.set_defaults(func=_cmd_models)
     return parser
 

@@ -27,7 +27,7 @@ import json
 import signal
 import ssl
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
 from zerolayer.client.bench.endpoint import Endpoint, parse_endpoint
@@ -154,16 +154,23 @@ class HttpAnswers:
             if status != 200:
                 body = b"".join([piece async for piece in read_body(reader, headers)])
                 raise ChatError(f"HTTP {status}: {error_message(body)}")
-            async for data in _sse_data(read_body(reader, headers)):
-                if data == "[DONE]":
-                    return
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise ChatError(error_message(data.encode()))
-                for choice in obj.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        yield text
+            # aclosing: an answer left early (Ctrl-C, [DONE]) closes both readers now, not in
+            # finaliser tasks the closing loop would report as destroyed while pending.
+            closing = contextlib.aclosing
+            async with (
+                closing(read_body(reader, headers)) as pieces,
+                closing(_sse_data(pieces)) as events,
+            ):
+                async for data in events:
+                    if data == "[DONE]":
+                        return
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        raise ChatError(error_message(data.encode()))
+                    for choice in obj.get("choices") or ():
+                        text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            yield text
         except (OSError, asyncio.IncompleteReadError, StreamEnded, ValueError) as exc:
             raise ChatError(f"the answer broke off: {exc or type(exc).__name__}") from None
         finally:
@@ -173,7 +180,7 @@ class HttpAnswers:
         pass
 
 
-async def _sse_data(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
+async def _sse_data(pieces: AsyncIterator[bytes]) -> AsyncGenerator[str, None]:
     """The ``data`` of each SSE event in a body's pieces."""
     pending = b""
     data: list[str] = []

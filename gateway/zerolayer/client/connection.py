@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from zerolayer.codes import ErrorCode, FrameType
+from zerolayer.codes import FINISH_LABELS, ErrorCode, FrameType
 from zerolayer.frames import protocol as p
 from zerolayer.frames.wrong_door import sniff
 from zerolayer.ops.tls import client_context
@@ -188,9 +188,12 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Result:
-    """A finished stream: everything it streamed plus the DONE fields."""
+    """A finished stream: everything it streamed plus the DONE fields. ``finish_reason`` is the
+    name ("eos", "max_tokens", "stop", "cancelled": the CLI's and the metrics' labels),
+    ``finish_code`` the wire value (codes.FinishReason)."""
 
-    finish_reason: int
+    finish_reason: str
+    finish_code: int
     cache: int
     prompt_tokens: int
     completion_tokens: int
@@ -469,6 +472,7 @@ class Client:
                     stream._push(TokenEvent([], tail))
                 stream._push(
                     Result(
+                        FINISH_LABELS.get(d.finish_reason, str(d.finish_reason)),
                         d.finish_reason,
                         d.cache,
                         d.prompt_tokens,
@@ -502,8 +506,9 @@ class Client:
 
 
 class SyncClient:
-    """The blocking equivalent of Client, with its own event loop (scripts, notebooks): the same
-    constructor arguments as ``Client.connect``, and a method per Client method.
+    """The blocking equivalent of Client, with its own event loop (scripts, notebooks):
+    ``SyncClient.connect(...)`` (or the constructor) takes ``Client.connect``'s arguments, and
+    there is a method per Client method.
 
     ``generate`` / ``generate_json`` wait for the whole answer and return its Result (ids, text,
     DONE fields); ``stream`` / ``stream_json`` yield TokenEvents as they arrive, the Result being
@@ -530,6 +535,21 @@ class SyncClient:
             self._loop.close()
             raise
         self.result: Result | None = None  # of the last stream
+
+    @classmethod
+    def connect(
+        cls,
+        endpoint: str = DEFAULT_ENDPOINT,
+        api_key: str | bytes | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        ssl: _ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> SyncClient:
+        """Client.connect, blocking: ``with SyncClient.connect(...) as client:`` reads as the
+        async ``async with await Client.connect(...) as client:`` does (same arguments as the
+        constructor, which it calls)."""
+        return cls(endpoint, api_key, timeout=timeout, ssl=ssl, server_hostname=server_hostname)
 
     @property
     def endpoint(self) -> str:

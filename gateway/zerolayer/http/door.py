@@ -28,7 +28,7 @@ from zerolayer.codes import Cached, ErrorCode, FinishReason, Refusal
 from zerolayer.engine.backend import ModelInfo
 from zerolayer.engine.step import StepOutput
 from zerolayer.hooks import Principal
-from zerolayer.http import anthropic, embeddings, openai, responses, tokenize
+from zerolayer.http import anthropic, embeddings, ollama, openai, responses, tokenize
 from zerolayer.http.errors import HttpError, http_error, stream_error_event
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.reply import Ending, Reply
@@ -44,6 +44,14 @@ from zerolayer.http.routes import (
     MODEL,
     MODEL_PREFIX,
     MODELS,
+    OLLAMA_CHAT,
+    OLLAMA_EMBED,
+    OLLAMA_EMBEDDINGS,
+    OLLAMA_GENERATE,
+    OLLAMA_PS,
+    OLLAMA_SHOW,
+    OLLAMA_TAGS,
+    OLLAMA_VERSION,
     OPS,
     RESPONSES,
     TOKENIZE,
@@ -51,6 +59,7 @@ from zerolayer.http.routes import (
     api_of,
     credentials,
     route,
+    version,
     wants_cache,
 )
 from zerolayer.http.server import HttpConnection, HttpServer, Incoming
@@ -76,6 +85,7 @@ class HttpApi:
         created = int(time.time())
         self.models_body = openai.models_body(self.model, created)
         self.model_body = openai.model_body(self.model, created)
+        self.ollama = ollama.OllamaModel(self.model, info.max_context, version())
         self.log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
 
     def connection(self, server: HttpServer) -> ApiConnection:
@@ -290,7 +300,7 @@ class ApiConnection(HttpConnection):
         if ex.answered:
             return
         ex.answered = True
-        err = http_error(error)  # OpenAI's param is the field the Refusal names
+        err = ex.reply.named(http_error(error))  # the field the Refusal names, as the API says
         if ex.started:
             event = ex.reply.error_event(err)
             self.out += event if event is not None else stream_error_event(ex.reply.api, err)
@@ -430,6 +440,10 @@ def _detokenize(api: HttpApi, request: Incoming) -> bytes:
     return tokenize.detokenize(bytes(request.body), api.model, api.path.inputs)
 
 
+def _ollama_embed(api: HttpApi, request: Incoming) -> bytes:
+    raise ollama.not_available(request.path.decode("ascii", "replace"))
+
+
 # endpoint → its answer without the engine: the body, or the work that makes it off the loop
 LOCAL: dict[str, Callable[[HttpApi, Incoming], bytes | Deferred]] = {
     MODELS: _models,
@@ -437,6 +451,12 @@ LOCAL: dict[str, Callable[[HttpApi, Incoming], bytes | Deferred]] = {
     COUNT_TOKENS: _count_tokens,
     TOKENIZE: _tokenize,
     DETOKENIZE: _detokenize,
+    OLLAMA_VERSION: lambda api, request: api.ollama.version_body,
+    OLLAMA_TAGS: lambda api, request: api.ollama.tags_body,
+    OLLAMA_PS: lambda api, request: api.ollama.ps_body,
+    OLLAMA_SHOW: lambda api, request: api.ollama.show(bytes(request.body)),
+    OLLAMA_EMBED: _ollama_embed,
+    OLLAMA_EMBEDDINGS: _ollama_embed,
 }
 
 # endpoint → the parser of its body into a Request and the Reply that answers it
@@ -448,4 +468,6 @@ PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
         body, api.model, api.path.inputs.info.hidden_size
     ),
     RESPONSES: lambda body, api: responses.parse_responses(body, api.model, api.strings),
+    OLLAMA_CHAT: lambda body, api: ollama.parse_chat(body, api.ollama),
+    OLLAMA_GENERATE: lambda body, api: ollama.parse_generate(body, api.ollama),
 }

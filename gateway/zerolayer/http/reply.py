@@ -176,6 +176,11 @@ class Reply(ABC):
     def tail(self, out: bytearray) -> None:  # noqa: B027 - optional
         """After the last choice's ``end`` (streaming)."""
 
+    def named(self, err: HttpError) -> HttpError:
+        """A refusal of the request path as this API names its fields (a door whose body is
+        read into another API's fields renames them back); the same error by default."""
+        return err
+
     def error_event(self, err: HttpError) -> bytes | None:
         """The in-stream error event, when this reply writes its own (the Responses API
         numbers its events); None: the API's (zerolayer.http.errors.stream_error_event)."""

@@ -1,6 +1,11 @@
 """What can be served here (``zerolayer models``): the named models, GGUF files that installed
 Python packages ship, and the converted caches under ``model.data_dir``, with their sizes.
 
+One row per model: ``@builtin`` once (its newest weights directory, if made), and a converted
+cache folded into the row of the GGUF file it was converted from. A cache whose source is not
+listed here (another checkout's or another environment's package, a file given by path) is
+listed only when asked for ``everything``.
+
 Only metadata and directory listings are read: nothing is loaded, converted or downloaded.
 """
 
@@ -21,13 +26,14 @@ class ModelRow(NamedTuple):
     kind: str  # named | installed | converted | builtin
     size_bytes: int | None  # None: not on disk (yet)
     where: str  # the file or directory, or why it is missing
+    cache: str = ""  # the converted checkpoint directory serving this row's GGUF, if made
 
 
 def _tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _named() -> list[ModelRow]:
+def _named(root: Path) -> list[ModelRow]:
     from zerolayer.models.bundled import SMOLLM2_DISTRIBUTION, BundledModelError, smollm2_gguf
 
     try:
@@ -35,7 +41,12 @@ def _named() -> list[ModelRow]:
         rows = [ModelRow(SMOLLM2_MODEL, "named", gguf.stat().st_size, str(gguf))]
     except BundledModelError:
         rows = [ModelRow(SMOLLM2_MODEL, "named", None, f"{SMOLLM2_DISTRIBUTION} not installed")]
-    rows.append(ModelRow(BUILTIN_MODEL, "named", None, "random weights, made on first use"))
+    made = [d for d in root.glob("builtin-*") if d.is_dir()]
+    if made:  # one row: the newest weights (older ones are earlier versions' shapes)
+        newest = max(made, key=lambda d: d.stat().st_mtime)
+        rows.append(ModelRow(BUILTIN_MODEL, "builtin", _tree_size(newest), str(newest)))
+    else:
+        rows.append(ModelRow(BUILTIN_MODEL, "named", None, "random weights, made on first use"))
     return rows
 
 
@@ -52,9 +63,8 @@ def _installed(skip: set[str]) -> list[ModelRow]:
     return rows
 
 
-def _converted(data_dir: str) -> list[ModelRow]:
-    """Checkpoint directories converted from GGUF files, and the built-in model's weights."""
-    root = data_root(data_dir)
+def _converted(root: Path) -> list[ModelRow]:
+    """Checkpoint directories converted from GGUF files (``where``: the source file)."""
     rows = []
     for d in sorted((root / "gguf").glob("*")) if (root / "gguf").is_dir() else ():
         if (d / "model.safetensors").is_file():
@@ -62,12 +72,19 @@ def _converted(data_dir: str) -> list[ModelRow]:
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 source = json.loads((d / "source.json").read_text()).get("gguf", "")
             rows.append(ModelRow(str(d), "converted", _tree_size(d), source or "from a GGUF"))
-    for d in sorted(root.glob("builtin-*")):
-        if d.is_dir():
-            rows.append(ModelRow(BUILTIN_MODEL, "builtin", _tree_size(d), str(d)))
     return rows
 
 
-def list_models(data_dir: str = "") -> list[ModelRow]:
-    named = _named()
-    return named + _installed({r.where for r in named}) + _converted(data_dir)
+def list_models(data_dir: str = "", everything: bool = False) -> list[ModelRow]:
+    """The servable models, one row each; ``everything``: with the caches of unlisted sources."""
+    root = data_root(data_dir)
+    named = _named(root)
+    rows = named + _installed({r.where for r in named})
+    by_source = {r.where: i for i, r in enumerate(rows)}
+    for cache in _converted(root):
+        i = by_source.get(cache.where)
+        if i is not None:
+            rows[i] = rows[i]._replace(cache=cache.name)
+        elif everything:
+            rows.append(cache)
+    return rows

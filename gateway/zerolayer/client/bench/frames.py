@@ -24,12 +24,11 @@ from typing import Any, cast
 from zerolayer.client.bench.endpoint import Endpoint
 from zerolayer.client.bench.stats import RequestRecord
 from zerolayer.client.bench.workload import WorkItem
-from zerolayer.codes import ErrorCode, FinishReason, FrameType
+from zerolayer.codes import FINISH_LABELS, ErrorCode, FrameType
 from zerolayer.frames import protocol as p
 
 _TOKEN, _DONE, _ERROR = int(FrameType.TOKEN), int(FrameType.DONE), int(FrameType.ERROR)
 _WELCOME, _PING = int(FrameType.WELCOME), int(FrameType.PING)
-_FINISH = {int(f): f.name.lower() for f in FinishReason}
 _CODES = {int(c): c.name for c in ErrorCode}
 
 
@@ -82,7 +81,7 @@ class _Conn(asyncio.BufferedProtocol):
                 done = p.parse_done(payload)
                 rec.t_end = now
                 rec.prompt_tokens = done.prompt_tokens
-                rec.finish = _FINISH.get(done.finish_reason, str(done.finish_reason))
+                rec.finish = FINISH_LABELS.get(done.finish_reason, str(done.finish_reason))
                 rec.cached = bool(done.cache & p.CACHE_RESPONSE)
                 if not fut.done():
                     fut.set_result(None)

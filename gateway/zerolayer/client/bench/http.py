@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from zerolayer.client.bench.endpoint import Endpoint
@@ -195,7 +195,9 @@ async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     return int(parts[1]), headers
 
 
-async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+async def read_body(
+    reader: asyncio.StreamReader, headers: dict[str, str]
+) -> AsyncGenerator[bytes, None]:
     """The response body as it arrives (chunked, content-length or until close)."""
     if "chunked" in headers.get("transfer-encoding", "").lower():
         while True:
