@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from benchmarks._report import machine, machine_line, parser, publish, table  # noqa: E402
 from zerolayer.config.settings import ModelConfig  # noqa: E402
+from zerolayer.kernels import qmatmul  # noqa: E402
 from zerolayer.models.decoder import Decoder, KVCache  # noqa: E402
 from zerolayer.models.loader import LoadedModel, load_model  # noqa: E402
 
@@ -43,9 +44,10 @@ LLAMA_CPP = {
 
 def chunk_logits(model: Decoder, tokens: torch.Tensor, int8: bool) -> torch.Tensor:
     """[n, vocab] float32 logits of one chunk fed from position 0, in forwards of at most
-    ``model.blocks_max_rows`` tokens (so every product runs on the blocks)."""
+    ``model.blocks_max_rows`` tokens and of the kernel's ``MAX_ROWS`` (more rows go through
+    dequantized tiles), so every product runs on the blocks with the activations asked for."""
     model.use_int8_activations(int8)
-    step = model.blocks_max_rows
+    step = min(model.blocks_max_rows, qmatmul.MAX_ROWS[model.rope_cos.dtype])
     if step <= 0:
         raise ValueError("the model computes on no GGUF blocks (no kernel, or not a GGUF)")
     cache = KVCache.allocate(model.cfg, 1, len(tokens), model.rope_cos.dtype)

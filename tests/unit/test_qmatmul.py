@@ -257,7 +257,8 @@ def test_int8_products_are_the_quantized_activations_times_the_weights(kind, dty
     w, dense = quantized(kind, 45, cols, seed=1)
     w8 = w.with_int8(True)
     torch.manual_seed(2)
-    for rows in (1, 2, 8, 9, 17):
+    # Up to the dtype's MAX_ROWS: more rows go through dequantized tiles (test_gguf_file.py).
+    for rows in (r for r in (1, 2, 8, 9, 17) if r <= qmatmul.MAX_ROWS[dtype]):
         x = torch.randn(rows, cols).to(dtype)
         out = w8(x)
         assert out.shape == (rows, 45) and out.dtype == dtype
