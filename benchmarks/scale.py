@@ -25,8 +25,9 @@ JSON): output tokens/s, TPOT median, TTFT P99, the prompt tokens the server coun
 (VmHWM summed over the server's processes), time to ready (first start and a restart on a
 file seen before), and at one stream the fraction of the bandwidth roofline: the file's matrices
 as a step reads them (``roofline.block_bytes``) / TPOT / the read bandwidth measured here at the
-same thread count before any server starts. The load average before and after each run is
-kept; the machine, threads and load go beside the table.
+same thread count before any server starts (or ``--bandwidth``, a figure measured on a quiet
+machine: a loaded one reads less). The load average before and after each run is kept; the
+machine, threads and load go beside the table.
 
     python benchmarks/scale.py [--sizes 1b,3b,8b] [--streams 1,8,32] [--rounds 2]
         [--modes default] [--mode LABEL:ZEROLAYER_X=V,...] [--threads 2]
@@ -281,8 +282,14 @@ def markdown(results: dict) -> str:
         f"the rounds (each round in `benchmarks/results/scale.json`). ZeroLayer's modes: "
         + "; ".join(f"{k} {v or '(no settings)'}" for k, v in a["modes"].items())
         + f". llama-server: {peer}. Roofline: the file's matrices read once a token "
-        f"(`roofline.block_bytes`) / TPOT / {bw:.1f} GB/s, the read bandwidth measured here at "
-        f"{a['threads']} thread(s) before the servers started. Peak RSS: VmHWM summed over a "
+        f"(`roofline.block_bytes`) / TPOT / {bw:.1f} GB/s, "
+        + (
+            "the read bandwidth given with --bandwidth"
+            if results.get("bandwidth_given")
+            else f"the read bandwidth measured here at {a['threads']} thread(s) before the "
+            "servers started"
+        )
+        + ". Peak RSS: VmHWM summed over a "
         "server's processes. The machine is shared: the load average before and after the "
         "runs of each row.",
         "",
@@ -314,6 +321,9 @@ def main() -> None:
                     help="time the first start only")  # fmt: skip
     ap.add_argument("--rope-freqs", action="store_true", help="files with rope_freqs.weight")
     ap.add_argument("--seed", type=int, default=38, help="of the prompts")
+    ap.add_argument(
+        "--bandwidth", type=float, default=0.0, metavar="GBS", help="the roofline's (GB/s)"
+    )
     ap.add_argument("--llama-server", default=None, metavar="PATH")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "zerolayer-scale"))
     args = ap.parse_args()
@@ -332,7 +342,8 @@ def main() -> None:
     started = machine()
     results: dict = {
         "machine": started,
-        "bandwidth_gbs": bandwidth_gbs(args.threads),
+        "bandwidth_gbs": args.bandwidth or bandwidth_gbs(args.threads),
+        "bandwidth_given": bool(args.bandwidth),
         "peers": {"llama-server": binary or f"skipped: {skipped}"},
         "args": {
             "command": " ".join(a for a in sys.argv[1:] if a != "--write"),
