@@ -8,7 +8,8 @@ Every server: 2 threads (``--threads``), 32 slots of 2,048 positions (ZeroLayer'
 2 GiB KV space),
 started once, kept stopped (SIGSTOP) while another is measured. The same load client,
 ``zerolayer bench`` (OpenAI completions over HTTP, greedy, ``ignore_eos``), sends the same
-random prompts to each:
+prompts to each, as token ids drawn from the vocabulary's normal tokens, new in every round and
+every run (``_support/fresh_prompts.py``: no server answers from its prefix cache):
 
 - **decode**: ``--input-len``-token prompts (128), ``--output-len`` tokens (128) at 1, 8 and 32
   concurrent streams, max(4, 2 x streams) requests: output tokens/s, TPOT and TTFT (median,
@@ -49,6 +50,7 @@ from benchmarks._report import (  # noqa: E402
     publish,
     table,
 )
+from benchmarks._support import fresh_prompts  # noqa: E402
 from benchmarks._support.peers import (  # noqa: E402
     THREADS,
     Server,
@@ -184,25 +186,38 @@ def main() -> None:
     }  # fmt: skip
     started = machine()
     streams = [int(n) for n in args.streams.split(",")]
+    ids = fresh_prompts.normal_tokens(gguf)
+
+    def prompts(name: str, count: int, length: int, max_tokens: int) -> Path:
+        """New token-id prompts for each round and each run: no prefix-cache hits."""
+        return fresh_prompts.write_prompts(
+            cache / f"prompts-{name}.jsonl", count=count, length=length, max_tokens=max_tokens,
+            ids=ids, seed=fresh_prompts.seed_for("peers", name),
+        )  # fmt: skip
+
     entries = start_all(args, cache, gguf, checkpoint, peers)
     with running([e.server for e in entries]):
         for e in entries:
             e.decode = {str(n): [] for n in streams}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for n in streams:
+                requests = max(4, 2 * n)
+                file = prompts(f"round{round_}-{n}", requests + 1, args.input_len, args.output_len)
                 for e in entries:
                     with measured(e.server):
                         out = cache / f"{e.slug}-{n}.json"
                         e.decode[str(n)].append(
-                            bench(e.server, out, streams=n, requests=max(4, 2 * n),
-                                  input_len=args.input_len, output_len=args.output_len)
+                            bench(e.server, out, streams=n, requests=requests,
+                                  input_len=args.input_len, output_len=args.output_len,
+                                  prompts=file)
                         )  # fmt: skip
         for length in [int(n) for n in args.prefill.split(",")]:
+            file = prompts(f"prefill-{length}", 4, length, 1)
             for e in entries:
                 with measured(e.server):
                     out = cache / f"{e.slug}-prefill-{length}.json"
                     r = bench(e.server, out, streams=1, requests=3, input_len=length,
-                              output_len=1)  # fmt: skip
+                              output_len=1, prompts=file)  # fmt: skip
                     r["prompt_tokens"] = json.loads(out.read_text())["total_input_tokens"] / 3
                     e.prefill[str(length)] = r
         rss = {e.label: e.server.peak_rss_mib() for e in entries}
@@ -255,8 +270,8 @@ def markdown(args, results: dict, streams: list[int], started: dict) -> str:
         "## Decode beside the peers: SmolLM2-135M-Instruct (`benchmarks/peers.py`)",
         "",
         f"`python benchmarks/peers.py`: {args.threads} thread(s) and {SLOTS} slots x {CONTEXT} "
-        "positions "
-        f"per server, each alone while measured; {args.input_len}-token random prompts, "
+        "positions per server, each alone while measured; prompts of "
+        f"{args.input_len} random token ids, new every round, "
         f"{args.output_len} output tokens (EOS ignored), greedy, `zerolayer bench` over OpenAI "
         f"completions; {args.rounds} interleaved round(s), ranges over the rounds. "
         + ("; ".join(versions) + ". " if versions else "")

@@ -260,16 +260,23 @@ def bench(
     output_len: int,
     protocol: str = "openai-completions",
     seed: int = 26,
+    prompts: Path | None = None,
 ) -> dict:
     """One ``zerolayer bench`` run: ``streams`` in flight, ``requests`` in all, after one
-    unmeasured request; EOS ignored so every server writes ``output_len`` tokens."""
+    unmeasured request; EOS ignored so every server writes ``output_len`` tokens. ``prompts``: a
+    JSONL file of the run's prompts (``fresh_prompts``: the warm-up's first, then one a request),
+    else random word prompts drawn from ``seed``."""
     argv = [sys.executable, "-m", "zerolayer.cli.main", "bench", "--endpoint", server.url]
     argv += ["--protocol", protocol, "--concurrency", str(streams)]
     argv += ["--num-requests", str(requests), "--warmup", "1", "--input-len", str(input_len)]
     argv += ["--output-len", str(output_len), "--ignore-eos", "--seed", str(seed)]
     argv += ["--output", str(out), "--no-progress", "--label", server.name]
+    if prompts is not None:
+        argv += ["--input", str(prompts)]
+    load_before = os.getloadavg()[0]
     subprocess.run(argv, check=True, capture_output=True, timeout=3600)
     report = json.loads(out.read_text())
+    lens = sorted(report.get("input_lens") or [0])
     return {
         "output_tokens_per_s": report["output_throughput"],
         "median_ttft_ms": report["median_ttft_ms"],
@@ -277,6 +284,8 @@ def bench(
         "median_tpot_ms": report["median_tpot_ms"],
         "completed": report["completed"],
         "failed": report["failed"],
+        "prompt_tokens": [lens[0], lens[-1]],  # as the server counted them (usage), min and max
         "peak_rss_mib": server.peak_rss_mib(),
+        "load_average_1m_before": load_before,
         "load_average_1m": os.getloadavg()[0],
     }

@@ -14,10 +14,16 @@ from tests.support.fake_servers import STYLES, FakeFrameServer, FakeSseServer, M
 from zerolayer.client.bench import BenchOptions, run
 from zerolayer.client.bench.cli import verdict
 from zerolayer.client.bench.endpoint import EndpointError, parse_endpoint
-from zerolayer.client.bench.http import SseState
+from zerolayer.client.bench.http import SseState, build_body
 from zerolayer.client.bench.report import SCHEMA, compare, load
 from zerolayer.client.bench.stats import RequestRecord, aggregate, parse_slo
-from zerolayer.client.bench.workload import WorkloadError, arrival_offsets, load_file, parse_len
+from zerolayer.client.bench.workload import (
+    WorkItem,
+    WorkloadError,
+    arrival_offsets,
+    load_file,
+    parse_len,
+)
 from zerolayer.frames import protocol as p
 
 # Two requests with known chunk times (s) and sizes. A: TTFT 100 ms, gaps 50, 100 (a chunk of
@@ -249,6 +255,12 @@ def test_inputs(tmp_path):
     jsonl.write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
     with pytest.raises(WorkloadError, match="line 2: prompt must be a string"):
         load_file(jsonl, None, rng)
+    jsonl.write_text('{"prompt": [5, 7, 9], "max_tokens": 2}\n{"prompt": [5, -1]}\n')
+    with pytest.raises(WorkloadError, match="line 2: prompt must be a string or a list"):
+        load_file(jsonl, None, rng)
+    jsonl.write_text('{"prompt": [5, 7, 9], "max_tokens": 2}\n')
+    (item,) = load_file(jsonl, None, rng)
+    assert (item.prompt_ids, item.prompt, item.max_tokens) == ([5, 7, 9], None, 2)
     share = tmp_path / "sg.json"
     conv = [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "one two three"}]
     share.write_text(json.dumps([{"conversations": conv}, {"conversations": []}]))
@@ -256,6 +268,16 @@ def test_inputs(tmp_path):
     assert len(items) == 1 and items[0].messages == [{"role": "user", "content": "Q?"}]
     assert items[0].max_tokens == 4  # 3 words x 4/3
     assert load_file(share, (9, 0), rng)[0].max_tokens == 9
+
+
+def test_token_id_prompts_go_to_openai_completions_only():
+    item = WorkItem(4, prompt_ids=[5, 7, 9])
+    body = build_body("openai-completions", item, "m", ignore_eos=True)
+    assert body["prompt"] == [5, 7, 9] and body["max_tokens"] == 4
+    for protocol in ("openai-chat", "anthropic"):
+        with pytest.raises(ValueError, match="not " + protocol):
+            build_body(protocol, item, "m", ignore_eos=False)
+    assert build_body("openai-completions", WorkItem(4, prompt="hi"), "m", False)["prompt"] == "hi"
 
 
 def test_open_loop_run_sends_every_request_within_the_cap():

@@ -65,8 +65,10 @@ def _messages(item: WorkItem) -> list[dict[str, Any]]:
 
 def build_body(protocol: str, item: WorkItem, model: str, ignore_eos: bool) -> dict[str, Any]:
     """The JSON body of one streamed request in ``protocol``."""
-    if item.prompt_ids is not None:
-        raise ValueError("HTTP requests carry text: token-id prompts are for tcp:// only")
+    if item.prompt_ids is not None and protocol != "openai-completions":
+        raise ValueError(
+            "token-id prompts go to tcp:// or --protocol openai-completions, not " + protocol
+        )
     if protocol == "anthropic":
         body: dict[str, Any] = {"model": model, "max_tokens": item.max_tokens, "stream": True}
         body["messages"] = _messages(item)
@@ -85,6 +87,8 @@ def build_body(protocol: str, item: WorkItem, model: str, ignore_eos: bool) -> d
     if protocol == "openai-chat":
         system = [{"role": "system", "content": item.system}] if item.system is not None else []
         body["messages"] = system + _messages(item)
+    elif item.prompt_ids is not None:
+        body["prompt"] = item.prompt_ids  # OpenAI's completions take a prompt as token ids
     else:
         text = (
             item.prompt

@@ -1,11 +1,12 @@
 """What a bench run sends and when: request items from a file or a random dataset, and the
 open-loop arrival times.
 
-Inputs: JSONL (one object a line: ``prompt`` or ``messages``, optional ``system`` and
-``max_tokens``), ShareGPT JSON (a list of ``{"conversations": [{"from": "human", "value": ...},
-{"from": "gpt", ...}]}``; the first human turn is the prompt), or ``random``: token-id prompts for
-the frame protocol (exact lengths) and word prompts for HTTP (about one token a word: HTTP servers
-tokenize themselves, and the report takes prompt lengths from their usage fields).
+Inputs: JSONL (one object a line: ``prompt`` — text, or a list of token ids — or ``messages``,
+optional ``system`` and ``max_tokens``), ShareGPT JSON (a list of ``{"conversations": [{"from":
+"human", "value": ...}, {"from": "gpt", ...}]}``; the first human turn is the prompt), or
+``random``: token-id prompts for the frame protocol (exact lengths) and word prompts for HTTP
+(about one token a word: HTTP servers tokenize themselves, and the report takes prompt lengths
+from their usage fields).
 """
 
 from __future__ import annotations
@@ -128,10 +129,13 @@ def _jsonl(path: Path, text: str) -> list[WorkItem]:
         system = obj.get("system")
         if system is not None and not isinstance(system, str):
             raise WorkloadError(f"{where}: system must be a string")
-        if "prompt" in obj:
-            if not isinstance(obj["prompt"], str):
-                raise WorkloadError(f"{where}: prompt must be a string")
-            items.append(WorkItem(max_tokens, prompt=obj["prompt"], system=system))
+        prompt = obj.get("prompt")
+        if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+            items.append(WorkItem(max_tokens, prompt_ids=prompt, system=system))
+        elif "prompt" in obj:
+            if not isinstance(prompt, str):
+                raise WorkloadError(f"{where}: prompt must be a string or a list of token ids")
+            items.append(WorkItem(max_tokens, prompt=prompt, system=system))
         else:
             messages = obj["messages"]
             if not isinstance(messages, list) or not all(
@@ -140,6 +144,10 @@ def _jsonl(path: Path, text: str) -> list[WorkItem]:
                 raise WorkloadError(f'{where}: messages must be a list of {{"role", "content"}}')
             items.append(WorkItem(max_tokens, messages=messages, system=system))
     return items
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _sharegpt(path: Path, text: str) -> list[WorkItem]:
