@@ -1,8 +1,8 @@
 """Ollama's API on the HTTP port through the official ``ollama`` client, against a real daemon
 (synthetic backend): the model listings (version, tags, ps, show), an unknown model's 404, the
 key on ``/api/show`` (the listings are keyless), chat and generate streamed (NDJSON) and not,
-``options`` mapped or refused by name, and ``/api/embed`` (501: no embeddings yet) in Ollama's
-error shape."""
+``options`` mapped or refused by name, and ``/api/embed`` (501: Ollama's embedding shapes are
+not written yet) in Ollama's error shape."""
 
 from __future__ import annotations
 

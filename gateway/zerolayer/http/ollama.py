@@ -95,8 +95,11 @@ class OllamaModel:
 
 
 def not_available(endpoint: str) -> HttpError:
-    """``/api/embed`` and ``/api/embeddings`` before the engine has embeddings."""
-    return HttpError(501, f"{endpoint} is not available yet: this server has no embeddings")
+    """``/api/embed`` and ``/api/embeddings``: Ollama's shapes of embeddings are not written yet
+    (the engine's embeddings are served at ``/v1/embeddings``)."""
+    return HttpError(
+        501, f"{endpoint} is not available yet: the same embeddings are at POST /v1/embeddings"
+    )
 
 
 # options → our field (Ollama's num_predict -1/-2, "until the context is full", is our default)
