@@ -97,13 +97,22 @@ class LogitsBackend(Backend):
         logits = self.prefill_logits(chunks)
         if logits is not None:
             last = [i for i, chunk in enumerate(chunks) if chunk.last]
-            out[last] = self.sampler.sample_chunks(logits, [chunks[i] for i in last])
+            done = [chunks[i] for i in last]
+            out[last] = self.sampler.sample_prompts(
+                logits,
+                [c.sampling for c in done],
+                np.array([c.start + len(c.tokens) for c in done], np.int64),  # after the chunk
+                [c.processing for c in done],
+            )
         return out
 
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         if batch.size == 0:
             return np.empty(0, np.int32)
-        return self.sampler.sample_batch(self.decode_logits(batch), batch)
+        # each row's token is sampled for the position after its input
+        positions = batch.positions.astype(np.int64) + 1
+        logits = self.decode_logits(batch)
+        return self.sampler.sample(logits, batch.sampling, positions, batch.processing).ids
 
 
 # A backend's copy of a KV range: opaque to everyone else, who only hands it back.

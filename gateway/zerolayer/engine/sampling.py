@@ -42,9 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.kernels.splitmix import splitmix64
-from zerolayer.sampling_params import sampling_rows
+from zerolayer.sampling_params import SamplingParams, sampling_rows
 
 
 def seeded_uniform(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -351,26 +350,25 @@ class Sampler:
         proc.sampled = out
         return out
 
-    def sample_batch(self, logits: torch.Tensor, batch: DecodeBatch) -> np.ndarray:
-        """Token ids int32 [b] for a decode batch from its logits [b, vocab]: its rows'
-        parameters and processing, each token sampled for the position after its input."""
-        positions = batch.positions.astype(np.int64) + 1
-        return self.sample(logits, batch.sampling, positions, batch.processing).ids
-
-    def sample_chunks(self, logits: torch.Tensor, chunks: Sequence[PrefillChunk]) -> np.ndarray:
-        """Token ids int32 [r] for r prompts' last chunks from the logits [r, vocab] at their
-        final positions. Each chunk brings its own parameters and processing (a batch of one):
-        the plain rows are sampled together, each processed row alone (its result in its
-        ``Processing.sampled``). Seeded rows draw the same as in any batch."""
-        params = sampling_rows(c.sampling for c in chunks)
-        # The sampled token sits right after the chunk.
-        positions = np.array([c.start + len(c.tokens) for c in chunks], np.int64)
-        ids = np.empty(len(chunks), np.int32)
-        plain = [i for i, c in enumerate(chunks) if c.processing is None]
+    def sample_prompts(
+        self,
+        logits: torch.Tensor,
+        sampling: Sequence[SamplingParams],
+        positions: np.ndarray,
+        processing: Sequence[Processing | None],
+    ) -> np.ndarray:
+        """Token ids int32 [r] for r prompts from the logits [r, vocab] at their final positions
+        (``positions``: where each sampled token sits). Each prompt brings its own parameters and
+        processing (a batch of one): the plain rows are sampled together, each processed row
+        alone (its result in its ``Processing.sampled``). Seeded rows draw the same as in any
+        batch."""
+        params = sampling_rows(sampling)
+        ids = np.empty(len(sampling), np.int32)
+        plain = [i for i, proc in enumerate(processing) if proc is None]
         if plain:
             ids[plain] = self.sample(logits[plain], params[plain], positions[plain]).ids
-        for i, c in enumerate(chunks):
-            if c.processing is not None:
+        for i, proc in enumerate(processing):
+            if proc is not None:
                 one = slice(i, i + 1)
-                ids[i] = self.sample(logits[one], params[one], positions[one], c.processing).ids[0]
+                ids[i] = self.sample(logits[one], params[one], positions[one], proc).ids[0]
         return ids

@@ -22,8 +22,9 @@ from typing import Any
 from zerolayer.codes import ANTHROPIC, FINISH_NAMES, FinishReason, invalid
 from zerolayer.http import tools
 from zerolayer.http.fields import check_model, field_errors, refuse_unless
+from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import TokenLogprobs
-from zerolayer.http.reply import ChoiceOut, Reply, dumps, encode_basestring, new_id
+from zerolayer.http.reply import ChoiceOut, Reply, encode_basestring, new_id
 from zerolayer.http.tools import ArgumentsDelta, CallStart, Content, Event, ToolUse
 from zerolayer.request_path.request import Request
 from zerolayer.request_path.validation import (

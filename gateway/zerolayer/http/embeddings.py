@@ -16,8 +16,9 @@ import numpy as np
 from zerolayer.codes import invalid
 from zerolayer.http.errors import OPENAI
 from zerolayer.http.fields import check_model
+from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import TokenLogprobs
-from zerolayer.http.reply import ChoiceOut, Reply, dumps
+from zerolayer.http.reply import ChoiceOut, Reply
 from zerolayer.request_path.request import Request
 from zerolayer.request_path.validation import (
     JsonObject,

@@ -18,7 +18,7 @@ from zerolayer.codes import ANTHROPIC as ANTHROPIC  # re-exported: the API label
 from zerolayer.codes import OLLAMA as OLLAMA
 from zerolayer.codes import OPENAI as OPENAI
 from zerolayer.codes import ErrorCode, Refusal
-from zerolayer.http.reply import dumps
+from zerolayer.http.json_body import dumps
 from zerolayer.ops.escape import client_text
 from zerolayer.request_path.validation import JsonObject
 

@@ -29,8 +29,9 @@ from typing import Any
 from zerolayer.codes import FINISH_NAMES, OLLAMA, Refusal
 from zerolayer.http import openai
 from zerolayer.http.errors import HttpError, http_error
+from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import TokenLogprobs
-from zerolayer.http.reply import Reply, dumps
+from zerolayer.http.reply import Reply
 
 OLLAMA_API_VERSION = "0.12.0"
 TAG = ":latest"

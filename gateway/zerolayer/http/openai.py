@@ -31,8 +31,9 @@ from zerolayer.http.fields import (
     refuse_router_fields,
     refuse_unless,
 )
+from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import CompletionLogprobs, TokenLogprobs, TokenStrings, chat_entry
-from zerolayer.http.reply import ChoiceOut, Ending, Reply, dumps, encode_basestring, new_id, now
+from zerolayer.http.reply import ChoiceOut, Ending, Reply, encode_basestring, new_id, now
 from zerolayer.http.tools import ArgumentsDelta, CallStart, Content, Event, ToolUse
 from zerolayer.request_path.request import Request
 from zerolayer.request_path.validation import (

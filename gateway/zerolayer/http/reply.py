@@ -13,7 +13,6 @@ between byte strings built once per request.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 from abc import ABC, abstractmethod
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from zerolayer.engine.types import PromptLogprobs
+from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.tools import OutputCalls, ToolUse
 from zerolayer.request_path.request import Request
@@ -35,11 +35,6 @@ __all__ = ["ChoiceOut", "Ending", "Reply", "dumps", "encode_basestring", "new_id
 
 _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
-
-
-def dumps(obj: object) -> bytes:
-    """Compact UTF-8 JSON (responses are not per token: the stdlib encoder is enough)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def new_id(prefix: str) -> str:

@@ -30,8 +30,9 @@ from zerolayer.codes import OPENAI, FinishReason, invalid
 from zerolayer.http import tools
 from zerolayer.http.errors import HttpError
 from zerolayer.http.fields import check_model, field_errors
+from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import TokenLogprobs, TokenStrings, chat_entry
-from zerolayer.http.reply import Reply, dumps, encode_basestring, new_id, now
+from zerolayer.http.reply import Reply, encode_basestring, new_id, now
 from zerolayer.http.tools import ArgumentsDelta, CallEnd, CallStart, Content, Event, ToolUse
 from zerolayer.ops.escape import client_text
 from zerolayer.request_path.request import Request

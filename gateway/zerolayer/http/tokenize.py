@@ -19,9 +19,9 @@ import numpy as np
 
 from zerolayer.codes import invalid
 from zerolayer.http.fields import check_model
+from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import TokenStrings
 from zerolayer.http.openai import chat_messages, chat_tools
-from zerolayer.http.reply import dumps
 from zerolayer.request_path.inputs import InputProcessor
 from zerolayer.request_path.request import Request
 from zerolayer.request_path.validation import (
