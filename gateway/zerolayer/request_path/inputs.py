@@ -232,7 +232,11 @@ class InputProcessor:
     def offloaded(self, req: Request) -> bool:
         """``check_text_bound``, then whether ``req``'s input is big enough to be templated and
         tokenized on the offload pool (zerolayer.request_path.offload) rather than inline: the one
-        rule for a request and for a token count alike."""
+        rule for a request, a request of k inputs (their texts together; each is bounded when
+        it is prepared alone) and a token count alike."""
+        if req.inputs is not None:
+            room = offload.INLINE_BYTES + 1
+            return sum(_size(v, room) for v in req.inputs if isinstance(v, str)) >= room
         return self.check_text_bound(req) > offload.INLINE_BYTES
 
     def _prompt_ids(

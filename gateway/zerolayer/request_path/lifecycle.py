@@ -183,37 +183,15 @@ class RequestPath:
         try:
             if self.draining:
                 raise Refusal(ErrorCode.SHUTTING_DOWN, "server is draining")
-            text = sum(len(value) for value in req.inputs if isinstance(value, str))
-            if text > offload.INLINE_BYTES:  # characters: at least as many bytes
+            if self.inputs.offloaded(req):
                 st.phase = PREPARING  # tokenized on the offload pool, as a large prompt is
-                self._track(self._prepare_inputs_async(st, principal, req))
+                self._track(self._prepare_async(st, principal, req, True))
                 return
             preps = self.inputs.prepare_inputs(req)
         except Refusal as exc:
             self._fail_all(st, exc)
             return
         self._inputs_prepared(st, principal, req, preps)
-
-    async def _prepare_inputs_async(self, st: Stream, principal: Principal, req: Request) -> None:
-        """``_prepare_async`` for k inputs: a stream that ended meanwhile drops the result."""
-        try:
-            try:
-                preps = await offload.run(self.inputs.prepare_inputs, req)
-            except Refusal as exc:
-                if st.phase is PREPARING:
-                    st.phase = NEW
-                    self._fail_all(st, exc)
-                return
-            if st.phase is not PREPARING:
-                return
-            st.phase = NEW
-            self._inputs_prepared(st, principal, req, preps)
-        except Exception:  # a bug in preparing or after it: this request alone ends
-            log.exception("request path failed preparing a request's inputs")
-            self._fail_all(st, Refusal(ErrorCode.INTERNAL, "internal server error"))
-        finally:
-            if st.door.open:
-                st.door.flush()
 
     def _inputs_prepared(
         self, st: Stream, principal: Principal, req: Request, preps: list[Prepared]
@@ -333,18 +311,21 @@ class RequestPath:
     async def _prepare_async(
         self, st: Stream, principal: Principal, req: Request, large: bool
     ) -> None:
-        """A constraint compiled, and a large input prepared on the offload pool. A stream that
-        ended meanwhile (CANCEL, disconnect, drain) has already been answered once: the result
-        is dropped."""
+        """A constraint compiled, and a large input (or k inputs) prepared on the offload pool.
+        A stream that ended meanwhile (CANCEL, disconnect, drain) has already been answered
+        once: the result is dropped."""
         try:
             try:
                 grammar = await self._compile(req)
                 if st.phase is not PREPARING:
                     return
-                if large:
-                    prep = await offload.run(self.inputs.prepare, req)
+                prepared: Prepared | list[Prepared]
+                if req.inputs is not None:
+                    prepared = await offload.run(self.inputs.prepare_inputs, req)
+                elif large:
+                    prepared = await offload.run(self.inputs.prepare, req)
                 else:
-                    prep = self.inputs.prepare(req)
+                    prepared = self.inputs.prepare(req)
             except Refusal as exc:
                 if st.phase is PREPARING:
                     st.phase = NEW
@@ -353,7 +334,10 @@ class RequestPath:
             if st.phase is not PREPARING:
                 return
             st.phase = NEW
-            self._prepared(st, principal, req, prep, grammar)
+            if isinstance(prepared, list):
+                self._inputs_prepared(st, principal, req, prepared)
+            else:
+                self._prepared(st, principal, req, prepared, grammar)
         except Exception:  # a bug in preparing or after it: this request alone ends
             log.exception("request path failed preparing a request")
             self._fail_all(st, Refusal(ErrorCode.INTERNAL, "internal server error"))
