@@ -285,6 +285,14 @@ def test_every_request_ends_exactly_once_under_mixed_load(daemon):
     conn.close()
 
 
+def test_a_daemon_without_a_model_serves_without_torch(daemon):
+    # The synthetic backend's daemon imports no torch (seconds of CPU at each start; this suite
+    # starts dozens): after every request above, none of torch's libraries is mapped.
+    with open(f"/proc/{daemon.proc.pid}/maps") as fh:
+        torch_libraries = {line.split()[-1] for line in fh if "libtorch" in line}
+    assert not torch_libraries
+
+
 def test_idle_timeout_closes_quiet_connection():
     with Daemon({"SERVER__IDLE_TIMEOUT_S": "1"}) as d:
         conn = connect(d)

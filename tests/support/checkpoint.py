@@ -66,7 +66,7 @@ def write_checkpoint(directory: Path) -> None:
 def checkpoint_backend(directory: Path, num_slots: int = 2, max_context: int = 256):  # noqa: ANN201
     """(CpuBackend, tokenizer) on a checkpoint written into ``directory`` by write_checkpoint."""
     from zerolayer.engine.backends.cpu import CpuBackend
-    from zerolayer.models import load_checkpoint
+    from zerolayer.models.loader import load_checkpoint
 
     write_checkpoint(directory)
     loaded = load_checkpoint(directory, max_context=max_context)

@@ -12,9 +12,11 @@ from safetensors.torch import save_file
 from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backends.cpu import create_cpu_backend
 from zerolayer.engine.types import PrefillChunk
-from zerolayer.models import HFTokenizer, ModelLoadError, builtin, load_checkpoint, load_model
+from zerolayer.models import builtin
 from zerolayer.models.architectures import DecoderConfig
 from zerolayer.models.decoder import Decoder
+from zerolayer.models.hf_tokenizer import HFTokenizer
+from zerolayer.models.loader import ModelLoadError, load_checkpoint, load_model
 from zerolayer.sampling_params import SamplingParams
 from zerolayer.tokenizer import ByteTokenizer
 

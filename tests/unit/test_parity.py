@@ -23,9 +23,8 @@ from tests.support.engine_run import run_engine
 from zerolayer.config.settings import ModelConfig
 from zerolayer.engine.backends.cpu import CpuBackend
 from zerolayer.engine.engine import Sequence
-from zerolayer.models import load_checkpoint
 from zerolayer.models.decoder import KVCache
-from zerolayer.models.loader import load_model
+from zerolayer.models.loader import load_checkpoint, load_model
 from zerolayer.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")

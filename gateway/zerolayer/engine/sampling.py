@@ -26,7 +26,9 @@ over the row's filtered distribution (sorted by descending probability, ties by 
 seeded row takes ``u`` from a counter-based hash of (seed, position) alone: its own seed stream,
 stateless, so its tokens never depend on which other rows share the batch, on how many tokens
 other requests drew before it, or on a row-by-row retry. ``child_seed`` gives the n sequences of
-one request n independent streams. Unseeded rows take ``u`` from the sampler's process RNG.
+one request n independent streams (defined in ``zerolayer.kernels.splitmix``, where the request
+path, which imports no torch, takes it from). Unseeded rows take ``u`` from the sampler's process
+RNG.
 
 Penalties need each row's token counts: ``Processing.counts`` (a token's count in the row's
 output) and ``Processing.seen`` (in its prompt or output), given with the batch. The sampler keeps
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zerolayer.kernels.splitmix import child_seed as child_seed  # named with the seed streams
 from zerolayer.kernels.splitmix import splitmix64
 from zerolayer.sampling_params import SamplingParams, sampling_rows
 
@@ -97,15 +100,6 @@ def sample_with_uniforms(
     idx = torch.minimum(idx, (probs > 0).sum(dim=-1) - 1)
     out[rows] = order.gather(1, idx[:, None]).squeeze(1)
     return out
-
-
-def child_seed(seed: int, index: int) -> int:
-    """The seed of sequence ``index`` of an n > 1 request seeded with ``seed``: index 0 keeps
-    ``seed`` (so n = 1 is unchanged), the others get independent streams."""
-    if index == 0:
-        return seed
-    mixed = splitmix64(np.array([seed ^ (index * 0x9E3779B97F4A7C15 & (2**64 - 1))], np.uint64))
-    return int(mixed[0])
 
 
 @dataclass(slots=True)

@@ -18,3 +18,12 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(27))) * MIX2
     out: np.ndarray = z ^ (z >> np.uint64(31))  # numpy types uint64 ``^`` as Any
     return out
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of an n > 1 request seeded with ``seed``: index 0 keeps
+    ``seed`` (so n = 1 is unchanged), the others get independent streams."""
+    if index == 0:
+        return seed
+    mixed = splitmix64(np.array([seed ^ (index * 0x9E3779B97F4A7C15 & (2**64 - 1))], np.uint64))
+    return int(mixed[0])

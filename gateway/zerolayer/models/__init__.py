@@ -1,14 +1,4 @@
-"""Model loading: Hugging Face Llama checkpoint directories, their tokenizers, and the built-in
-model. ``load_model`` is the entry point the engine uses."""
-
-from zerolayer.models.hf_tokenizer import HFTokenizer, TokenizerLoadError
-from zerolayer.models.loader import LoadedModel, ModelLoadError, load_checkpoint, load_model
-
-__all__ = [
-    "HFTokenizer",
-    "LoadedModel",
-    "ModelLoadError",
-    "TokenizerLoadError",
-    "load_checkpoint",
-    "load_model",
-]
+"""Model loading: checkpoint directories and GGUF files, their tokenizers, the built-in model
+(``zerolayer.models.loader.load_model`` is the entry point the engine uses). The package imports
+none of its modules: torch comes with the loader and the decoder only, so the parts a daemon
+without a model uses (chat templates: ``zerolayer.models.templates``) import without it."""

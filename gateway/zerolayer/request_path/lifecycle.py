@@ -47,9 +47,9 @@ from zerolayer.codes import (
 )
 from zerolayer.engine.engine import Engine, EngineOverloaded, EngineStopped, Sequence
 from zerolayer.engine.finish import GRAMMAR_FAILED
-from zerolayer.engine.sampling import child_seed
 from zerolayer.engine.step import FINISH_ERROR, StepOutput
 from zerolayer.hooks import CachedResponse, Chain, Completion, HookError, Principal, RequestContext
+from zerolayer.kernels.splitmix import child_seed
 from zerolayer.ops.logging import REQUEST_LOG
 from zerolayer.ops.metrics import Metrics
 from zerolayer.request_path import offload
