@@ -8,6 +8,11 @@ the real one; ``marker`` (a file the writer creates last or at all) tells a comp
 The writer holds an exclusive ``flock`` on the temporary directory while it writes, so a process
 killed mid-write (kill -9, a power cut) leaves a temporary directory nobody holds, which the
 next start's ``sweep`` removes, while a concurrent start's live one, still locked, is kept.
+One directory has one writer at a time: a writer holds an exclusive ``flock`` on
+``.<name>.lock`` beside it from its check for ``marker`` to the rename, so a second process (or
+thread) writing the same directory at once waits, then finds it written, and the work (a kernel
+compile, a conversion) is done once. The lock file, empty, stays: removed, a waiter could hold
+a lock on a file the next writer no longer sees.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # mkdtemp's names: the prefix below, then 8 characters of [a-z0-9_]
@@ -45,12 +51,31 @@ def _locked_temporary(target: Path) -> tuple[Path, int]:
     raise OSError(f"cannot hold a temporary directory beside {target}")
 
 
+@contextmanager
+def _sole_writer(target: Path) -> Iterator[None]:
+    """Held by the one writer of ``target``: the others wait here (see the module's docstring)."""
+    fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
 def ensure_dir(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
     """``target``, after ``write(tmp)`` filled a temporary sibling that is renamed to it; a
-    ``target`` already holding ``marker`` is returned as it is."""
+    ``target`` already holding ``marker`` is returned as it is, also when another writer wrote
+    it while this one waited for it."""
     if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _sole_writer(target):
+        if not (target / marker).is_file():
+            _write(target, marker, write)
+    return target
+
+
+def _write(target: Path, marker: str, write: Callable[[Path], None]) -> None:
     tmp, fd = _locked_temporary(target)
     try:
         write(tmp)
@@ -59,12 +84,11 @@ def ensure_dir(target: Path, marker: str, write: Callable[[Path], None]) -> Path
             os.rename(tmp, target)
         except OSError:
             if not (target / marker).is_file():
-                raise  # not a lost race with another process: a real error
+                raise  # not a writer without the lock (an older version) first: a real error
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         os.close(fd)  # the lock goes with it
-    return target
 
 
 def sweep(root: Path, depth: int = SWEEP_DEPTH) -> int:

@@ -1,5 +1,6 @@
 """Write-once cache directories (zerolayer.cachedir): what an interrupted write left is swept at
-start, a directory being written by a live process is kept (issue #40 item 5)."""
+start, a directory being written by a live process is kept (issue #40 item 5); two processes
+writing one directory at once write it once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from zerolayer.cachedir import ensure_dir, sweep
@@ -66,6 +68,67 @@ def test_sweep_keeps_finished_directories_and_other_files(tmp_path):
     (tmp_path / ".left-abc12345").mkdir()  # an older version's leftover: no lock, swept
     (tmp_path / "notes").mkdir()
     assert sweep(tmp_path) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".keys-abcdefgh", "builtin-abc", "notes"]
+    kept = [".builtin-abc.lock", ".keys-abcdefgh", "builtin-abc", "notes"]  # the writer's lock file
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
     assert (done / "model").read_text() == "m"
     assert sweep(tmp_path / "missing") == 0
+
+
+def _waits_for_a_lock(pid: int) -> bool:
+    """Whether process ``pid`` is blocked on a file lock (a "->" line of /proc/locks)."""
+    with open("/proc/locks") as fh:
+        return any(f"-> FLOCK  ADVISORY  WRITE {pid} " in line for line in fh)
+
+
+def test_two_processes_writing_one_directory_at_once_write_it_once(tmp_path):
+    """The kernel build's race (two daemons compiling one key at once): the first process
+    writes, held at a gate; the second, started while it writes, waits, then finds the
+    directory written and returns it without writing."""
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from pathlib import Path
+        from zerolayer.cachedir import ensure_dir
+
+        target, gate, log = (Path(arg) for arg in sys.argv[1:4])
+        name = sys.argv[4]
+
+        def write(tmp: Path) -> None:
+            with open(log, "a") as fh:
+                fh.write(f"{name} writes\\n")
+            print("writing", flush=True)
+            while not gate.exists():
+                time.sleep(0.01)
+            (tmp / "done").write_text(name)
+
+        print(ensure_dir(target, "done", write), flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    target, gate, log = tmp_path / "kernels" / "qmatmul-k", tmp_path / "gate", tmp_path / "log"
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-c", script, str(target), str(gate), str(log), name]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, env=env)
+
+    first = start("first")
+    second = None
+    try:
+        assert first.stdout is not None and first.stdout.readline() == b"writing\n"
+        second = start("second")
+        # On until the second one waits for the first's lock, or (without one) writes too.
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while not _waits_for_a_lock(second.pid) and "second" not in log.read_text():
+            assert second.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        gate.touch()
+        outs = [child.communicate(timeout=60)[0] for child in (first, second)]
+    finally:
+        for child in (first, second):
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait()
+    assert log.read_text() == "first writes\n"  # one write, the second process waited
+    assert outs == [f"{target}\n".encode()] * 2
+    assert (target / "done").read_text() == "first"
+    assert _temporaries(tmp_path) == []

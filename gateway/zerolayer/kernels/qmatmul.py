@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +55,9 @@ ARCH_FLAGS = {
 }
 
 _loaded: Path | None = None  # the directory of the build whose library is loaded in this process
+# One ``build`` at a time in a process: a library loaded twice registers its ops twice (an error).
+# Between processes, ``ensure_dir``'s lock makes one of them compile and the others load that.
+_building = threading.Lock()
 
 
 def loaded_build() -> Path | None:
@@ -103,7 +107,13 @@ def build_files(cache_root: Path, key: str) -> tuple[Path, str]:
 def build(cache_root: Path) -> str | None:
     """Compile (or reuse) and load the kernel under ``cache_root``; None when the ops are
     ready, else the reason they are not (no compiler or no ninja for a build, a failed
-    build)."""
+    build). Processes building one key at once compile it once: the others wait, then load
+    that build."""
+    with _building:
+        return _build(cache_root)
+
+
+def _build(cache_root: Path) -> str | None:
     global _loaded
     flags = build_flags()
     key = build_key(flags)
@@ -142,7 +152,7 @@ def build(cache_root: Path) -> str | None:
     started = time.monotonic()
     try:
         ensure_dir(directory, library, compile_into)
-        if not built:  # built by an earlier start or another process
+        if not built:  # built by an earlier start or another process (this one waited for it)
             torch.ops.load_library(str(directory / library))  # type: ignore[no-untyped-call]
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve without it
         first = str(exc).strip().splitlines()
