@@ -11,8 +11,9 @@ next start's ``sweep`` removes, while a concurrent start's live one, still locke
 One directory has one writer at a time: a writer holds an exclusive ``flock`` on
 ``.<name>.lock`` beside it from its check for ``marker`` to the rename, so a second process (or
 thread) writing the same directory at once waits, then finds it written, and the work (a kernel
-compile, a conversion) is done once. The lock file, empty, stays: removed, a waiter could hold
-a lock on a file the next writer no longer sees.
+compile, a conversion) is done once. The holder removes the lock file before it lets go; a
+waiter that then holds a removed file takes the lock again on a fresh one (a writer killed
+holding it leaves the empty file, which the next writer of that directory takes and removes).
 """
 
 from __future__ import annotations
@@ -54,12 +55,21 @@ def _locked_temporary(target: Path) -> tuple[Path, int]:
 @contextmanager
 def _sole_writer(target: Path) -> Iterator[None]:
     """Held by the one writer of ``target``: the others wait here (see the module's docstring)."""
-    fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    path = target.parent / f".{target.name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass  # removed by the writer this one waited for
+        os.close(fd)
+    try:
         yield
     finally:
-        os.close(fd)  # the lock goes with it
+        os.unlink(path)  # while held: whoever waits on it sees it removed and takes a new one
+        os.close(fd)
 
 
 def ensure_dir(target: Path, marker: str, write: Callable[[Path], None]) -> Path:
