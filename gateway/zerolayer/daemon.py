@@ -288,6 +288,11 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
     if swept:
         log.info("removed %d unfinished cache director%s under %s", swept,
                  "y" if swept == 1 else "ies", cache)  # fmt: skip
+    if settings.engine.backend != "synthetic":  # a model's daemon (the import brings torch)
+        from zerolayer.models.gguf_import import remove_served
+
+        for old in remove_served(settings.model.data_dir):  # earlier versions' float32 models
+            log.info("removed %s, a conversion no daemon reads any more", old)
     # Every torch call of the process runs on this one thread: loading, prompt prefill, then the
     # engine loop (see zerolayer.engine.compute for why one thread).
     compute = ComputeThread()

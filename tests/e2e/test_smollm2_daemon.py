@@ -15,6 +15,7 @@ from benchmarks._support.daemon import Daemon
 from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
 from zerolayer.client import Client
 from zerolayer.frames.protocol import CACHE_PROMPT
+from zerolayer.models.gguf_import import CONVERTER_VERSION
 from zerolayer.models.hf_tokenizer import HFTokenizer
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
@@ -96,6 +97,9 @@ def test_daemon_without_a_compiler_serves_dense_weights(
     # A data dir with the conversion but no built kernel (a built one loads without a compiler).
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / smollm2_dir.name).symlink_to(smollm2_dir)
+    # and an earlier version's conversion, which daemons served from: removed at start
+    served = tmp_path / "gguf" / smollm2_dir.name.replace(f"-v{CONVERTER_VERSION}", "-v4")
+    served.mkdir()
     env = {
         "ENGINE__BACKEND": "cpu",
         "MODEL__DATA_DIR": str(tmp_path),
@@ -118,4 +122,6 @@ def test_daemon_without_a_compiler_serves_dense_weights(
         "('/nonexistent/c++' is not on PATH)"
     ) in log
     assert "quantized matrices" not in log
+    assert not served.exists()
+    assert (tmp_path / "gguf" / smollm2_dir.name).is_symlink()
     assert got.ids == smollm2_reference(prompt, MAX_NEW) and "Paris" in got.text

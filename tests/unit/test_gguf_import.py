@@ -90,6 +90,26 @@ def test_second_start_reuses_the_cache_and_leaves_no_temp_dirs(
     assert [p.name for p in (tmp_path / "gguf").iterdir()] == [first.name]
 
 
+def test_the_conversions_daemons_served_from_are_removed_and_nothing_else(
+    tiny, tmp_path: Path
+) -> None:
+    gguf_dir = gguf_import.cache_dir_for(tiny[0], str(tmp_path)).parent
+    served = [f"tiny-0123456789abcdef-v{v}" for v in range(1, gguf_import.LAST_SERVED_VERSION + 1)]
+    kept = [
+        f"tiny-0123456789abcdef-v{gguf_import.CONVERTER_VERSION}",  # a tool's
+        "tiny-0123456789abcdef-d1",  # a GGUF's description, which daemons read
+        "notes-v2",  # not a conversion's name
+    ]
+    for name in served + kept:
+        (gguf_dir / name).mkdir(parents=True)
+        (gguf_dir / name / "model.safetensors").write_bytes(b"old")
+    (gguf_dir / "link-0123456789abcdef-v4").symlink_to(gguf_dir / kept[0])  # not followed
+    removed = gguf_import.remove_served(str(tmp_path))
+    assert sorted(p.name for p in removed) == served
+    assert sorted(p.name for p in gguf_dir.iterdir()) == sorted([*kept, "link-0123456789abcdef-v4"])
+    assert gguf_import.remove_served(str(tmp_path / "none")) == []
+
+
 def test_an_earlier_converter_versions_directory_is_removed(tiny, tmp_path: Path) -> None:
     current = gguf_import.cache_dir_for(tiny[0], str(tmp_path))
     keyed = current.name.rsplit("-v", 1)[0]

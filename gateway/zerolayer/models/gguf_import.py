@@ -34,6 +34,8 @@ import hashlib
 import json
 import logging
 import mmap
+import os
+import re
 import shutil
 import struct
 from dataclasses import dataclass
@@ -52,8 +54,12 @@ log = logging.getLogger("zerolayer.models")
 
 # Bump when the output of the conversion changes, so old cache directories are not reused.
 # 2: the quantized blocks are kept too (blocks.safetensors). 3: other architectures. 4: source.json
-# names the matrices kept dense only, with their types (``dense_matrices``).
-CONVERTER_VERSION = 4
+# names the matrices kept dense only, with their types (``dense_matrices``). 5: the same files,
+# written for tools only: up to version 4 daemons converted a GGUF to serve it, and a daemon,
+# which now serves the file mapped, removes those conversions at start (``remove_served``).
+CONVERTER_VERSION = 5
+LAST_SERVED_VERSION = 4
+_CONVERSION = re.compile(r".+-[0-9a-f]{16}-v(\d+)")  # cache_dir_for's names
 SOURCE_FILE = "source.json"
 SUPPORTED_ARCHITECTURES = tuple(BY_GGUF_ARCH)
 _GLOBAL_TENSORS = {
@@ -139,6 +145,23 @@ def ensure_converted(path: str | Path, data_dir: str = "") -> Path:
     ensure_dir(target, "model.safetensors", lambda tmp: convert(path, tmp))
     _remove_earlier_versions(target)
     return target
+
+
+def remove_served(data_dir: str = "") -> list[Path]:
+    """Delete the conversions under ``data_dir`` that daemons wrote to serve from (converter
+    versions up to ``LAST_SERVED_VERSION``: each the whole model in float32, never read again);
+    returns them."""
+    try:
+        entries = list(os.scandir(data_root(data_dir) / "gguf"))
+    except OSError:  # no cache yet, or unreadable
+        return []
+    removed = []
+    for entry in entries:
+        found = _CONVERSION.fullmatch(entry.name)
+        if found and int(found[1]) <= LAST_SERVED_VERSION and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    return removed
 
 
 def _remove_earlier_versions(target: Path) -> None:
