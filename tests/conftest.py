@@ -15,11 +15,12 @@ same load: 170 s on two threads, 7.6 s on one). The block kernel's own tests spl
 across threads on purpose (tests/unit/test_qmatmul.py sets them back)."""
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks._support.daemon import Daemon
 from benchmarks._support.redis_server import RedisServer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: see above
@@ -37,6 +38,25 @@ def redis_url(redis_server: RedisServer) -> str:
     """The session's redis-server, flushed before the test."""
     redis_server.flush()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def shared_daemon() -> Iterator[Callable[[dict[str, str]], Daemon]]:
+    """``shared_daemon(env)``: one synthetic daemon per config for the session, started when a
+    test module first asks for that config and shared by the modules that ask for the same one
+    (tests/e2e/test_protocol.py and test_client.py): modules that need a fresh daemon, or a
+    daemon's end, start their own."""
+    daemons: dict[tuple[tuple[str, str], ...], Daemon] = {}
+
+    def daemon(env: dict[str, str]) -> Daemon:
+        key = tuple(sorted(env.items()))
+        if key not in daemons:
+            daemons[key] = Daemon(env)
+        return daemons[key]
+
+    yield daemon
+    for started in daemons.values():
+        started.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

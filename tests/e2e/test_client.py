@@ -8,15 +8,17 @@ import sys
 
 import pytest
 
-from benchmarks._support.daemon import ROOT, Daemon
+from benchmarks._support.daemon import ROOT
 from zerolayer import client as zc
 from zerolayer.frames.protocol import ErrorCode
 
+# One daemon for this module and the other of the same config (tests/conftest.py).
+SHARED = {"ENGINE__SYNTHETIC_STEP_MS": "1", "ENGINE__MAX_CONTEXT": "65536"}
+
 
 @pytest.fixture(scope="module")
-def daemon():
-    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "1", "ENGINE__MAX_CONTEXT": "65536"}) as d:
-        yield d
+def daemon(shared_daemon):
+    return shared_daemon(SHARED)
 
 
 def test_async_streams_events_and_result(daemon):

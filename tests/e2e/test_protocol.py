@@ -20,10 +20,13 @@ OVERLOADED, INVALID, PROMPT_TOO_LONG, UNKNOWN_PROMPT = 6, 7, 8, 9
 STREAM_IN_USE, TOO_MANY, IDLE, SHUTTING_DOWN, SLOW = 10, 11, 12, 13, 14
 
 
+# One daemon for this module and the other of the same config (tests/conftest.py).
+SHARED = {"ENGINE__SYNTHETIC_STEP_MS": "1", "ENGINE__MAX_CONTEXT": "65536"}
+
+
 @pytest.fixture(scope="module")
-def daemon():
-    with Daemon({"ENGINE__SYNTHETIC_STEP_MS": "1", "ENGINE__MAX_CONTEXT": "65536"}) as d:
-        yield d
+def daemon(shared_daemon):
+    return shared_daemon(SHARED)
 
 
 def connect(d: Daemon, **kw) -> rc.RawConnection:
