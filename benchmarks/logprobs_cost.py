@@ -17,6 +17,10 @@ tokens; the response cache is off.
   (one per token, as the usage counts them) without decoding the JSON (so its own cost stays
   small beside the daemon's).
 
+``--split STEPS`` only profiles, in this process on 1 thread: the decode forward at
+``--streams`` rows, then the plain and the top_logprobs 20 sampling of the same logits (CPU and
+wall ms, medians): what the logprobs add to a step beside what the model costs.
+
 The engine runs ``--threads`` torch threads (default: 1 when the 1-minute load average is above 1
 or a core is kept busy, else torch's default, one per core); the figures say which, and the load
 at each round. Loopback only; the daemons and the spinning child end with the benchmark.
@@ -24,6 +28,7 @@ at each round. Loopback only; the daemons and the spinning child end with the be
     python benchmarks/logprobs_cost.py [--model @smollm2] [--streams 64] [--tokens 64]
         [--rounds 3] [--doors frames,http] [--busy-core] [--threads N] [--tree /tmp/base]
         [--write]
+    python benchmarks/logprobs_cost.py --split 10    # in process: where a step's time goes
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,6 +125,50 @@ async def http_run(d: Daemon, streams: int, tokens: int, top: int | None) -> tup
 
 
 RUNS = {"frames": frames_run, "http": http_run}
+
+
+def split(model: str, rows: int, steps: int) -> dict[str, float]:
+    """Where a step's time goes, in this process (no daemon, no doors): the model's decode
+    forward at ``rows`` rows, then the plain sampling and the top_logprobs 20 sampling of the
+    same logits; medians over ``steps`` steps of this thread's CPU time (torch on 1 thread runs
+    its kernels on the calling thread) and of wall time, in ms."""
+    import numpy as np
+    import torch
+
+    from zerolayer.config.settings import EngineConfig, ModelConfig
+    from zerolayer.engine.backends.cpu import create_cpu_backend
+    from zerolayer.engine.sampling import Processing
+    from zerolayer.engine.types import DecodeBatch
+    from zerolayer.sampling_params import SamplingParams, sampling_rows
+
+    engine_cfg = EngineConfig(max_batch_size=rows, threads=1, max_context=512)
+    backend, _ = create_cpu_backend(ModelConfig(path=model), engine_cfg)
+    params = sampling_rows([SamplingParams(temperature=0.0)] * rows)
+    positions = np.full(rows, 32, np.int32)  # a short context: the forward as in these runs
+    batch = DecodeBatch(np.arange(rows, dtype=np.int32), np.arange(5, 5 + rows, dtype=np.int32),
+                        positions, params)  # fmt: skip
+    parts: dict[str, list[float]] = {}
+
+    def timed(name: str, call: Callable[..., object], *call_args: object) -> object:
+        c0, w0 = time.thread_time(), time.perf_counter()
+        out = call(*call_args)
+        parts.setdefault(f"{name}_cpu_ms", []).append(1e3 * (time.thread_time() - c0))
+        parts.setdefault(f"{name}_wall_ms", []).append(1e3 * (time.perf_counter() - w0))
+        return out
+
+    sampler = backend.sampler
+    with torch.inference_mode():
+        for step in range(steps + 1):  # the first is a warm-up
+            logits = timed("forward", backend.decode_logits, batch)
+            timed("plain", sampler.sample, logits, params, positions)
+            wants = Processing(logprobs=np.full(rows, TOP, np.int32))
+            timed("top20", sampler.sample, logits, params, positions, wants)
+            if step == 0:
+                parts.clear()
+    backend.close()
+    return {name: round(statistics.median(xs), 1) for name, xs in parts.items()}
+
+
 HEADERS = ["tree", "door", "plain", "top_logprobs 20", "ratio"]
 
 
@@ -142,7 +192,16 @@ def main() -> None:
     ap.add_argument("--busy-core", action="store_true", help="a child spins on CPU 1 meanwhile")
     ap.add_argument("--threads", type=int, default=None, help="engine.threads (0: torch's)")
     ap.add_argument("--tree", action="append", default=[], help="a baseline source tree")
+    ap.add_argument(
+        "--split", type=int, default=0, metavar="STEPS",
+        help="only the in-process split of STEPS decode steps: forward, plain and top-20 sampling",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.split:
+        load = os.getloadavg()[0]
+        got = split(args.model, args.streams, args.split)
+        print(json.dumps(got | {"load_1m_before": load, "load_1m_after": os.getloadavg()[0]}))
+        return
     doors = [door for door in args.doors.split(",") if door]
     if not doors or any(door not in DOORS for door in doors):
         ap.error(f"--doors: a comma-separated subset of {', '.join(DOORS)}")
