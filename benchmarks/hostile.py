@@ -32,7 +32,8 @@ The attacks, by daemon (``TARGETS``, one daemon after another), each with the te
   tests/unit/test_cachedir.py).
 
 ``--only TEXT`` runs the attacks whose name contains TEXT (a daemon with none is not started:
-``--only "#40 7"`` runs the grammars alone); ``--tree DIR`` runs daemons of another source tree
+``--only "#40 7"`` runs the grammars alone; ``--write`` then writes a section of its own,
+``hostile-<TEXT>``); ``--tree DIR`` runs daemons of another source tree
 (a baseline checkout) instead of this one.
 
 Bounded: each attack stops at the end of its window; loopback only.
@@ -49,6 +50,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -613,7 +615,9 @@ def main() -> None:
             rows,
         )  # fmt: skip
     )
-    publish(args, "hostile", out, md)
+    # A run of some attacks (--only) has a section of its own: the whole run's figures stay.
+    only = re.sub(r"[^a-z0-9]+", "-", args.only.lower()).strip("-")
+    publish(args, f"hostile-{only}" if only else "hostile", out, md)
 
 
 if __name__ == "__main__":
