@@ -582,6 +582,7 @@ def main() -> None:
                 json.dumps(r.get("answers", "")) if first and "answers" in r else "",
             ])  # fmt: skip
     rss_text = "; ".join(f"{t}: {' → '.join(map(str, x))}" for t, x in rss_by_daemon.items())
+    rss_text = f"{rss_text} MiB" if rss_text else "no daemon ran an attack"
     killed_text = (
         ""
         if killed is None
@@ -599,7 +600,7 @@ def main() -> None:
         "attack and after its clients left; the attack's HTTP answers by status where counted. "
         f"Daemons alive at the end: {alive}; tracebacks in their logs: {tracebacks}. The "
         f"attacks ran {args.rounds} times over (the table shows the last round); RSS at the "
-        f"start and after each round: {rss_text} MiB.{killed_text}\n\n"
+        f"start and after each round: {rss_text}.{killed_text}\n\n"
         + table(
             [
                 "attack (issue item, daemon)",
