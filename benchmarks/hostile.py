@@ -534,7 +534,10 @@ def run_target(
                 results[name] = uvloop.run(run)
                 print(name, json.dumps(results[name]), file=sys.stderr)
             rss.append(round(d.rss_mb(), 1))
-        return results, rss, d.proc.poll() is None, d.log.count("Traceback")
+        log = d.log
+        if "Traceback" in log:  # the first one, to say what failed
+            print(log[log.index("Traceback") :][:4000], file=sys.stderr)
+        return results, rss, d.proc.poll() is None, log.count("Traceback")
 
 
 def main() -> None:
