@@ -15,21 +15,23 @@ from zerolayer.client import Client, ConnectionClosed, ServerError
 
 HTTP_CANARY = (
     b"POST /v1/chat/completions HTTP/1.1\r\nhost: canary\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+    b"connection: close\r\n%scontent-length: %d\r\n\r\n%s"
 )
 _BODY = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true}'
 DOORS = ("http", "frames")
 
 
-async def http_ttft(port: int, hang_s: float) -> float | None:
-    """Time to the first streamed event on the HTTP door, a fresh connection (None: failed)."""
+async def http_ttft(port: int, hang_s: float, key: str = "") -> float | None:
+    """Time to the first streamed event on the HTTP door, a fresh connection (None: failed);
+    with ``key``, its bearer token."""
     t0 = time.perf_counter()
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), hang_s)
     except (OSError, asyncio.TimeoutError, TimeoutError):
         return None
     try:
-        writer.write(HTTP_CANARY % (len(_BODY), _BODY))
+        auth = b"authorization: Bearer %s\r\n" % key.encode() if key else b""
+        writer.write(HTTP_CANARY % (auth, len(_BODY), _BODY))
         seen = b""
         while b"data: {" not in seen:
             chunk = await asyncio.wait_for(reader.read(4096), hang_s)
@@ -46,11 +48,12 @@ async def http_ttft(port: int, hang_s: float) -> float | None:
         writer.close()
 
 
-async def frame_ttft(endpoint: str, hang_s: float) -> float | None:
-    """Time to the first TOKEN on the frame door, a fresh connection (None: failed)."""
+async def frame_ttft(endpoint: str, hang_s: float, key: str = "") -> float | None:
+    """Time to the first TOKEN on the frame door, a fresh connection (None: failed); with
+    ``key``, the HELLO's."""
     t0 = time.perf_counter()
     try:
-        async with await Client.connect(endpoint, timeout=hang_s) as client:
+        async with await Client.connect(endpoint, key or None, timeout=hang_s) as client:
             stream = await client.generate("canary", 4, cache=False)
             async for _ in stream:
                 ttft = time.perf_counter() - t0
@@ -63,20 +66,21 @@ async def frame_ttft(endpoint: str, hang_s: float) -> float | None:
 
 class Canary:
     """Samples both doors' TTFT every ``gap_s`` while ``run`` is awaited, into ``samples``
-    and ``failed`` by door."""
+    and ``failed`` by door; with ``key``, as that key's client (a daemon with auth on)."""
 
-    def __init__(self, http_port: int, endpoint: str, hang_s: float = 10.0) -> None:
+    def __init__(self, http_port: int, endpoint: str, hang_s: float = 10.0, key: str = "") -> None:
         self.http_port = http_port
         self.endpoint = endpoint
         self.hang_s = hang_s
+        self.key = key
         self.samples: dict[str, list[float]] = {d: [] for d in DOORS}
         self.failed: dict[str, int] = dict.fromkeys(DOORS, 0)
 
     async def run(self, go_on: Callable[[], bool], gap_s: float = 0.05) -> None:
         while go_on():
             for door, ttft in (
-                ("http", await http_ttft(self.http_port, self.hang_s)),
-                ("frames", await frame_ttft(self.endpoint, self.hang_s)),
+                ("http", await http_ttft(self.http_port, self.hang_s, self.key)),
+                ("frames", await frame_ttft(self.endpoint, self.hang_s, self.key)),
             ):
                 if ttft is None:
                     self.failed[door] += 1
@@ -106,20 +110,20 @@ def percentiles(xs: list[float]) -> dict[str, float | int | None]:
     return {"n": len(ys), "p50_ms": pick(0.50), "p99_ms": pick(0.99)}
 
 
-def _canary_for(http_port: int, endpoint: str, seconds: float, hang_s: float) -> dict:
-    canary = Canary(http_port, endpoint, hang_s)
+def _canary_for(http_port: int, endpoint: str, seconds: float, hang_s: float, key: str) -> dict:
+    canary = Canary(http_port, endpoint, hang_s, key)
     asyncio.run(canary.for_seconds(seconds))
     return canary.summary()
 
 
 def in_own_process(
-    http_port: int, endpoint: str, seconds: float, hang_s: float = 10.0
+    http_port: int, endpoint: str, seconds: float, hang_s: float = 10.0, key: str = ""
 ) -> asyncio.Future[dict]:
     """A canary running for ``seconds`` in a process of its own (the attackers' client work
     in this process must not delay it); its ``summary`` when done."""
     pool = ProcessPoolExecutor(1)
     fut = asyncio.get_running_loop().run_in_executor(
-        pool, _canary_for, http_port, endpoint, seconds, hang_s
+        pool, _canary_for, http_port, endpoint, seconds, hang_s, key
     )
     fut.add_done_callback(lambda _: pool.shutdown(wait=False))
     return fut

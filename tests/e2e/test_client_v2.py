@@ -45,6 +45,42 @@ def test_logprobs_and_processing_through_the_client(daemon):
     asyncio.run(main())
 
 
+def test_64_streams_each_get_20_alternatives_in_descending_order_for_every_token(daemon):
+    """Issue #40 item 3 at the benchmark's scale (benchmarks/logprobs_cost.py): 64 streams with
+    top_logprobs 20 on 8 connections (more than the engine's rows: some wait), beside 8 plain
+    ones in the same steps; every token of every logprobs stream has its LOGPROBS, 20 distinct
+    ids in descending order, and the plain streams get none."""
+
+    async def main():
+        clients = [await zc.Client.connect(daemon.endpoint) for _ in range(8)]
+        try:
+            assert [(await c.hello()).version for c in clients] == [2] * 8
+            asked = [
+                clients[i % 8].generate([5 + i, 6, 7], 16, text=False, logprobs=True,
+                                        top_logprobs=20, cache=False)
+                for i in range(64)
+            ]  # fmt: skip
+            plain = [clients[i].generate([5 + i, 6, 7], 16, text=False) for i in range(8)]
+            streams = [await s for s in asked + plain]
+            return [await s.collect() for s in streams]
+        finally:
+            for c in clients:
+                await c.close()
+
+    results = asyncio.run(main())
+    with_lp, plain = results[:64], results[64:]
+    assert [r.completion_tokens for r in results] == [16] * 72
+    for result in with_lp:
+        assert [lp.id for lp in result.logprobs] == result.ids
+        for lp in result.logprobs:
+            ids = [i for i, _ in lp.top]
+            values = [v for _, v in lp.top]
+            assert len(ids) == len(set(ids)) == 20
+            assert values == sorted(values, reverse=True) and values[0] <= 0.0
+            assert math.isfinite(lp.logprob) and lp.logprob <= values[0]
+    assert [r.logprobs for r in plain] == [[]] * 8
+
+
 def test_version_1_client_still_served_and_refused_the_new_fields(daemon):
     async def main():
         async with await zc.Client.connect(daemon.endpoint) as client:

@@ -5,6 +5,7 @@ as each SDK's own exception type, and a disconnect freeing its slot."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -74,6 +75,46 @@ def test_openai_chat_streamed_and_not(daemon):
     greedy = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=24, temperature=0)
     again = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=24, temperature=0)
     assert greedy.choices[0].message.content == again.choices[0].message.content
+
+
+def test_64_streams_each_get_20_alternatives_in_descending_order_for_every_token(daemon):
+    """Issue #40 item 3 on the HTTP door, at benchmarks/logprobs_cost.py's scale: 64 streamed
+    chat completions with top_logprobs 20 at once (more than the engine's rows: some wait);
+    every token has one logprobs entry of 20 alternatives in descending order, and a greedy
+    stream's entries are the whole answer's."""
+
+    async def main() -> list[list]:
+        c = openai.AsyncOpenAI(base_url=daemon.http_url + "/v1", api_key="none", max_retries=0)
+
+        async def one(i: int) -> list:
+            chunks = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"s{i}"}], max_tokens=16,
+                temperature=0, logprobs=True, top_logprobs=20, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            return [ch async for ch in chunks]
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await c.close()
+
+    streams = asyncio.run(main())
+    for chunks in streams:
+        assert chunks[-1].usage.completion_tokens == 16
+        entries = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+                   for t in ch.choices[0].logprobs.content]  # fmt: skip
+        assert len(entries) == 16
+        for t in entries:
+            values = [alt.logprob for alt in t.top_logprobs]
+            assert len(values) == 20 and values == sorted(values, reverse=True)
+    whole = oai(daemon).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "s0"}], max_tokens=16, temperature=0,
+        logprobs=True, top_logprobs=20,
+    )  # fmt: skip
+    streamed = [t for ch in streams[0] if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]  # fmt: skip
+    assert whole.choices[0].logprobs.content == streamed
 
 
 def test_stop_sequences_in_both_apis(daemon):

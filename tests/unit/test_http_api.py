@@ -4,6 +4,7 @@ the replies' bytes (checked against the official SDKs' own types), and the error
 from __future__ import annotations
 
 import json
+import math
 
 import anthropic.types as at
 import numpy as np
@@ -26,7 +27,7 @@ from zerolayer.http.errors import (
     http_error,
     status_for,
 )
-from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
+from zerolayer.http.logprobs import TokenLogprobs, TokenStrings, chat_entry, chat_entry_json
 from zerolayer.http.reply import Ending
 from zerolayer.tokenizer import ByteTokenizer
 
@@ -420,6 +421,24 @@ def test_chat_logprobs_in_the_sdk_types():
         .logprobs
         is None
     )
+
+
+def test_a_streamed_entrys_json_text_is_the_entry_for_every_kind_of_token():
+    """The streamed chunk's logprobs are written as JSON text from per-id fragments: the same
+    object as the encoder's, for quotes, backslashes, control bytes, pieces of a character and
+    non-finite logprobs, with the 20 alternatives in the engine's order."""
+    awkward = [ord('"'), ord("\\"), 0x0A, 0x01, 0xC3, 0xA9, 0x7F, ord("a")]
+    top_ids = np.array([*awkward, *range(200, 212)], np.int32)
+    top = np.array([-0.25 - i / 7 for i in range(19)] + [float("-inf")], np.float32)
+    for token, value in ((ord('"'), -0.25), (0xC3, float("-inf")), (0x0A, float("nan"))):
+        item = TokenLogprobs(token, Logprobs(value, top_ids, top))
+        text = chat_entry_json(STRINGS, item)
+        got, want = json.loads(text), chat_entry(STRINGS, item)
+        if math.isnan(value):  # nan is not equal to itself: both are nan
+            assert math.isnan(got.pop("logprob")) and math.isnan(want.pop("logprob"))
+        assert got == want
+        assert [t["bytes"] for t in got["top_logprobs"]] == [[i] for i in top_ids.tolist()]
+        assert len(got["top_logprobs"]) == 20 and got["top_logprobs"][-1]["logprob"] == -math.inf
 
 
 def test_completion_logprobs_lists():

@@ -290,8 +290,8 @@ def gather_logprobs(
     # logsumexp, which runs max, subtract, exp, sum and log as passes of their own), one top-k
     # and one gather over the rows that asked; no copy of the rows when all of them did.
     x = processed if len(rows) == processed.shape[0] else processed[torch.from_numpy(rows)]
-    if bool((temps != 1.0).any()):
-        t = np.where(temps > 0, temps, 1.0).astype(np.float32)
+    t = np.where(temps > 0, temps, 1.0).astype(np.float32)  # greedy rows: T = 1
+    if bool((t != 1.0).any()):  # a [rows, vocab] division only when a row is tempered
         x = x / torch.from_numpy(t)[:, None]
     lp = torch.log_softmax(x, dim=-1)
     chosen = torch.from_numpy(np.asarray(ids, dtype=np.int64)[rows])[:, None]

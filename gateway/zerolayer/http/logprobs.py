@@ -3,7 +3,9 @@
 The engine gives each token that asked its logprob and its ``top_logprobs`` most likely
 alternatives (ids; the distribution is the one gateway/zerolayer/engine/sampling.py names).
 ``TokenStrings`` turns an id into the text and bytes the APIs report (made once per daemon, cached
-per id); ``chat_entry`` is one item of Chat Completions' ``choices[i].logprobs.content``;
+per id, and as the JSON around a logprob: a streamed token's 20 alternatives are joined strings,
+not 21 dicts through the JSON encoder); ``chat_entry`` is one item of Chat Completions'
+``choices[i].logprobs.content``, ``chat_entry_json`` the same item as JSON text;
 ``CompletionLogprobs`` collects the legacy Completions' parallel lists (``tokens``,
 ``token_logprobs``, ``top_logprobs``, ``text_offset``, offsets counted in characters of the
 tokens' texts from the start of the completion); with ``echo``, ``prompt`` starts them with the
@@ -13,6 +15,8 @@ the offsets count from the start of the prompt.
 
 from __future__ import annotations
 
+import math
+from json.encoder import encode_basestring
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,6 +40,7 @@ class TokenStrings:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._json: dict[int, tuple[str, str]] = {}
 
     def decode(self, ids: np.ndarray) -> str:
         """Ids as text (a prompt given as ids, echoed)."""
@@ -50,6 +55,27 @@ class TokenStrings:
                 self._cache[token_id] = found
         return found
 
+    def fragments(self, token_id: int) -> tuple[str, str]:
+        """The JSON of ``{"token", "logprob", "bytes"}`` for this id around its logprob:
+        ``'{"token":"…","logprob":'`` and ``',"bytes":[…]'`` (the object left open)."""
+        found = self._json.get(token_id)
+        if found is None:
+            text, raw = self.get(token_id)
+            found = (
+                f'{{"token":{encode_basestring(text)},"logprob":',
+                f',"bytes":[{",".join(map(str, raw))}]',
+            )
+            if len(self._json) < 1 << 20:
+                self._json[token_id] = found
+        return found
+
+
+def _number(value: float) -> str:
+    """A float as the JSON encoder writes it (NaN and the infinities as Python's json does)."""
+    if math.isfinite(value):
+        return repr(value)
+    return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+
 
 def _floats(values: np.ndarray) -> list[float]:
     return [float(v) for v in values.tolist()]
@@ -63,6 +89,24 @@ def chat_entry(strings: TokenStrings, item: TokenLogprobs) -> dict[str, Any]:
         t_text, t_raw = strings.get(tid)
         top.append({"token": t_text, "logprob": value, "bytes": t_raw})
     return {"token": text, "logprob": float(item.lp.token), "bytes": raw, "top_logprobs": top}
+
+
+def chat_entry_json(strings: TokenStrings, item: TokenLogprobs) -> str:
+    """``chat_entry(strings, item)`` as compact JSON text, from the ids' cached fragments."""
+    head, tail = strings.fragments(item.token)
+    fragments = strings.fragments
+    values = item.lp.top.tolist()
+    # One repr for the k floats (the JSON encoder's float text, as repr is), unless one is not
+    # finite (a masked token: the encoder's spelling).
+    finite = bool(np.isfinite(item.lp.top).all())
+    numbers = repr(values)[1:-1].split(", ") if finite and values else list(map(_number, values))
+    top = ",".join(
+        f"{t_head}{number}{t_tail}}}"
+        for (t_head, t_tail), number in zip(
+            map(fragments, item.lp.top_ids.tolist()), numbers, strict=True
+        )
+    )
+    return f'{head}{_number(float(item.lp.token))}{tail},"top_logprobs":[{top}]}}'
 
 
 class CompletionLogprobs:

@@ -32,7 +32,13 @@ from zerolayer.http.fields import (
     refuse_unless,
 )
 from zerolayer.http.json_body import dumps
-from zerolayer.http.logprobs import CompletionLogprobs, TokenLogprobs, TokenStrings, chat_entry
+from zerolayer.http.logprobs import (
+    CompletionLogprobs,
+    TokenLogprobs,
+    TokenStrings,
+    chat_entry,
+    chat_entry_json,
+)
 from zerolayer.http.reply import ChoiceOut, Ending, Reply, encode_basestring, new_id, now
 from zerolayer.http.tools import ArgumentsDelta, CallStart, Content, Event, ToolUse
 from zerolayer.request_path.request import Request
@@ -445,10 +451,10 @@ class ChatReply(_OpenAIReply):
     def _events(
         self, out: bytearray, choice: int, events: list[Event], lp: TokenLogprobs | None
     ) -> None:
-        logprobs = None
+        logprobs = None  # the chunk's "logprobs" as JSON text: written once, in the first chunk
         if lp is not None:
             assert self.strings is not None
-            logprobs = {"content": [chat_entry(self.strings, lp)]}
+            logprobs = f'{{"content":[{chat_entry_json(self.strings, lp)}]}}'.encode()
         for e in events:
             if isinstance(e, Content):
                 delta: JsonObject = {"content": e.text}
@@ -460,12 +466,22 @@ class ChatReply(_OpenAIReply):
                 delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
             else:
                 continue
-            self._chunk(out, {"index": choice, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": None})  # fmt: skip
+            self._delta_chunk(out, choice, delta, logprobs)
             logprobs = None
         if logprobs is not None:  # a token with no text of its own yet
-            self._chunk(out, {"index": choice, "delta": {}, "logprobs": logprobs,
-                              "finish_reason": None})  # fmt: skip
+            self._delta_chunk(out, choice, {}, logprobs)
+
+    def _delta_chunk(
+        self, out: bytearray, choice: int, delta: JsonObject, logprobs: bytes | None
+    ) -> None:
+        """``_chunk`` of ``{"index", "delta", "logprobs", "finish_reason": null}`` with the
+        logprobs given as JSON text."""
+        out += self._head
+        out += b'[{"index":%d,"delta":' % choice
+        out += dumps(delta)
+        out += b',"logprobs":'
+        out += b"null" if logprobs is None else logprobs
+        out += b',"finish_reason":null}]}\n\n'
 
     def end(self, out: bytearray, choice: int) -> None:
         c = self.choices[choice]
