@@ -220,6 +220,36 @@ def test_tool_calls_in_ollamas_shape_streamed_and_not(client):
     assert "".join(line.message.content for line in lines) == ""
 
 
+def _tokens(daemon: Daemon, key: str, text: str) -> int:
+    status, counted = _call(
+        daemon.http_url + "/tokenize", {"prompt": text, "add_special_tokens": False}, key
+    )
+    assert status == 200
+    return counted["count"]
+
+
+def test_a_list_of_calls_cut_by_num_predict_keeps_the_calls_that_closed(daemon, client, keys):
+    """The model's own JSON form (Ollama has no forced choice), pinned by ``format`` and cut
+    inside its second call: the first is returned, streamed or not (issue 39)."""
+    first = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    second = {"name": "get_weather", "arguments": {"city": "Rio de Janeiro, Brazil, South America"}}
+    whole = json.dumps([first, second])
+    head = _tokens(daemon, keys[1], json.dumps([first])[:-1] + ", ")
+    cut = (head + _tokens(daemon, keys[1], whole)) // 2  # inside the second call
+    ask = {"tools": [WEATHER], "format": {"const": [first, second]},
+           "options": {"temperature": 0, "num_predict": cut}}  # fmt: skip
+    answer = client.chat(MODEL, ASK, **ask)
+    assert answer.done_reason == "length" and answer.message.content == ""
+    (call,) = answer.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Oslo"})
+    lines = list(client.chat(MODEL, ASK, stream=True, **ask))
+    streamed = [c for line in lines for c in line.message.tool_calls or ()]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert lines[-1].done_reason == "length"
+
+
 def test_tool_results_are_read_as_the_openai_door_reads_them(daemon, client, keys):
     """The history's call and its result (``tool_name``, no id): the prompt is the one the
     OpenAI door makes of the same conversation (``/tokenize`` counts it)."""
