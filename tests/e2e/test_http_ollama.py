@@ -127,11 +127,13 @@ GREEDY = {"temperature": 0, "seed": 1, "num_predict": 4}
 def test_chat_streamed_equals_not_streamed_and_num_predict_ends_in_length(client):
     whole = client.chat(MODEL, HI, stream=False, options=GREEDY, keep_alive="5m")
     assert whole.done and whole.done_reason == "length" and whole.eval_count == 4
+    assert whole.total_duration > whole.eval_duration > 0 and whole.prompt_eval_duration > 0
     assert whole.message.role == "assistant" and whole.message.content
     parts = list(client.chat(MODEL, HI, stream=True, options=GREEDY))
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
     assert "".join(p.message.content or "" for p in parts) == whole.message.content
     assert parts[-1].done_reason == "length" and parts[-1].eval_count == 4
+    assert parts[-1].total_duration > 0 and parts[0].total_duration is None
 
 
 def test_generate_chat_templated_and_raw(client):
@@ -282,6 +284,7 @@ def test_embed_both_shapes_are_the_vectors_of_v1_embeddings(daemon, client, keys
     both = client.embed(MODEL, [CAT, CAT2])
     vectors = np.array(both.embeddings)
     assert vectors.shape == (2, HIDDEN) and both.prompt_eval_count > 2
+    assert both.total_duration > 0 and both.eval_duration is None
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
     one = client.embed(MODEL, CAT, keep_alive="5m")
     assert one.prompt_eval_count < both.prompt_eval_count

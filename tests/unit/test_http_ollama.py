@@ -191,11 +191,16 @@ def test_a_call_streamed_is_one_line_with_its_arguments_as_an_object() -> None:
     assert lines[2]["done"] and lines[2]["done_reason"] == "length"
 
 
-def test_calls_not_streamed() -> None:
+def test_calls_not_streamed_and_durations_in_nanoseconds() -> None:
     reply = _calls_reply()
     reply.collect(0, "Sure. " + CALLS, None)
-    reply.finish(0, Ending(int(FinishReason.EOS), 5, 30))
+    reply.finish(0, Ending(int(FinishReason.EOS), 5, 30, timings=(0.5, 1.5, 4.0)))
     done = json.loads(reply.body())
+    assert (done["total_duration"], done["prompt_eval_duration"], done["eval_duration"]) == (
+        4_000_000_000,
+        1_000_000_000,
+        2_500_000_000,
+    )
     (call,) = done["message"]["tool_calls"]
     assert call["function"] == {"index": 0, "name": "weather", "arguments": {"city": "Oslo"}}
     assert done["message"]["content"] == "Sure." and done["done_reason"] == "stop"

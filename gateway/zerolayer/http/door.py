@@ -280,9 +280,8 @@ class ApiConnection(HttpConnection):
         if ex.answered:  # a sibling choice failed: the response already ended
             return
         matched = st.seq.matched_stop if st.seq is not None and not st.from_cache else None
-        ending = Ending(
-            int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & Cached.PROMPT), matched
-        )
+        cached = bool(st.cache_bits & Cached.PROMPT)
+        ending = Ending(int(finish), st.prompt_tokens, st.n_ids, cached, matched, timings)
         reply = ex.reply
         _prompt_outputs(st, reply)
         last = reply.finish(st.choice, ending)

@@ -44,7 +44,7 @@ from zerolayer.http.embeddings import MAX_INPUTS, EmbeddingsReply
 from zerolayer.http.errors import HttpError, http_error
 from zerolayer.http.json_body import dumps
 from zerolayer.http.logprobs import TokenLogprobs
-from zerolayer.http.reply import Reply
+from zerolayer.http.reply import Ending, Reply
 from zerolayer.http.tools import ArgumentsDelta, CallEnd, CallStart, Content
 from zerolayer.request_path.request import Request
 from zerolayer.request_path.validation import get_text, validate
@@ -477,6 +477,7 @@ class OllamaReply(Reply):
             done_reason=FINISH_NAMES[OLLAMA][ending.finish],
             prompt_eval_count=ending.prompt_tokens,
             eval_count=ending.completion_tokens,
+            **_durations(ending),
         )
 
     def end(self, out: bytearray, choice: int) -> None:
@@ -505,6 +506,21 @@ class OllamaReply(Reply):
         content, found = c.calls.result(c.text)
         calls = [_call(i, t.id, t.name, t.arguments) for i, t in enumerate(found)]
         return dumps(self._done(content, [call for call in calls if call is not None]))
+
+
+def _durations(ending: Ending) -> dict[str, int]:
+    """Ollama's durations (nanoseconds) from the request path's timings: ``total_duration``
+    from the request's arrival to its end, ``prompt_eval_duration`` from its admission to its
+    first token (the prompt's prefill), ``eval_duration`` from there to the end (no prompt or
+    eval duration without a token: an embedding)."""
+    if ending.timings is None:
+        return {}
+    queue_s, ttft_s, total_s = ending.timings
+    durations = {"total_duration": round(total_s * 1e9)}
+    if ttft_s:
+        durations["prompt_eval_duration"] = round(max(0.0, ttft_s - queue_s) * 1e9)
+        durations["eval_duration"] = round(max(0.0, total_s - ttft_s) * 1e9)
+    return durations
 
 
 def _call(index: int, call_id: str, name: str, arguments: str) -> dict[str, object] | None:
@@ -595,4 +611,5 @@ class OllamaEmbedReply(EmbeddingsReply):
             vectors.append([] if choice.pooled is None else choice.pooled.tolist())
         if self.legacy:
             return dumps({"embedding": vectors[0]})
-        return dumps({"model": self.model, "embeddings": vectors, "prompt_eval_count": tokens})
+        body = {"model": self.model, "embeddings": vectors, "prompt_eval_count": tokens}
+        return dumps({**body, **_durations(self.total())})
