@@ -3,7 +3,7 @@ serving the default model, SmolLM2-135M-Instruct (a real tokenizer, so ``format`
 output run through the grammar): the model listings (version, tags, ps, show), an unknown
 model's 404, the key on ``/api/show`` (the listings are keyless), the load request, chat and
 generate streamed (NDJSON) and not, ``options`` mapped or refused by name (``num_ctx`` the
-request's context), ``format``, tools (calls in Ollama's shape, streamed and not, and the
+request's context), logprobs, ``format``, tools (calls in Ollama's shape, streamed and not, and the
 history's calls and results read as the OpenAI door reads them), ``/api/embed`` and
 ``/api/embeddings`` (the vectors of ``/v1/embeddings``, charged to the key, ``truncate``,
 ``dimensions`` refused) and model management refused in Ollama's error shape."""
@@ -143,6 +143,25 @@ def test_generate_chat_templated_and_raw(client):
     assert templated.prompt_eval_count > raw.prompt_eval_count  # the template's tokens
     parts = list(client.generate(MODEL, "Hi", raw=True, stream=True, options=GREEDY))
     assert "".join(p.response for p in parts) == raw.response
+
+
+def test_logprobs_streamed_and_not(client):
+    """Each token's logprob and its top alternatives, in Ollama's shape: greedy, the token is
+    the most likely one; streamed, the lines' lists join to the whole answer's."""
+    ask = {"logprobs": True, "top_logprobs": 2, "options": GREEDY}
+    whole = client.chat(MODEL, HI, **ask)
+    assert len(whole.logprobs) == whole.eval_count == 4
+    assert "".join(lp.token for lp in whole.logprobs) == whole.message.content
+    for lp in whole.logprobs:
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token
+        assert lp.top_logprobs[0].logprob == lp.logprob >= lp.top_logprobs[1].logprob
+    lines = list(client.chat(MODEL, HI, stream=True, **ask))
+    streamed = [lp for line in lines for lp in line.logprobs or ()]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [
+        (lp.token, lp.logprob) for lp in whole.logprobs
+    ]
+    raw = client.generate(MODEL, "Hi", raw=True, logprobs=True, options=GREEDY)
+    assert len(raw.logprobs) == 4 and "".join(lp.token for lp in raw.logprobs) == raw.response
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from zerolayer.codes import FinishReason, Refusal
+from zerolayer.engine.step import Logprobs
 from zerolayer.http.errors import HttpError
+from zerolayer.http.logprobs import TokenLogprobs, TokenStrings
 from zerolayer.http.ollama import (
     OllamaEmbedReply,
     OllamaModel,
@@ -21,6 +24,7 @@ from zerolayer.http.ollama import (
     parse_generate,
 )
 from zerolayer.http.reply import Ending
+from zerolayer.tokenizer import ByteTokenizer
 
 MODEL = OllamaModel("tiny", 2048, "0.1.0")
 
@@ -246,3 +250,45 @@ def test_model_management_is_refused_but_for_pulling_the_served_model() -> None:
         with pytest.raises(HttpError) as err:
             MODEL.manage(body, path)
         assert err.value.status == 403 and err.value.message.startswith(path)
+
+
+STRINGS = TokenStrings(ByteTokenizer())
+
+
+def _lp(token: int, top: list[int]) -> TokenLogprobs:
+    values = np.linspace(-0.5, -2.0, len(top), dtype=np.float32)
+    return TokenLogprobs(token, Logprobs(-0.5, np.array(top, np.int32), values))
+
+
+def test_logprobs_map_onto_ours_and_come_back_per_line_and_whole() -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    reply = parse_chat(json.dumps(body).encode(), MODEL, STRINGS)
+    assert isinstance(reply, OllamaReply) and not reply.plain
+    assert (reply.req.sampling.logprobs, reply.req.sampling.top_logprobs) == (True, 2)
+    out = bytearray()
+    reply.write(out, 0, "h", _lp(ord("h"), [ord("h"), ord("a")]))
+    reply.write(out, 0, "", _lp(0xC3, [0xC3]))  # the first byte of a character: no text yet
+    line, held = (json.loads(x) for x in out.decode().splitlines())
+    assert line["message"]["content"] == "h" and line["logprobs"] == [
+        {"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [
+            {"token": "h", "logprob": -0.5, "bytes": [104]},
+            {"token": "a", "logprob": -2.0, "bytes": [97]}]},
+    ]  # fmt: skip
+    assert held["message"]["content"] == "" and held["logprobs"][0]["bytes"] == [0xC3]
+    body.update(stream=False, top_logprobs=None)
+    whole = parse_chat(json.dumps(body).encode(), MODEL, STRINGS)
+    assert isinstance(whole, OllamaReply) and whole.req.sampling.top_logprobs == 0
+    whole.collect(0, "h", _lp(ord("h"), []))
+    whole.finish(0, Ending(int(FinishReason.EOS), 2, 1))
+    done = json.loads(whole.body())
+    assert done["logprobs"] == [{"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": []}]
+    # top_logprobs applies only with logprobs (as Ollama reads it); raw: the Completions form
+    quiet = parse_chat(json.dumps({**body, "logprobs": False, "top_logprobs": 3}).encode(), MODEL)
+    assert isinstance(quiet, OllamaReply) and not quiet.req.sampling.logprobs
+    raw = {"model": "tiny", "prompt": "Hi", "raw": True, "logprobs": True, "top_logprobs": 4}
+    generated = parse_generate(json.dumps(raw).encode(), MODEL, STRINGS)
+    assert isinstance(generated, OllamaReply) and generated.req.sampling.top_logprobs == 4
+    with pytest.raises(HttpError) as err:
+        parse_chat(json.dumps({**body, "logprobs": True, "top_logprobs": 21}).encode(), MODEL)
+    assert err.value.param == "top_logprobs"

@@ -473,8 +473,8 @@ PARSERS: dict[str, Callable[[bytes, HttpApi], Reply | bytes]] = {
         body, api.model, api.path.inputs.info.hidden_size
     ),
     RESPONSES: lambda body, api: responses.parse_responses(body, api.model, api.strings),
-    OLLAMA_CHAT: lambda body, api: ollama.parse_chat(body, api.ollama),
-    OLLAMA_GENERATE: lambda body, api: ollama.parse_generate(body, api.ollama),
+    OLLAMA_CHAT: lambda body, api: ollama.parse_chat(body, api.ollama, api.strings),
+    OLLAMA_GENERATE: lambda body, api: ollama.parse_generate(body, api.ollama, api.strings),
     OLLAMA_EMBED: lambda body, api: ollama.parse_embed(
         body, api.ollama, api.path.inputs.info.hidden_size
     ),

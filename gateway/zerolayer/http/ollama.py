@@ -8,7 +8,8 @@ parsed from the answer) are the OpenAI door's; ``OllamaReply`` writes the answer
 (``stream`` defaults to true) or one object, a tool call as ``message.tool_calls`` with its
 arguments as an object (streamed: one line per call, once its arguments are complete). The
 history's calls and ``role: "tool"`` results are read into OpenAI's (a result without
-``tool_call_id`` answers the earlier call of its ``tool_name``). ``options`` map onto our
+``tool_call_id`` answers the earlier call of its ``tool_name``); ``logprobs`` come back in each
+line, in the shape of OpenAI's chat logprobs, which is Ollama's. ``options`` map onto our
 sampling fields (``OPTIONS``); ``num_ctx`` is the request's own context (at most the engine's);
 those with no effect here are ignored (``IGNORED``), the samplers we do not have are refused
 unless set to their no-op value (``NO_OP``), any other key is a 400 naming ``options.<key>``.
@@ -43,7 +44,7 @@ from zerolayer.http import openai
 from zerolayer.http.embeddings import MAX_INPUTS, EmbeddingsReply
 from zerolayer.http.errors import HttpError, http_error
 from zerolayer.http.json_body import dumps
-from zerolayer.http.logprobs import TokenLogprobs
+from zerolayer.http.logprobs import TokenLogprobs, TokenStrings, chat_entry
 from zerolayer.http.reply import Ending, Reply
 from zerolayer.http.tools import ArgumentsDelta, CallEnd, CallStart, Content
 from zerolayer.request_path.request import Request
@@ -194,9 +195,9 @@ IGNORED = frozenset(
 NO_OP = {"typical_p": 1, "tfs_z": 1, "mirostat": 0}
 NUM_CTX = "num_ctx"  # the request's own context (Request.context), at most the engine's
 # top-level fields refused by name when set (no way to serve them)
-_REFUSED = ("images", "suffix", "template", "context", "logprobs", "top_logprobs", "width",
-            "height", "steps")  # fmt: skip
-_COMMON_KEYS = ("model", "name", "format", "options", "stream", "keep_alive", "think", *_REFUSED)
+_REFUSED = ("images", "suffix", "template", "context", "width", "height", "steps")
+_COMMON_KEYS = ("model", "name", "format", "options", "stream", "keep_alive", "think", "logprobs",
+                "top_logprobs", *_REFUSED)  # fmt: skip
 CHAT_KEYS = frozenset(("messages", "tools", *_COMMON_KEYS))
 GENERATE_KEYS = frozenset(("prompt", "system", "raw", *_COMMON_KEYS))
 EMBED_KEYS = frozenset(
@@ -256,6 +257,12 @@ def _sampling(obj: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     for name in _REFUSED:
         if obj.get(name):
             raise HttpError(400, f"{name}: not supported on this server", param=name)
+    logprobs = obj.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise HttpError(400, "logprobs: true or false", param="logprobs")
+    if logprobs:  # top_logprobs applies only then, as Ollama reads it
+        fields["logprobs"] = True
+        fields["top_logprobs"] = obj.get("top_logprobs", 0)
     return fields, context
 
 
@@ -279,10 +286,15 @@ def ollama_named(err: HttpError) -> HttpError:
     return err
 
 
-def _parsed(parse: Callable[[bytes, str], Reply], fields: dict[str, Any], served: str) -> Reply:
+def _parsed(
+    parse: Callable[[bytes, str, TokenStrings | None], Reply],
+    fields: dict[str, Any],
+    served: str,
+    strings: TokenStrings | None,
+) -> Reply:
     """The OpenAI parser's Request for ``fields``; its refusals name Ollama's fields."""
     try:
-        return parse(dumps(fields), served)
+        return parse(dumps(fields), served, strings)
     except HttpError as err:
         raise ollama_named(err) from None
     except Refusal as refusal:  # a field's value checked while parsing
@@ -373,7 +385,9 @@ def _load(model: OllamaModel, key: str) -> bytes:
                   "done_reason": "load"})  # fmt: skip
 
 
-def parse_chat(body: bytes, model: OllamaModel) -> OllamaReply | bytes:
+def parse_chat(
+    body: bytes, model: OllamaModel, strings: TokenStrings | None = None
+) -> OllamaReply | bytes:
     """``POST /api/chat`` → the request of the OpenAI chat parser, answered in Ollama's shape
     (no messages: the load request's answer)."""
     obj = model.check(body, CHAT_KEYS)
@@ -385,12 +399,14 @@ def parse_chat(body: bytes, model: OllamaModel) -> OllamaReply | bytes:
     tools = obj.get("tools")
     if tools or (tools is not None and not isinstance(tools, list)):
         fields["tools"] = tools
-    parsed = _parsed(openai.parse_chat, fields, model.name)
+    parsed = _parsed(openai.parse_chat, fields, model.name, strings)
     parsed.req.context = context
     return OllamaReply(parsed, _streamed(obj), model.name, "message")
 
 
-def parse_generate(body: bytes, model: OllamaModel) -> OllamaReply | bytes:
+def parse_generate(
+    body: bytes, model: OllamaModel, strings: TokenStrings | None = None
+) -> OllamaReply | bytes:
     """``POST /api/generate``: ``prompt`` (and ``system``) as a chat through the model's chat
     template, or with ``raw: true`` the prompt text as it is (no prompt: the load request's
     answer)."""
@@ -406,11 +422,13 @@ def parse_generate(body: bytes, model: OllamaModel) -> OllamaReply | bytes:
     fields: dict[str, Any] = {"model": model.name, **sampling}
     if obj.get("raw"):
         fields["prompt"] = (system or "") + prompt
-        parsed = _parsed(openai.parse_completion, fields, model.name)
+        if fields.pop("logprobs", False):  # the Completions form: how many alternatives
+            fields["logprobs"] = fields.pop("top_logprobs")
+        parsed = _parsed(openai.parse_completion, fields, model.name, strings)
     else:
         system_turn = [{"role": "system", "content": system}] if system else []
         fields["messages"] = [*system_turn, {"role": "user", "content": prompt}]
-        parsed = _parsed(openai.parse_chat, fields, model.name)
+        parsed = _parsed(openai.parse_chat, fields, model.name, strings)
     parsed.req.context = context
     return OllamaReply(parsed, _streamed(obj), model.name, "response")
 
@@ -421,7 +439,10 @@ class OllamaReply(Reply):
     last object with the whole text. ``key`` is ``message`` (chat) or ``response`` (generate).
     A chat with tools: each call in ``message.tool_calls`` (``{"id", "function": {"index",
     "name", "arguments": {...}}}``), streamed as a line of its own once its arguments are
-    complete (Ollama's arguments are an object), the same calls as not streamed."""
+    complete (Ollama's arguments are an object), the same calls as not streamed. With
+    ``logprobs``: each token's ``{"token", "logprob", "bytes", "top_logprobs"}`` in the
+    ``logprobs`` list of the line that carries its text (a token whose bytes end mid-character:
+    a line with empty text), not streamed all of them in the last object."""
 
     __slots__ = ("key", "_open", "_sent")
 
@@ -429,7 +450,7 @@ class OllamaReply(Reply):
     stream_type = b"application/x-ndjson"
 
     def __init__(self, parsed: Reply, stream: bool, model: str, key: str) -> None:
-        super().__init__(parsed.req, stream, model, parsed.tools)
+        super().__init__(parsed.req, stream, model, parsed.tools, parsed.strings)
         self.key = key
         self._open: dict[int, list[str]] = {}  # streamed calls: index → [id, name, arguments]
         self._sent = 0  # calls streamed
@@ -444,20 +465,37 @@ class OllamaReply(Reply):
             message["tool_calls"] = calls
         return {"model": self.model, "created_at": _now(), self.key: message, **more}
 
+    def _write(
+        self,
+        out: bytearray,
+        text: str,
+        calls: list[dict[str, object]] | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> None:
+        more: dict[str, object] = {"done": False}
+        if logprobs:
+            more["logprobs"] = logprobs
+        out += dumps(self._line(text, calls, **more)) + b"\n"
+
     def token(self, out: bytearray, choice: int, text: str) -> None:
         out += dumps(self._line(text, done=False)) + b"\n"
 
     def delta(self, out: bytearray, choice: int, text: str, lp: TokenLogprobs | None) -> None:
         c = self.choices[choice]
+        logprobs = None
+        if lp is not None:
+            assert self.strings is not None
+            logprobs = [chat_entry(self.strings, lp)]
         if c.calls is None:
-            if text:
-                self.token(out, choice, text)
+            if text or logprobs:
+                self._write(out, text, None, logprobs)
             return
         c.parts.append(text)  # the whole answer decides the calls the stream did not send
         for e in c.calls.feed(text):
             if isinstance(e, Content):
                 if e.text:
-                    self.token(out, choice, e.text)
+                    self._write(out, e.text, None, logprobs)
+                    logprobs = None
             elif isinstance(e, CallStart):
                 self._open[e.index] = [e.id, e.name, ""]
             elif isinstance(e, ArgumentsDelta):
@@ -465,8 +503,11 @@ class OllamaReply(Reply):
             elif isinstance(e, CallEnd):
                 call = _call(self._sent, *self._open.pop(e.index))
                 if call is not None:
-                    out += dumps(self._line("", [call], done=False)) + b"\n"
+                    self._write(out, "", [call], logprobs)
+                    logprobs = None
                     self._sent += 1
+        if logprobs:  # a token whose text the parser holds (or has none yet)
+            self._write(out, "", None, logprobs)
 
     def _done(self, text: str, calls: list[dict[str, object]] | None = None) -> dict[str, object]:
         ending = self.total()
@@ -501,11 +542,15 @@ class OllamaReply(Reply):
 
     def body(self) -> bytes:
         c = self.choices[0]
+        more: dict[str, object] = {}
+        if self.req.sampling.logprobs:
+            assert self.strings is not None
+            more["logprobs"] = [chat_entry(self.strings, lp) for lp in c.logprobs]
         if c.calls is None:
-            return dumps(self._done(c.text))
+            return dumps({**self._done(c.text), **more})
         content, found = c.calls.result(c.text)
         calls = [_call(i, t.id, t.name, t.arguments) for i, t in enumerate(found)]
-        return dumps(self._done(content, [call for call in calls if call is not None]))
+        return dumps({**self._done(content, [call for call in calls if call]), **more})
 
 
 def _durations(ending: Ending) -> dict[str, int]:
