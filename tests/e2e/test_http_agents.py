@@ -231,6 +231,40 @@ def test_a_call_naming_no_defined_tool_is_content_streamed_or_not(daemon):
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_calls_in_the_json_form_cut_by_max_tokens_keep_the_calls_that_closed(daemon):
+    """tool_choice auto, the answer pinned to a list of two calls in the generic JSON form and
+    cut by max_tokens inside the second: the first is a call, streamed or not, and the finish
+    stays ``length`` (issue 39: completed calls are returned whatever ended the request)."""
+    first = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    second = {"name": "get_weather", "arguments": {"city": "Rio de Janeiro"}}
+    answer = json.dumps([first, second])
+    count = httpx.post(daemon.http_url + "/tokenize", json={"prompt": answer,
+                       "add_special_tokens": False}).json()["count"]  # fmt: skip
+    head = httpx.post(daemon.http_url + "/tokenize", json={"prompt": json.dumps([first]),
+                      "add_special_tokens": False}).json()["count"]  # fmt: skip
+    ask = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER],
+           "max_tokens": (head + count) // 2,  # inside the second call
+           "extra_body": {"structured_outputs": {"choice": [answer]}}}  # fmt: skip
+    c = oai(daemon)
+    whole = c.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.content
+    calls = whole.message.tool_calls or []
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    names, args, finish = [], "", None
+    for chunk in c.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for t in choice.delta.tool_calls or []:
+                names += [t.function.name] if t.function and t.function.name else []
+                args += (t.function.arguments or "") if t.function else ""
+            finish = choice.finish_reason or finish
+    assert names == ["get_weather"] and json.loads(args) == {"city": "Oslo"}
+    assert finish == "length"
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_streamed_tool_calls_forced_by_the_grammar(daemon):
     c = oai(daemon)
     chunks = list(

@@ -41,6 +41,8 @@ NEW = [
     (b"POST", b"/api/generate", OLLAMA, routes.OLLAMA_GENERATE),
     (b"POST", b"/api/embed", OLLAMA, routes.OLLAMA_EMBED),
     (b"POST", b"/api/embeddings", OLLAMA, routes.OLLAMA_EMBEDDINGS),
+    (b"POST", b"/api/pull", OLLAMA, routes.OLLAMA_MANAGE),
+    (b"DELETE", b"/api/delete", OLLAMA, routes.OLLAMA_MANAGE),
 ]
 
 
@@ -57,7 +59,7 @@ def test_every_new_endpoint_is_routed_with_its_api(method, path, api, endpoint) 
 
 
 def test_unknown_paths_get_their_apis_error_shape() -> None:
-    for path, api in [(b"/api/pull", OLLAMA), (b"/v1/messages/x", ANTHROPIC), (b"/v2", OPENAI)]:
+    for path, api in [(b"/api/blobs/x", OLLAMA), (b"/v1/messages/x", ANTHROPIC), (b"/v2", OPENAI)]:
         request = incoming(b"POST", path)
         with pytest.raises(HttpError) as err:
             routes.route(request)

@@ -92,6 +92,29 @@ def test_no_max_tokens_is_what_fits_beside_the_prompt() -> None:
     assert refused(max_tokens=62).code == ErrorCode.PROMPT_TOO_LONG  # a given one is not lowered
 
 
+def test_a_requests_own_context_bounds_it_below_the_engines() -> None:
+    """``Request.context`` (Ollama's num_ctx): what fits is counted in it; a larger one is the
+    engine's."""
+    assert prepare(max_tokens=None, context=10).max_tokens == 7  # BOS + "hi" of 10
+    assert prepare(max_tokens=None, context=1000).max_tokens == 61
+    err = refused(max_tokens=8, context=10)
+    assert err.code == ErrorCode.PROMPT_TOO_LONG and "the request context 10" in err.message
+
+
+def test_truncate_cuts_an_embeddings_input_to_its_first_tokens() -> None:
+    proc = InputProcessor(TOK, ModelInfo("m", 259, 257, 64, hidden_size=8))
+    ids = TOK.encode_prompt("x" * 70)
+    cut = proc.prepare(Request(max_tokens=0, embed=True, prompt_text="x" * 70, truncate=True))
+    assert cut.prompt.tolist() == ids[:64].tolist()
+    small = Request(max_tokens=0, embed=True, prompt_text="abc", truncate=True, context=2)
+    assert proc.prepare(small).prompt.tolist() == TOK.encode_prompt("abc")[:2].tolist()
+    with pytest.raises(Refusal) as err:  # not asked: refused, as /v1/embeddings does
+        proc.prepare(Request(max_tokens=0, embed=True, prompt_text="x" * 70))
+    assert err.value.code == ErrorCode.PROMPT_TOO_LONG
+    with pytest.raises(Refusal):  # a request that generates is never cut
+        proc.prepare(Request(max_tokens=1, prompt_text="x" * 70, truncate=True))
+
+
 def test_ignore_eos_is_carried_and_prompt_tokens_counted() -> None:
     assert prepare(ignore_eos=True).ignore_eos and not prepare().ignore_eos
     proc = InputProcessor(TOK, INFO)

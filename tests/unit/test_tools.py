@@ -355,3 +355,22 @@ def test_a_forced_list_cut_short_keeps_the_calls_that_closed() -> None:
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("now", {})]
     cut_first = '[{"name": "get_weather", "arguments": {"city": "Pa'
     assert OutputCalls(TOOLS, forced=True).result(cut_first) == (cut_first, [])
+
+
+@pytest.mark.parametrize("tag", ["", "<|python_tag|>", "  "])
+def test_an_answer_in_the_json_form_cut_short_keeps_the_calls_that_closed(tag: str) -> None:
+    """tool_choice auto: the model's own JSON form, held to its end (issue 39: completed calls
+    are returned whatever ended the request), streamed or not; a call naming no defined tool
+    leaves the whole answer content, as it does uncut."""
+    text = tag + '[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"ci'
+    content, calls = OutputCalls(TOOLS, forced=False).result(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("now", {})]
+    streamed = OutputCalls(TOOLS, forced=False)
+    events = streamed.feed(text) + streamed.close()
+    assert [(type(e), getattr(e, "name", None)) for e in events] == [
+        (CallStart, "now"), (ArgumentsDelta, None), (CallEnd, None)
+    ]  # fmt: skip
+    foreign = '[{"name": "nope", "arguments": {}}, {"name": "now", "argu'
+    assert OutputCalls(TOOLS, forced=False).result(foreign) == (foreign, [])
+    prose = '{"answer": "the weather is'
+    assert OutputCalls(TOOLS, forced=False).result(prose) == (prose, [])

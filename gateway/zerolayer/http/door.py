@@ -5,7 +5,9 @@ For each request: route it (routes.py), check its key (``RequestPath.authenticat
 the ``KEYLESS`` listings), then dispatch on its endpoint through two tables: ``LOCAL`` answers
 without the engine (the model listings, counting tokens; a large input's work off the loop,
 zerolayer.request_path.offload), ``PARSERS`` parse the body into a Request and a Reply
-(openai.py / anthropic.py, one row per endpoint), opened as one Stream with text deltas. A
+(openai.py / anthropic.py, one row per endpoint), opened as one Stream with text deltas, or
+into the answer itself when the body asks for nothing the engine does (Ollama's load request,
+an empty embed). A
 routed endpoint in neither table is not served yet: 404. The path validates, tokenizes, runs
 the hooks and submits to the engine; its refusals come back through this door's
 ``write_done`` / ``write_error``, the engine's text through its encoder (``TextDeltas``), and
@@ -48,6 +50,7 @@ from zerolayer.http.routes import (
     OLLAMA_EMBED,
     OLLAMA_EMBEDDINGS,
     OLLAMA_GENERATE,
+    OLLAMA_MANAGE,
     OLLAMA_PS,
     OLLAMA_SHOW,
     OLLAMA_TAGS,
@@ -85,7 +88,9 @@ class HttpApi:
         created = int(time.time())
         self.models_body = openai.models_body(self.model, created)
         self.model_body = openai.model_body(self.model, created)
-        self.ollama = ollama.OllamaModel(self.model, info.max_context, version())
+        self.ollama = ollama.OllamaModel(
+            self.model, info.max_context, version(), embeds=info.hidden_size > 0
+        )
         self.log_requests = REQUEST_LOG.isEnabledFor(logging.INFO)
 
     def connection(self, server: HttpServer) -> ApiConnection:
@@ -178,6 +183,9 @@ class ApiConnection(HttpConnection):
         if parser is None:
             raise _not_served(request)
         reply = parser(bytes(request.body), api)
+        if isinstance(reply, bytes):  # nothing for the engine to do: the answer
+            self.respond(200, reply)
+            return
         reply.req.use_cache = wants_cache(request)
         self._keys += 1
         st = Stream(self, self._keys, reply.api, want_text=True)
@@ -272,9 +280,8 @@ class ApiConnection(HttpConnection):
         if ex.answered:  # a sibling choice failed: the response already ended
             return
         matched = st.seq.matched_stop if st.seq is not None and not st.from_cache else None
-        ending = Ending(
-            int(finish), st.prompt_tokens, st.n_ids, bool(st.cache_bits & Cached.PROMPT), matched
-        )
+        cached = bool(st.cache_bits & Cached.PROMPT)
+        ending = Ending(int(finish), st.prompt_tokens, st.n_ids, cached, matched, timings)
         reply = ex.reply
         _prompt_outputs(st, reply)
         last = reply.finish(st.choice, ending)
@@ -440,10 +447,6 @@ def _detokenize(api: HttpApi, request: Incoming) -> bytes:
     return tokenize.detokenize(bytes(request.body), api.model, api.path.inputs)
 
 
-def _ollama_embed(api: HttpApi, request: Incoming) -> bytes:
-    raise ollama.not_available(request.path.decode("ascii", "replace"))
-
-
 # endpoint → its answer without the engine: the body, or the work that makes it off the loop
 LOCAL: dict[str, Callable[[HttpApi, Incoming], bytes | Deferred]] = {
     MODELS: _models,
@@ -455,12 +458,14 @@ LOCAL: dict[str, Callable[[HttpApi, Incoming], bytes | Deferred]] = {
     OLLAMA_TAGS: lambda api, request: api.ollama.tags_body,
     OLLAMA_PS: lambda api, request: api.ollama.ps_body,
     OLLAMA_SHOW: lambda api, request: api.ollama.show(bytes(request.body)),
-    OLLAMA_EMBED: _ollama_embed,
-    OLLAMA_EMBEDDINGS: _ollama_embed,
+    OLLAMA_MANAGE: lambda api, request: api.ollama.manage(
+        bytes(request.body), request.path.decode("utf-8", "replace")[:200]
+    ),
 }
 
-# endpoint → the parser of its body into a Request and the Reply that answers it
-PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
+# endpoint → the parser of its body into a Request and the Reply that answers it (or, when
+# the request needs no engine, the answer's body)
+PARSERS: dict[str, Callable[[bytes, HttpApi], Reply | bytes]] = {
     CHAT: lambda body, api: openai.parse_chat(body, api.model, api.strings),
     COMPLETION: lambda body, api: openai.parse_completion(body, api.model, api.strings),
     MESSAGES: lambda body, api: anthropic.parse_messages(body, api.model),
@@ -468,6 +473,10 @@ PARSERS: dict[str, Callable[[bytes, HttpApi], Reply]] = {
         body, api.model, api.path.inputs.info.hidden_size
     ),
     RESPONSES: lambda body, api: responses.parse_responses(body, api.model, api.strings),
-    OLLAMA_CHAT: lambda body, api: ollama.parse_chat(body, api.ollama),
-    OLLAMA_GENERATE: lambda body, api: ollama.parse_generate(body, api.ollama),
+    OLLAMA_CHAT: lambda body, api: ollama.parse_chat(body, api.ollama, api.strings),
+    OLLAMA_GENERATE: lambda body, api: ollama.parse_generate(body, api.ollama, api.strings),
+    OLLAMA_EMBED: lambda body, api: ollama.parse_embed(
+        body, api.ollama, api.path.inputs.info.hidden_size
+    ),
+    OLLAMA_EMBEDDINGS: lambda body, api: ollama.parse_embeddings(body, api.ollama),
 }

@@ -46,6 +46,7 @@ STATUS: dict[int, int] = {
 _KINDS: dict[int, tuple[str, str, int]] = {
     400: ("invalid_request_error", "invalid_request_error", 400),
     401: ("authentication_error", "authentication_error", 401),
+    403: ("permission_error", "permission_error", 403),
     404: ("not_found_error", "not_found_error", 404),
     405: ("invalid_request_error", "invalid_request_error", 405),
     408: ("timeout_error", "timeout_error", 408),
@@ -62,6 +63,7 @@ REASONS: dict[int, bytes] = {
     204: b"No Content",
     400: b"Bad Request",
     401: b"Unauthorized",
+    403: b"Forbidden",
     404: b"Not Found",
     405: b"Method Not Allowed",
     408: b"Request Timeout",
@@ -79,6 +81,7 @@ REASONS: dict[int, bytes] = {
 _STATUS_CODE: dict[int, ErrorCode] = {
     400: ErrorCode.INVALID_REQUEST,
     401: ErrorCode.UNAUTHENTICATED,
+    403: ErrorCode.INVALID_REQUEST,
     404: ErrorCode.INVALID_REQUEST,
     405: ErrorCode.INVALID_REQUEST,
     408: ErrorCode.IDLE_TIMEOUT,

@@ -55,6 +55,8 @@ class Ending:
     completion_tokens: int
     cached_prompt: bool = False  # a precompiled system prompt's KV was reused
     stop_sequence: str | None = None  # the stop string that matched, when known
+    # (queue_s, ttft_s, total_s) from the request's arrival, as the request path measured them
+    timings: tuple[float, float, float] | None = None
 
 
 class ChoiceOut:
@@ -144,6 +146,7 @@ class Reply(ABC):
             sum(e.completion_tokens for e in endings),
             first.cached_prompt,
             first.stop_sequence,
+            first.timings,
         )
 
     def start(self, out: bytearray, prompt_tokens: int) -> None:  # noqa: B027 - optional

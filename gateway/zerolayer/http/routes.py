@@ -50,6 +50,8 @@ OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_EMBED, OLLAMA_EMBEDDINGS = (
     "api_embed",
     "api_embeddings",
 )
+# Ollama's model management (pull, push, create, copy, delete): one served model, fixed at start
+OLLAMA_MANAGE = "api_manage"
 HEALTH, METRICS, VERSION, STATUS_PAGE = "health", "metrics", "version", "status_page"
 OPS = frozenset({HEALTH, METRICS, VERSION, STATUS_PAGE})  # answered by OpsPages, no key needed
 # API endpoints answered without an API key: which model is served (as vLLM's /v1/models)
@@ -74,6 +76,11 @@ ROUTES: dict[bytes, tuple[bytes, str, str]] = {
     b"/api/generate": (b"POST", OLLAMA, OLLAMA_GENERATE),
     b"/api/embed": (b"POST", OLLAMA, OLLAMA_EMBED),
     b"/api/embeddings": (b"POST", OLLAMA, OLLAMA_EMBEDDINGS),
+    b"/api/pull": (b"POST", OLLAMA, OLLAMA_MANAGE),
+    b"/api/push": (b"POST", OLLAMA, OLLAMA_MANAGE),
+    b"/api/create": (b"POST", OLLAMA, OLLAMA_MANAGE),
+    b"/api/copy": (b"POST", OLLAMA, OLLAMA_MANAGE),
+    b"/api/delete": (b"DELETE", OLLAMA, OLLAMA_MANAGE),
     b"/health": (b"GET", OPENAI, HEALTH),
     b"/metrics": (b"GET", OPENAI, METRICS),
     b"/version": (b"GET", OPENAI, VERSION),

@@ -615,10 +615,11 @@ class OutputCalls:
     streamed by ``JsonCallStream``. Otherwise (``auto``) the model's own forms: Hermes tags
     stream as they come (``CallStream``); an answer that opens with JSON or ``<|python_tag|>``
     (Llama 3, the generic form) is held to its end and parsed then, as content when it is no
-    call. Without ``parallel``, calls after the first are dropped. Either way the list ends at a
-    call repeating an earlier one, and after ``MAX_CALLS``: streamed, a call whose arguments so
-    far are the start of an earlier call's with the same name is held until it differs (then
-    sent) or ends equal (then dropped, with everything after it)."""
+    call (cut short, forced or not: the calls whose objects closed). Without ``parallel``,
+    calls after the first are dropped. Either way the list ends at a call repeating an earlier
+    one, and after ``MAX_CALLS``: streamed, a call whose arguments so far are the start of an
+    earlier call's with the same name is held until it differs (then sent) or ends equal (then
+    dropped, with everything after it)."""
 
     def __init__(
         self, tools: list[Tool], forced: bool, parallel: bool = True, id_prefix: str = "call_"
@@ -662,8 +663,10 @@ class OutputCalls:
     def result(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole answer."""
         content, calls = parse(text, self.tools)
-        if self.forced and not calls:  # cut short (max_tokens): the calls that closed are calls
-            calls = closed_calls(text)
+        if not calls and (self.forced or _json_form(text)):
+            # cut short (max_tokens): the calls whose objects closed are calls, forced or in
+            # the model's own JSON form (auto), which then names defined tools only
+            calls = _known(closed_calls(_json_form(text) or text), _names(self.tools)) or []
             content = "" if calls else content
         if not self.parallel:
             calls = calls[:1]
@@ -731,6 +734,15 @@ class _OpenCall:
     name: str
     arguments: str
     held: list[Event] | None
+
+
+def _json_form(text: str) -> str:
+    """``text`` without its spaces and Llama 3's ``<|python_tag|>`` when it opens with JSON
+    (the model's own JSON form of calls), else empty."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG) :].lstrip()
+    return body if body[:1] in ("{", "[") else ""
 
 
 def closed_calls(text: str) -> list[ToolCall]:

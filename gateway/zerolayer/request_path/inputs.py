@@ -2,13 +2,14 @@
 
 The request's fields were range-checked by its door's parser (zerolayer.request_path.validation, the
 same rules for every door); what depends on the model is checked here: token ids inside the
-vocabulary, prompt + max_tokens inside the context, a registered prompt's id. Renders the chat
-template (a registered prompt named by ``prompt_id`` supplies the system text; the request's tools
-and the calls and results in its history through the template where it renders them, else as text,
-zerolayer.models.templates) and tokenizes. Reusing KV
-of a prompt's beginning is the engine's prefix store's business, not this module's: a request's
-ids are the same whether or not anything is reused. Pure: no server, connection or hook is
-involved, so request validation is tested on its own (tests/unit/test_inputs.py).
+vocabulary, prompt + max_tokens inside the context (the engine's, or the request's own when it is
+smaller; an embedding's prompt cut to it when the request asks), a registered prompt's id.
+Renders the chat template (a registered prompt named by ``prompt_id`` supplies the system text; the
+request's tools and the calls and results in its history through the template where it renders
+them, else as text, zerolayer.models.templates) and tokenizes. Reusing KV of a prompt's beginning
+is the engine's prefix store's business, not this module's: a request's ids are the same whether
+or not anything is reused. Pure: no server, connection or hook is involved, so request validation
+is tested on its own (tests/unit/test_inputs.py).
 """
 
 from __future__ import annotations
@@ -150,6 +151,10 @@ class InputProcessor:
         if req.n > self.max_n:
             raise invalid(f"n must be at most {self.max_n} (engine.max_n), got {req.n}", "n")
         max_context = self.info.max_context
+        if req.context is not None:
+            max_context = min(max_context, req.context)
+        if req.truncate and req.max_tokens == 0 and len(ids) > max_context:
+            ids = ids[:max_context]  # the first tokens, as Ollama's /api/embed truncates
         max_tokens = req.max_tokens
         if max_tokens is None:  # as many as fit beside the prompt
             max_tokens = max_context - len(ids)
@@ -160,7 +165,8 @@ class InputProcessor:
             raise Refusal(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt ({len(ids)} tokens) + max_tokens ({max(max_tokens, 1)}) exceeds "
-                f"max_context {max_context}",
+                f"{'max_context' if req.context is None else 'the request context'} "
+                f"{max_context}",
             )
         wants_detok = req.want_text or bool(req.stop_sequences)
         return Prepared(

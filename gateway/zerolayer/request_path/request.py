@@ -55,6 +55,12 @@ class Request:
     # k inputs of one request (an embeddings batch: text or ids each), run as k sequences that
     # the hooks see as one request (zerolayer.request_path.lifecycle); None = the prompt fields.
     inputs: list[str | np.ndarray] | None = None
+    # The request's own context, at most the engine's (Ollama's options.num_ctx): prompt and
+    # generated tokens stay within it; None = the engine's max_context.
+    context: int | None = None
+    # A prompt longer than the context is cut to its first tokens instead of refused (Ollama's
+    # /api/embed ``truncate``; only for a request that generates nothing, an embedding).
+    truncate: bool = False
 
     @property
     def returns_prompt(self) -> bool:
