@@ -105,6 +105,7 @@ class Allowing:
             return token in self.g.ids
 
         error = ""  # never exceeds its limits
+        budget_closed = False  # never steered
 
         @property
         def finished(self) -> bool:

@@ -373,6 +373,7 @@ class LimitedGrammar:
     class Matcher:
         def __init__(self, at: int) -> None:
             self.at, self.taken, self.error, self.finished = at, 0, "", False
+            self.budget_closed = False
 
         raises = False  # the mask raises instead (a grammar engine's failure)
 

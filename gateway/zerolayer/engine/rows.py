@@ -473,7 +473,9 @@ class Rows:
             m = self.matcher[slot]
             if m is not None and not fired[slot] & UNPRODUCED:
                 if m.accept(token):
-                    if m.finished:
+                    if m.budget_closed:  # steered to its end as its tokens ran out
+                        fired[slot] |= LENGTH
+                    elif m.finished:
                         fired[slot] |= GRAMMAR
                     elif not fired[slot]:  # the row goes on: its next mask, off this thread
                         self._submit_mask(slot)
