@@ -215,8 +215,10 @@ def _type_bound(kind: str, s: dict[str, Any], root: Any, depth: int, extra: list
             extra[0] = max(extra[0], 16)
             return 2 + 4 * least + 32
         return 2 + 4 * least
-    if kind in ("integer", "number"):
-        return 24
+    if kind in ("integer", "number"):  # 0, else a bound's digits
+        low, high = s.get("minimum", -1), s.get("maximum", 1)
+        numeric = isinstance(low, int | float) and isinstance(high, int | float)
+        return 2 if numeric and low <= 0 <= high else 24
     if kind in ("boolean", "null"):
         return 5
     return 32  # any value
