@@ -326,6 +326,7 @@ def _build(settings: Settings, metrics: Metrics, health: Health, listeners: List
         on_step=metrics.engine_step,
         prefix_store=store,
         row_share=ecfg.row_share,
+        mask_budget_s=ecfg.grammar_mask_budget_ms / 1000,
     )
     sink.engine = engine
     # n choices hold n slots at once: at most the slots there are.

@@ -17,7 +17,26 @@ row's matcher is a ``deep_copy`` of the compiled one (its lexer state warmed by 
 grammar that fails only later, along some paths, fails that row alone under the same limits
 (``RowMatcher.error``; zerolayer.engine.finish.GRAMMAR_LIMIT), never the step. A
 ``RowMatcher`` is one sequence's state: fill its row of the batch's bitmask, accept a sampled
-token, tell when it is finished.
+token, tell when it is finished. A row's next mask is computed on a ``MaskWorker`` thread while
+the engine thread delivers and schedules; the engine waits for it at most its budget
+(``engine.grammar_mask_budget_ms``) and parks a row whose mask is late (zerolayer.engine.rows).
+
+Budget steering (issue #39): when a row's tokens left (``max_tokens`` or the context) are about
+to run out inside its grammar, its masks steer it to a short valid completion, so that JSON it
+returns always parses and validates (its finish stays MAX_TOKENS). A row's ``fill`` gets the
+tokens it has left; it keeps ``need``, the length of a close path walked greedily on a copy of its
+matcher (the matcher's own masks at each step, so ``required``, ``minLength``, ``pattern`` are
+kept: the cheapest closer or value start each time, ``_Scan.priority``). With ``Steering.jump``
+bounding how much one token can lengthen that path (the schema's largest instance, every
+property present: ``budget_bounds``) and ``margin`` how much a content token can: far from the
+end nothing changes; within ``jump + margin`` tokens of ``need`` the row may write content (tokens
+with no brace, bracket, quote, comma, colon or backslash) or take the path's next token, nothing
+that opens structure; within ``margin`` it follows the path, which ends the row
+(``RowMatcher.budget_closed``). The walk runs on the mask threads, never the engine's: far from
+the end only every so many tokens, near it at every step. A regex or a choice gets the walk and
+the close without the content window (best effort), and a ``pattern`` string's content is bounded
+only by a wider margin (best effort too). A budget below the shortest instance cannot be steered:
+that row ends cut, as without steering.
 
 How a JSON Schema is read (as xgrammar's strict mode, vLLM's default): an object schema that says
 nothing of ``additionalProperties`` allows only the properties it lists (write
@@ -61,6 +80,7 @@ LIMITS: dict[str, Any] = {
     "max_lexer_states": 10_000,
     "verbose_errors": False,
 }
+MASK_BUDGET_S = 0.005  # default of engine.grammar_mask_budget_ms (docs/configuration.md)
 PROBE_STEPS = 2  # tokens a compile walks on a copy (the lowest allowed each time)
 MAX_WAITING = 8  # compiles waiting for the worker; beyond, a request is refused OVERLOADED
 # llguidance's JSON options for every schema: no free whitespace, fixed separators.
@@ -113,6 +133,95 @@ def closed(schema: Any, close: bool = True) -> Any:
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = bound
     return out
+
+
+# Budget steering: bytes that open or close structure in JSON (a "content" token has none), the
+# least margin, and the longest close path walked (a longer one is not steered: best effort).
+_STRUCTURAL = re.compile(rb'[{}\[\]",:\\]')
+STEER_MARGIN = 4
+WALK_MAX = 1024
+_DIGITS = frozenset(b"0123456789")
+_PRINTABLE = range(0x20, 0x7F)
+
+
+def budget_bounds(constraint: Constraint) -> tuple[int, int]:
+    """(jump, margin) of a constraint (the module docstring): jump bounds the close path's
+    growth by one token, margin its growth by one content token, in bytes, which bound tokens
+    (every token is at least one byte)."""
+    if constraint.kind in ("regex", "choice"):
+        return 16, STEER_MARGIN
+    schema = closed(json.loads(constraint.text))
+    extra = [0]  # the margin's part: the longest enum / const string, a pattern's allowance
+    jump = _instance_bound(schema, schema, 0, extra)
+    return max(16, min(jump, WALK_MAX)), STEER_MARGIN + extra[0]
+
+
+def _instance_bound(s: Any, root: Any, depth: int, extra: list[int]) -> int:
+    """Bytes of ``s``'s instance with every property present, each value the longest of its
+    cheapest forms (an upper bound of what the close path writes for it)."""
+    if not isinstance(s, dict) or depth > 12:
+        return 64 if depth > 12 else 8  # true / false schemas, deep recursion: best effort
+    if isinstance(s.get("$ref"), str):
+        target: Any = root
+        for part in s["$ref"].lstrip("#/").split("/"):
+            target = target.get(part) if isinstance(target, dict) and part else target
+        return _instance_bound(target, root, depth + 1, extra)
+    values = [s["const"]] if "const" in s else s.get("enum")
+    if isinstance(values, list) and values:
+        texts = [json.dumps(v, separators=(", ", ": ")) for v in values]
+        extra[0] = max(extra[0], max(len(t.encode()) for t in texts))
+        return max(len(t.encode()) for t in texts)
+    bound = 0
+    for key in ("anyOf", "oneOf"):
+        if isinstance(s.get(key), list):
+            bound = max([bound] + [_instance_bound(b, root, depth + 1, extra) for b in s[key]])
+    if isinstance(s.get("allOf"), list):
+        bound = max(bound, sum(_instance_bound(b, root, depth + 1, extra) for b in s["allOf"]))
+    kinds = s.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else []
+    if not kinds and not bound:
+        kinds = ["object"] if "properties" in s else ["any"]
+    for kind in kinds:
+        bound = max(bound, _type_bound(kind, s, root, depth, extra))
+    return bound
+
+
+def _of(s: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = s.get(key)
+    return value if isinstance(value, kind) else default
+
+
+def _type_bound(kind: str, s: dict[str, Any], root: Any, depth: int, extra: list[int]) -> int:
+    if kind == "object":
+        props: dict[str, Any] = _of(s, "properties", dict, {})
+        size = 2 + sum(
+            len(json.dumps(k).encode()) + 4 + _instance_bound(v, root, depth + 1, extra)
+            for k, v in props.items()
+        )
+        return size + (0 if s.get("additionalProperties") is False else 32)
+    if kind == "array":
+        items = s.get("items")
+        prefix: list[Any] = _of(s, "prefixItems", list, [])
+        item = _instance_bound(items, root, depth + 1, extra) if isinstance(items, dict) else 32
+        count: int = _of(s, "minItems", int, 0)
+        return (
+            2
+            + sum(_instance_bound(p, root, depth + 1, extra) + 2 for p in prefix)
+            + (max(count, 1) * (item + 2))
+        )
+    if kind == "string":
+        least: int = _of(s, "minLength", int, 0)
+        if "pattern" in s or "format" in s:
+            extra[0] = max(extra[0], 16)
+            return 2 + 4 * least + 32
+        return 2 + 4 * least
+    if kind in ("integer", "number"):  # 0, else a bound's digits
+        low, high = s.get("minimum", -1), s.get("maximum", 1)
+        numeric = isinstance(low, int | float) and isinstance(high, int | float)
+        return 2 if numeric and low <= 0 <= high else 24
+    if kind in ("boolean", "null"):
+        return 5
+    return 32  # any value
 
 
 class GrammarError(ValueError):
@@ -192,35 +301,174 @@ class GrammarBusy(Exception):
     OVERLOADED (retry), not queued without bound."""
 
 
+@dataclass(frozen=True, slots=True)
+class Steering:
+    """What budget steering needs of a grammar and its tokenizer (the module docstring)."""
+
+    tokenizer: Any  # the llguidance.LLTokenizer
+    byte: np.ndarray  # int32 [256]: the token of each single byte, -1 for none
+    content: np.ndarray  # int32 [words]: the tokens without structural bytes (JSON only)
+    eos: np.ndarray  # int32 [words]: the end token
+    jump: int
+    margin: int
+    json: bool
+
+
 class Grammar:
     """A compiled constraint: its probed matcher, copied for each row that uses it."""
 
-    def __init__(self, constraint: Constraint, template: Any) -> None:
+    def __init__(
+        self, constraint: Constraint, template: Any, steering: Steering | None = None
+    ) -> None:
         self.constraint = constraint
         self._template = template  # an llguidance.LLMatcher at the grammar's start, never advanced
+        self._steering = steering
 
     def matcher(self) -> RowMatcher:
-        return RowMatcher(self._template.deep_copy())
+        return RowMatcher(self._template.deep_copy(), self._steering)
+
+
+class _Scan:
+    """Where JSON text is: in a string (after an escape) or not, and its last byte."""
+
+    __slots__ = ("escaped", "in_string", "last")
+
+    def __init__(self) -> None:
+        self.in_string = self.escaped = False
+        self.last = 0
+
+    def copy(self) -> _Scan:
+        other = _Scan()
+        other.in_string, other.escaped, other.last = self.in_string, self.escaped, self.last
+        return other
+
+    def feed(self, data: bytes) -> None:
+        for c in data:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == 0x5C:
+                    self.escaped = True
+                elif c == 0x22:
+                    self.in_string = False
+            elif c == 0x22:
+                self.in_string = True
+            self.last = c
+
+    def priority(self) -> bytes:
+        """The bytes a close path prefers here, cheapest first: in a string its end; else the
+        open container's end, a separator after a number (digits would lengthen it), then the
+        shortest value starts."""
+        if self.in_string:
+            return b'"0a'
+        return b"}]" + (b"," if self.last in _DIGITS else b"") + b'0"nft-[{,:'
 
 
 class RowMatcher:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar, and its budget steering (the module docstring)."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, steering: Steering | None = None) -> None:
         self._m = matcher
+        self._steer = steering
+        self._scan = _Scan()
+        self._unscanned: list[int] = []  # accepted, not yet fed to the scan (the mask thread does)
+        self._plan: list[int] | None = None  # the close path from the state of the last walk
+        self._since = 0  # tokens accepted since that walk
+        self._cursor = -1  # >= 0: closing, the index of the path's next token
 
-    def fill(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32 [rows, words]).
+    def fill(self, bitmask: np.ndarray, row: int, left: int = 0) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 [rows, words]); ``left``:
+        the tokens the row may still produce, this one included (0: unknown, no steering).
         (llguidance.numpy, not llguidance.torch: importing the latter imports torch._dynamo, 8 s
         measured here, on the engine thread at the first constrained step.)"""
         import llguidance.numpy as ln
 
         ln.fill_next_token_bitmask(self._m, bitmask, row)
+        st = self._steer
+        if st is None or left <= 0 or self._m.is_error():
+            return
+        words = bitmask[row]
+        if self._cursor >= 0:
+            assert self._plan is not None
+            _only(words, self._plan[self._cursor] if self._plan else -1, st.eos)
+            return
+        window = st.jump + st.margin + 1
+        plan = self._plan
+        if plan is None or left <= len(plan) + st.jump * self._since + window:
+            if self._unscanned:
+                self._scan.feed(st.tokenizer.decode_bytes(self._unscanned))
+                self._unscanned = []
+            plan = self._plan = self._walk()
+            self._since = 0
+            if plan is None or len(plan) > left:  # no path within the budget: not steered
+                self._steer = None
+                return
+        if left <= len(plan) + st.margin:
+            self._cursor = 0
+            _only(words, plan[0] if plan else -1, st.eos)
+        elif st.json and plan and left <= len(plan) + window:
+            allowed = st.content | st.eos
+            allowed.view(np.uint32)[plan[0] >> 5] |= np.uint32(1 << (plan[0] & 31))
+            words &= allowed
+
+    def _walk(self, limit: int = WALK_MAX) -> list[int] | None:
+        """The close path from here, on a copy: forced tokens as they come, else the token of
+        the first byte of ``_Scan.priority`` the grammar allows, else its lowest printable byte
+        allowed; then as the tokenizer would write those bytes, when shorter and allowed. None
+        when it is longer than ``limit`` tokens or fails."""
+        st = self._steer
+        assert st is not None
+        tok, byte = st.tokenizer, st.byte
+        c = self._m.deep_copy()
+        scan = self._scan.copy()
+        out: list[int] = []
+        while not c.is_accepting():
+            if len(out) >= limit:
+                return None
+            ff = c.compute_ff_tokens()
+            if ff:
+                c.consume_tokens(ff)
+                picked = list(ff)
+            else:
+                bits = np.frombuffer(c.compute_bitmask(), np.uint32)
+                picked = [_pick(bits, byte, scan.priority() if st.json else b"")]
+                if picked[0] < 0:
+                    return None
+                c.consume_token(picked[0])
+            if c.is_error():
+                return None
+            out += picked
+            scan.feed(tok.decode_bytes(picked))
+        if len(out) > 1:
+            ids = tok.tokenize_bytes(tok.decode_bytes(out))
+            if len(ids) < len(out):
+                c = self._m.deep_copy()
+                if (
+                    c.validate_tokens(ids) == len(ids)
+                    and c.consume_tokens(ids)
+                    and c.is_accepting()
+                    and not c.is_error()
+                ):
+                    out = list(ids)
+        return out if len(out) <= limit else None
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it, or its limits
         were exceeded (then ``error`` says why)."""
-        return bool(self._m.consume_token(token)) and not self._m.is_error()
+        ok = bool(self._m.consume_token(token)) and not self._m.is_error()
+        if ok and self._steer is not None:
+            self._unscanned.append(token)
+            self._since += 1
+            if self._cursor >= 0:
+                self._cursor += 1
+        return ok
+
+    @property
+    def budget_closed(self) -> bool:
+        """The row followed its close path to its end: the grammar is complete because its
+        tokens ran out (its finish is MAX_TOKENS)."""
+        plan = self._plan
+        return self._cursor > 0 and plan is not None and self._cursor >= len(plan)
 
     @property
     def error(self) -> str:
@@ -236,6 +484,33 @@ class RowMatcher:
     def accepting(self) -> bool:
         """What was generated so far is a complete match (EOS would be allowed)."""
         return bool(self._m.is_accepting())
+
+
+class MaskWorker:
+    """Computes constrained rows' next masks off the engine thread, on up to one thread per row
+    (a row has one mask computing at a time; threads are made as masks overlap, so a row whose
+    mask is slow holds one thread and never delays another row's mask; llguidance computes
+    without the GIL, 0.01-2 ms per mask on SmolLM2's vocabulary):
+    ``submit(matcher, left)`` returns a future of the row's mask words (int32 [words]) for its
+    next token, ``left`` tokens allowed from it on (that one included); a matcher that raises
+    fails its future, never the worker. Not niced, unlike the compile worker: a row's mask is on
+    its row's path to its next token."""
+
+    def __init__(self, words: int, rows: int) -> None:
+        self.words = words
+        self._pool = concurrent.futures.ThreadPoolExecutor(rows, thread_name_prefix="mask")
+
+    def submit(self, matcher: RowMatcher, left: int) -> concurrent.futures.Future[np.ndarray]:
+        return self._pool.submit(self._mask, matcher, left)
+
+    def _mask(self, matcher: RowMatcher, left: int) -> np.ndarray:
+        row = np.zeros((1, self.words), np.int32)
+        matcher.fill(row, 0, left)
+        words: np.ndarray = row[0]
+        return words
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Grammars:
@@ -267,12 +542,37 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], Grammar | GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         self._waiting = 0  # compiles submitted to the worker and not finished
+        self._tables = self._steering_tables(eos_id)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="grammar", initializer=_lower_priority
         )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _steering_tables(self, eos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Budget steering's tables for this tokenizer (``Steering``; 0.1 s for SmolLM2's
+        49,152 tokens): each byte's single-byte token, the content tokens, the end token."""
+        tok = self.tokenizer
+        byte = np.full(256, -1, np.int32)
+        content = np.zeros(self.words * 32, np.bool_)
+        for i in range(min(self.vocab_size, tok.vocab_size)):
+            if tok.is_special_token(i):
+                continue
+            data = tok.decode_bytes([i])
+            if len(data) == 1 and byte[data[0]] < 0:
+                byte[data[0]] = i
+            content[i] = bool(data) and _STRUCTURAL.search(data) is None
+        eos = np.zeros(self.words * 32, np.bool_)
+        eos[eos_id] = True
+        packed = [np.packbits(a, bitorder="little").view(np.int32) for a in (content, eos)]
+        return byte, packed[0], packed[1]
+
+    def _steering(self, constraint: Constraint) -> Steering:
+        jump, margin = budget_bounds(constraint)
+        byte, content, eos = self._tables
+        json_kind = constraint.kind in ("json_object", "json_schema")
+        return Steering(self.tokenizer, byte, content, eos, jump, margin, json_kind)
 
     def bitmask(self, rows: int) -> np.ndarray:
         """A zeroed int32 [rows, words] mask for ``RowMatcher.fill``."""
@@ -303,7 +603,7 @@ class Grammars:
         if grammar is not None:
             return grammar
         try:
-            grammar = Grammar(constraint, self._build(constraint))
+            grammar = Grammar(constraint, self._build(constraint), self._steering(constraint))
         except GrammarError as exc:
             self._keep(constraint, exc)
             raise
@@ -396,6 +696,31 @@ class Grammars:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except asyncio.TimeoutError:
             raise self._timed_out(constraint) from None
+
+
+def _pick(bits: np.ndarray, byte: np.ndarray, priority: bytes) -> int:
+    """The close path's next token where nothing is forced (``_walk``); -1 when none."""
+
+    def allowed(t: int) -> bool:
+        return t >= 0 and bool(bits[t >> 5] >> (t & 31) & 1)
+
+    for b in priority:
+        if allowed(int(byte[b])):
+            return int(byte[b])
+    for b in _PRINTABLE:
+        if allowed(int(byte[b])):
+            return int(byte[b])
+    ids = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+    return int(ids[0]) if len(ids) else -1
+
+
+def _only(words: np.ndarray, token: int, eos: np.ndarray) -> None:
+    """Restrict a row's mask to ``token`` (-1: to the end token, where it allows it)."""
+    if token < 0:
+        words &= eos
+        return
+    words[:] = 0
+    words.view(np.uint32)[token >> 5] = np.uint32(1 << (token & 31))
 
 
 def _first_line(text: str) -> str:

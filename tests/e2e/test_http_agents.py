@@ -531,3 +531,87 @@ def test_pydantic_ai_structured_output_parses_with_bounded_numbers_and_calls(dae
         assert 1 <= len(texts) <= MAX_CALLS and len(set(texts)) == len(texts), texts
         for text in texts:
             assert abs(json.loads(text)["celsius"]) < 2**63
+
+
+class Profile(BaseModel):
+    bio: str
+    age: int
+    hobbies: list[str]
+
+
+PROFILE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "profile", "schema": Profile.model_json_schema()},
+}
+ASK_PROFILE = [
+    {"role": "user", "content": "Write a very long biography of a person with many hobbies."}
+]
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_schema_output_cut_by_max_tokens_still_validates_streamed_or_not(daemon):
+    """Issue #39: a json_schema reply whose max_tokens runs out inside the JSON is steered to
+    its shortest valid end: finish "length", and the content validates; streamed = not."""
+    c = oai(daemon)
+    for max_tokens in (20, 32, 48):
+        fields = {"model": MODEL, "messages": ASK_PROFILE, "max_tokens": max_tokens,
+                  "response_format": PROFILE_FORMAT, "temperature": 0}  # fmt: skip
+        answer = c.chat.completions.create(**fields)
+        choice = answer.choices[0]
+        # 20 tokens cut any answer (the shortest is 17); a larger budget may end on its own
+        assert choice.finish_reason in ("length", "stop"), choice.message.content
+        assert choice.finish_reason == "length" or max_tokens > 20
+        assert answer.usage is not None and answer.usage.completion_tokens <= max_tokens
+        Profile.model_validate_json(choice.message.content or "")
+        chunks = list(c.chat.completions.create(**fields, stream=True))
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert streamed == choice.message.content
+        finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+        assert finishes[-1] == choice.finish_reason
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_anthropic_forced_tool_cut_by_max_tokens_has_parseable_input(daemon):
+    """Issue #39 on the Anthropic API: a forced tool whose max_tokens runs out inside its input
+    gets a complete input (stop_reason "max_tokens"), streamed or not."""
+    report = {
+        "name": "report",
+        "description": "A long weather report",
+        "input_schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "text": {"type": "string"},
+                           "days": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["city", "text", "days"],
+        },
+    }  # fmt: skip
+    c = ant(daemon)
+    # 26 tokens: the shortest call is 22 ({"name": "report", "arguments": {"city": "", ...}})
+    fields = {"model": MODEL, "max_tokens": 26, "tools": [report],
+              "tool_choice": {"type": "tool", "name": "report"},
+              "messages": [{"role": "user", "content": "Write a long weather report for Oslo."}],
+              "extra_body": {"temperature": 0}}  # fmt: skip
+    message = c.messages.create(**fields)
+    assert message.stop_reason == "max_tokens"
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert len(uses) == 1 and set(uses[0].input) == {"city", "text", "days"}
+    with c.messages.stream(**fields) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    assert [b.input for b in final.content if b.type == "tool_use"] == [uses[0].input]
+
+
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_pydantic_ai_native_output_at_a_small_budget_validates(daemon):
+    """pydantic-ai's NativeOutput (response_format json_schema) at a budget the model's answer
+    overruns: the reply is steered closed and validates."""
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=daemon.http_url + "/v1", api_key="none")
+    agent = Agent(OpenAIChatModel(MODEL, provider=provider), output_type=NativeOutput(Profile))
+    got = agent.run_sync(
+        "Write a very long biography of a person with many hobbies.",
+        model_settings={"max_tokens": 24, "temperature": 0},
+    )
+    assert isinstance(got.output, Profile)

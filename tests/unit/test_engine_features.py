@@ -9,6 +9,7 @@ kernels."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ class Allowing:
         def __init__(self, grammar: Allowing) -> None:
             self.g, self.n = grammar, 0
 
-        def fill(self, bitmask: np.ndarray, row: int) -> None:
+        def fill(self, bitmask: np.ndarray, row: int, left: int = 0) -> None:
             bits = bitmask.view(np.uint32)
             bits[row] = 0
             for t in self.g.ids:
@@ -104,6 +105,7 @@ class Allowing:
             return token in self.g.ids
 
         error = ""  # never exceeds its limits
+        budget_closed = False  # never steered
 
         @property
         def finished(self) -> bool:
@@ -302,3 +304,97 @@ def test_cancelling_choice_0_before_its_prefill_cancels_the_waiting_choices() ->
         "c0": FinishReason.CANCELLED, "c1": FinishReason.CANCELLED, "c2": FinishReason.CANCELLED
     }  # fmt: skip
     assert engine.slots_used == 0
+
+
+class Blocking(Allowing):
+    """``Allowing``, whose mask for its token number ``at`` (0: the first) waits for ``release``:
+    a grammar whose mask computation overruns any budget."""
+
+    def __init__(self, ids: set[int], length: int, at: int) -> None:
+        super().__init__(ids, length)
+        self.at = at
+        self.release = threading.Event()
+        self.blocked = threading.Event()  # the mask has started waiting
+
+    def matcher(self) -> Blocking.Matcher:  # type: ignore[override]
+        return Blocking.Matcher(self)
+
+    class Matcher(Allowing.Matcher):
+        def fill(self, bitmask: np.ndarray, row: int, left: int = 0) -> None:
+            g = self.g
+            assert isinstance(g, Blocking)
+            if self.n == g.at:
+                g.blocked.set()
+                assert g.release.wait(30)
+            super().fill(bitmask, row, left)
+
+
+class Raising(Allowing.Matcher):
+    """A matcher whose mask for its third token raises."""
+
+    def fill(self, bitmask: np.ndarray, row: int, left: int = 0) -> None:
+        if self.n == 2:
+            raise RuntimeError("grammar engine blew up\nsecond line")
+        super().fill(bitmask, row, left)
+
+
+def counts_of(engine: Engine, steps: int) -> dict[str, int]:
+    """Each owner's tokens over ``steps`` steps."""
+    got: dict[str, int] = {}
+    for _ in range(steps):
+        out = engine.step()
+        for i, owner in enumerate(out.owners):
+            got[owner] = got.get(owner, 0) + int(out.tokens[i] != NO_TOKEN)
+    return got
+
+
+def test_a_row_whose_mask_is_late_is_parked_and_the_others_go_on() -> None:
+    """Issue #40: a constrained row whose mask overruns the step's budget is parked (its slot
+    and state kept, no token), never the batch; released, it rejoins and ends with its full
+    count. A row whose first mask is late holds only its own prompt's last chunk."""
+    xy = {ord("x"), ord("y")}
+    mid, first = Blocking(xy, 6, at=2), Blocking(xy, 6, at=0)
+    engine = Engine(HistoryBackend(num_slots=6), TOK, lambda _: None, max_queue=8,
+                    max_step_tokens=256, prefill_chunk=64, mask_budget_s=0.2)  # fmt: skip
+    engine.submit(make("mid", "blocks at its third token", 6, mid))
+    engine.submit(make("first", "blocks at its first token", 6, first))
+    engine.submit(make("free", "a free row", 30))
+    engine.submit(make("grammar", "a constrained row", 30, Allowing(xy, 100)))
+    before = counts_of(engine, 12)
+    assert first.blocked.is_set() and mid.blocked.is_set()
+    assert before.get("first", 0) == 0 and before["mid"] == 2  # held / parked: no tokens
+    assert before["free"] == 12 and before["grammar"] == 12  # the others went on
+    rows = engine._rows
+    slots = {s.owner: s.slot for s in engine._running}
+    assert slots["mid"] in rows.parked and slots["mid"] not in rows.decoding
+    assert slots["first"] in rows.held and slots["first"] not in rows.decoding
+    mid.release.set()
+    first.release.set()
+    ids, _, finish, _ = drive(engine)
+    assert finish["mid"] == (FinishReason.STOP, 6) and len(ids["mid"]) == 6 - 2
+    assert finish["first"] == (FinishReason.STOP, 6) and len(ids["first"]) == 6
+    assert set(ids["mid"]) | set(ids["first"]) <= xy
+    assert finish["free"] == (FinishReason.MAX_TOKENS, 30)
+    assert finish["grammar"] == (FinishReason.MAX_TOKENS, 30)
+    assert not rows.parked and not rows.held and rows._constrained == 0
+
+
+def test_a_matcher_that_raises_ends_its_row_alone_as_a_grammar_failure() -> None:
+    from zerolayer.engine.finish import GRAMMAR_FAILED
+
+    xy = {ord("x"), ord("y")}
+
+    class Failing(Allowing):
+        def matcher(self) -> Raising:  # type: ignore[override]
+            return Raising(self)
+
+    engine = engine_on(HistoryBackend(num_slots=4))
+    bad = make("bad", "a grammar that raises", 8, Failing(xy, 100))
+    engine.submit(bad)
+    engine.submit(make("good", "a grammar that holds", 8, Allowing(xy, 100)))
+    engine.submit(make("free", "no grammar", 8))
+    ids, _, finish, _ = drive(engine)
+    assert finish["bad"] == (GRAMMAR_FAILED, 2) and len(ids["bad"]) == 2
+    assert bad.grammar_error == "grammar engine blew up"  # its first line
+    assert finish["good"] == (FinishReason.MAX_TOKENS, 8)
+    assert finish["free"] == (FinishReason.MAX_TOKENS, 8)

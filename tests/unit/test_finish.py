@@ -140,8 +140,9 @@ class Matcher:
     ) -> None:
         self.length, self.refused, self.taken = length, refused, 0
         self.over, self.over_at_fill, self.error = over, over_at_fill, ""
+        self.budget_closed = False
 
-    def fill(self, bitmask: np.ndarray, row: int) -> None:
+    def fill(self, bitmask: np.ndarray, row: int, left: int = 0) -> None:
         bitmask[row] = -1  # everything allowed: the scripted backend ignores the mask anyway
         if self.taken == self.over_at_fill:
             self.error = "lexer error: too many expressions constructed"

@@ -373,10 +373,15 @@ class LimitedGrammar:
     class Matcher:
         def __init__(self, at: int) -> None:
             self.at, self.taken, self.error, self.finished = at, 0, "", False
+            self.budget_closed = False
 
-        def fill(self, bitmask, row: int) -> None:  # noqa: ANN001
+        raises = False  # the mask raises instead (a grammar engine's failure)
+
+        def fill(self, bitmask, row: int, left: int = 0) -> None:  # noqa: ANN001
             bitmask[row] = -1
             if self.taken == self.at:
+                if self.raises:
+                    raise RuntimeError("lexer error: too many expressions constructed")
                 self.error = "lexer error: too many expressions constructed"
 
         def accept(self, token: int) -> bool:
@@ -384,7 +389,12 @@ class LimitedGrammar:
             return True
 
 
-def test_a_grammar_over_its_limits_mid_stream_is_invalid_request_naming_the_field() -> None:
+@pytest.mark.parametrize("raises", [False, True])
+def test_a_grammar_over_its_limits_mid_stream_is_invalid_request_naming_the_field(
+    raises: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(LimitedGrammar.Matcher, "raises", raises)
+
     async def run() -> tuple[list, list[Refusal]]:
         path, door = make_path(async_gate=False), Door()
 
@@ -406,7 +416,7 @@ def test_a_grammar_over_its_limits_mid_stream_is_invalid_request_naming_the_fiel
     assert sorted(endings) == [(1, "error", ErrorCode.INVALID_REQUEST),
                                (2, "done", FinishReason.MAX_TOKENS)]  # fmt: skip
     assert refusals[0].field == "structured_outputs.regex"
-    assert refusals[0].message == (
+    assert refusals[0].message == (  # the same answer whether the mask failed or raised
         "structured_outputs.regex: the grammar exceeded its limits after 2 tokens "
         "(lexer error: too many expressions constructed)"
     )

@@ -488,3 +488,184 @@ def test_integers_and_numbers_without_bounds_stay_inside_int64(grammars, tokeniz
     assert not accepts({"type": "integer", "maximum": 10**15}, "9" * 16)
     assert closed({"type": "integer", "minimum": 0}) == {
         "type": "integer", "minimum": 0, "maximum": 2**63 - 1024}  # fmt: skip
+
+
+# ---- budget steering (issue #39) -----------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "population": {"type": "integer"},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 3},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
+        "ok": {"type": "boolean"},
+        "size": {"enum": ["small", "large"]},
+    },
+    "required": ["name", "population", "hobbies", "address"],
+}
+CALLS = {  # the shape of zerolayer.http.tools.forced_schema's list
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"const": "get_weather"},
+            "arguments": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                               "tags": {"type": "array", "items": {"type": "string"}}},
+                "required": ["city"],
+            },
+        },
+        "required": ["name", "arguments"],
+    },
+    "minItems": 1,
+    "maxItems": 16,
+}  # fmt: skip
+STEERED = {
+    "person": Constraint.json_schema(PERSON),
+    "calls": Constraint.json_schema(CALLS),
+    "object": Constraint.json_object(),
+}
+SCHEMAS = {"person": PERSON, "calls": CALLS, "object": {"type": "object"}}
+
+
+class Adversary:
+    """A backend whose rows pick, within each row's mask, what runs away: structure openers,
+    separators, digits (seeded), never an end token while anything else is allowed."""
+
+    def __init__(self, tokenizer, seed: int, slots: int) -> None:  # noqa: ANN001
+        import numpy as np
+
+        from zerolayer.engine.backend import ModelInfo
+
+        self.num_slots = slots
+        self.info = ModelInfo("adversary", tokenizer.vocab_size, tokenizer.eos_token_id, 4096)
+        self.rng = np.random.default_rng(seed)
+        self.eos = sorted(tokenizer.eos_token_ids)
+        texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+        self.runaway = np.array([any(c in t for c in '[{",1') for t in texts], np.bool_)
+
+    def _pick(self, words) -> int:  # noqa: ANN001
+        import numpy as np
+
+        allowed = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little")[
+            : self.info.vocab_size
+        ].astype(np.bool_)
+        ends = allowed.copy()
+        allowed[self.eos] = False
+        if not allowed.any():
+            return int(np.flatnonzero(ends)[0])
+        pool = np.flatnonzero(allowed & self.runaway)
+        if not len(pool) or self.rng.random() < 0.3:
+            pool = np.flatnonzero(allowed)
+        return int(self.rng.choice(pool))
+
+    def _sample(self, proc, n: int):  # noqa: ANN001, ANN202
+        import numpy as np
+
+        assert proc is not None and proc.allowed is not None
+        return np.array([self._pick(proc.allowed[r]) for r in range(n)], np.int32)
+
+    def prefill(self, chunks):  # noqa: ANN001, ANN201
+        import numpy as np
+
+        return np.array(
+            [self._sample(c.processing, 1)[0] if c.last else 0 for c in chunks], np.int32
+        )
+
+    def decode(self, batch):  # noqa: ANN001, ANN201
+        return self._sample(batch.processing, batch.size)
+
+    def free(self, slot: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _shortest(grammars, constraint) -> int:  # noqa: ANN001
+    """The close path's length from the grammar's start: the least max_tokens steered."""
+    m = grammars.compile_sync(constraint).matcher()
+    plan = m._walk(4096)
+    assert plan is not None
+    return len(plan)
+
+
+def _steered_run(grammars, tokenizer, budgets: dict[str, int], seed: int) -> dict:  # noqa: ANN001
+    import numpy as np
+
+    from zerolayer.engine.engine import Engine, Sequence
+    from zerolayer.sampling_params import SamplingParams
+
+    engine = Engine(Adversary(tokenizer, seed, len(budgets)), tokenizer, lambda _: None,
+                    max_queue=8, max_step_tokens=512, prefill_chunk=64)  # fmt: skip
+    for name, budget in budgets.items():
+        grammar = grammars.compile_sync(STEERED[name])
+        prompt = np.array(tokenizer.encode_prompt(f"Answer {name}:"), np.int32)
+        engine.submit(Sequence(name, prompt, budget, SamplingParams(), grammar=grammar))
+    out: dict = {name: {"ids": [], "finish": None} for name in budgets}
+    for _ in range(2000):
+        step = engine.step()
+        for i, owner in enumerate(step.owners):
+            if int(step.tokens[i]) >= 0:
+                out[owner]["ids"].append(int(step.tokens[i]))
+        for f in step.finished:
+            out[f.owner]["finish"] = (f.finish, f.n_tokens)
+        if engine.idle:
+            break
+    engine.stop()
+    return out
+
+
+def test_close_paths_keep_the_schema(grammars, tokenizer) -> None:
+    """The close path from inside a runaway number: the rest of the required keys, each value
+    its cheapest valid form (minLength, pattern)."""
+    m = grammars.compile_sync(STEERED["person"]).matcher()
+    mask = grammars.bitmask(1)
+    for t in tokenizer.encode('{"name": "Jo", "population": 1111111'):
+        m.fill(mask, 0)
+        assert m.accept(t)
+    m._scan.feed(m._steer.tokenizer.decode_bytes(m._unscanned))
+    plan = m._walk(100)
+    assert tokenizer.decode(plan) == ', "hobbies": [], "address": {"city": "000", "zip": "00000"}}'
+
+
+def test_steered_rows_end_length_with_text_that_validates(grammars, tokenizer) -> None:
+    """Issue #39: for every max_tokens from the shortest instance on, an adversarial sampler
+    (structure openers, digits, never an end token) gets JSON that parses and validates; a row
+    its budget closed ends MAX_TOKENS with at most its max_tokens."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from zerolayer.codes import FinishReason
+
+    least = {name: _shortest(grammars, c) for name, c in STEERED.items()}
+    assert least["object"] == 1  # {}
+    seen: dict = {"length": 0}
+
+    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.integers(0, 2**31),
+        st.fixed_dictionaries({name: st.integers(0, 90) for name in STEERED}),
+    )
+    def run(seed: int, over: dict[str, int]) -> None:
+        budgets = {name: least[name] + over[name] for name in STEERED}
+        out = _steered_run(grammars, tokenizer, budgets, seed)
+        for name, got in out.items():
+            text = tokenizer.decode(got["ids"])
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+            finish, count = got["finish"]
+            assert count == len(got["ids"]) <= budgets[name]
+            assert finish in (FinishReason.MAX_TOKENS, FinishReason.STOP, FinishReason.EOS)
+            seen["length"] += finish == FinishReason.MAX_TOKENS
+
+    run()
+    assert seen["length"] > 10  # the adversary runs away: most rows were steered

@@ -27,7 +27,7 @@ from pydantic_settings import (
 
 from zerolayer.config.hooks import CacheConfig, HooksConfig, RateLimitConfig
 from zerolayer.config.prompts import PromptEntry, resolve_prompt_files
-from zerolayer.structured import CACHE_SIZE, COMPILE_TIMEOUT_S, MAX_BYTES
+from zerolayer.structured import CACHE_SIZE, COMPILE_TIMEOUT_S, MASK_BUDGET_S, MAX_BYTES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -131,6 +131,8 @@ class EngineConfig(_Section):
     grammar_max_bytes: int = Field(MAX_BYTES, ge=1)  # a constraint's canonical text
     grammar_timeout_s: float = Field(COMPILE_TIMEOUT_S, gt=0)  # a compile's wait
     grammar_cache: int = Field(CACHE_SIZE, ge=1)  # compiled constraints kept, failures too
+    # How long a step waits for a constrained row's next mask before parking that row
+    grammar_mask_budget_ms: float = Field(MASK_BUDGET_S * 1000, gt=0)
 
 
 # Named models for model.path (zerolayer.models.bundled): the SmolLM2-135M-Instruct GGUF that the

@@ -50,6 +50,7 @@ from zerolayer.engine.rows import Rows
 from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Logprobs, Output, StepOutput
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
+from zerolayer.structured import MASK_BUDGET_S
 from zerolayer.tokenizer import Tokenizer
 
 __all__ = [
@@ -107,6 +108,7 @@ class Engine:
         on_step: Callable[[str, float, int], None] | None = None,
         prefix_store: PrefixStore | None = None,
         row_share: float = 0.0,
+        mask_budget_s: float = MASK_BUDGET_S,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -116,6 +118,9 @@ class Engine:
         self._prefill_chunk = prefill_chunk
         self._on_step = on_step
         self._store = prefix_store  # consulted at admission, fed at prefill completion
+        # How long a step waits for constrained rows' masks before parking the late ones
+        # (zerolayer.engine.rows, engine.grammar_mask_budget_ms).
+        self._mask_budget_s = mask_budget_s
         self._inbox: collections.deque[Sequence] = collections.deque()
         # Waiting sequences by fairness key (Sequence.fair_key), in round-robin order: admission
         # takes the head of the key ``RowShares.pick`` names (under its share of the rows; ties
@@ -225,10 +230,12 @@ class Engine:
         self._wake.set()
         if self._compute is None:
             self.backend.close()
+            self._rows.close()
             return
         with contextlib.suppress(RuntimeError):  # RuntimeError: the thread is already gone
             self._compute.submit(self.backend.close)  # runs after _run has returned
         self._compute.close(timeout)
+        self._rows.close()  # the mask threads, once the loop no longer submits
 
     # ------------------------------------------------------------------ engine thread
 
@@ -284,6 +291,7 @@ class Engine:
         if not self._running:
             return None
         rows = self._rows
+        deadline = rows.prepare(self._mask_budget_s)
         plan = StepPlan([], [], [], rows.batch())
         if plan.batch is not None:
             plan.decode = rows.decoding_seqs
@@ -295,8 +303,10 @@ class Engine:
                 continue
             start = seq.prefilled
             n = min(len(seq.prompt) - start, self._prefill_chunk, budget)
-            budget -= n
             last = start + n == len(seq.prompt)
+            if last and not rows.mask_ready(seq.slot, deadline):
+                continue  # its first mask is late: the last chunk runs at a later step
+            budget -= n
             plan.chunks.append(
                 PrefillChunk(
                     slot=seq.slot,
@@ -311,6 +321,8 @@ class Engine:
                 )
             )
             plan.chunk_seqs.append(seq)
+        if plan.batch is None and not plan.chunks:
+            rows.wait_late()  # only rows waiting for their masks: no spin
         return plan
 
     def _pick(self) -> object:

@@ -35,7 +35,10 @@ Precedence, highest first (tests/unit/test_finish.py pins the combinations a ste
 - GRAMMAR (STOP): the row's grammar is complete with this token, which is produced, also when it is
   the last allowed one. vLLM and llama.cpp have no such rule: a complete grammar there allows only
   EOS, which ends the row at the next token ("stop" on the OpenAI wire either way).
-- LENGTH (MAX_TOKENS): the row's last allowed token (max_tokens, or the context).
+- LENGTH (MAX_TOKENS): the row's last allowed token (max_tokens, or the context); or the token
+  that completes a grammar the row was steered to close as its tokens ran out
+  (zerolayer.structured, budget steering: ``RowMatcher.budget_closed``), produced, which may
+  come before the last allowed one: the reply is cut by its budget, its JSON complete.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ FAILED = 2  # the token could not be taken in: the grammar refused it, or its te
 EOS = 4  # an end-of-sequence id, unless the row ignores EOS
 STOP_ID = 8  # one of the row's stop ids
 GRAMMAR = 16  # the row's grammar is complete with this token
-LENGTH = 32  # the row's last allowed token: max_tokens, or the context
+LENGTH = 32  # the row's last allowed token (max_tokens, or the context), or its steered close
 CANCEL = 64  # Engine.cancel: the request path ended the stream
 GRAMMAR_LIMIT = 128  # the row's grammar exceeded its limits (its mask or taking the token in)
 

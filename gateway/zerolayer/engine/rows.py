@@ -13,12 +13,24 @@ grammar's state advance in ``advance``, the one place a sampled token is taken i
 a prefill's last chunk carries a ``Processing`` (``processing``) only when one of its rows
 needs it: rows without any of these features cost nothing more per step.
 
+A constrained row's next mask is grammar work of unbounded cost (issue #40), so it never runs on
+the engine thread: the row submits it to a ``MaskWorker`` (zerolayer.structured) when it joins and
+after each token it takes in, and ``prepare`` waits for the decoding rows' masks at most the
+step's budget. A row whose mask is late is **parked**: it leaves the decode set but keeps its slot,
+KV and state, gets no token in that step, and rejoins the first step its mask is ready; the other
+rows never wait for it beyond the budget. A prompt's last chunk waits for its row's first mask
+the same way (``mask_ready``), else it runs at a later step. A matcher that fails (its limits
+exceeded, or raising) ends its row alone (finish GRAMMAR_LIMIT).
+
 Like vLLM v1's persistent InputBatch, but indexed by slot instead of by a compacted batch row:
 rows are never moved, so nothing per row is copied when others come and go.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -39,7 +51,11 @@ from zerolayer.sampling_params import SAMPLING_ROW
 
 if TYPE_CHECKING:
     from zerolayer.engine.sampling import Processing, SparseRows
-    from zerolayer.structured import RowMatcher
+    from zerolayer.structured import MaskWorker, RowMatcher
+
+# How long a step with nothing else to run waits for a late row's mask before it returns (the
+# engine loop then looks at its inbox again): the loop never spins while rows are parked.
+PARKED_WAIT_S = 0.02
 
 
 class Rows:
@@ -89,6 +105,13 @@ class Rows:
         self.min_tokens = np.zeros(n, np.int32)
         self.top_logprobs = np.full(n, -1, np.int32)  # -1: no logprobs
         self.matcher: list[RowMatcher | None] = [None] * n
+        # Each constrained row's next mask, being computed off the engine thread (int32 words),
+        # and the rows parked until theirs is ready (out of ``decoding``, slots held).
+        self.next_mask: list[concurrent.futures.Future[np.ndarray] | None] = [None] * n
+        self.parked: set[int] = set()
+        self.held: set[int] = set()  # prompts whose last chunk waits for the row's first mask
+        self._masks: MaskWorker | None = None  # made with the first constrained row
+        self._constrained = 0  # rows with a matcher
         self.penalised = np.zeros(n, np.bool_)
         self.processed = np.zeros(n, np.bool_)  # any of the above on
         self._processing = 0  # rows with processed set
@@ -140,6 +163,8 @@ class Rows:
         sampling = seq.sampling
         if seq.grammar is not None:
             self.matcher[slot] = seq.grammar.matcher()
+            self._constrained += 1
+            self._submit_mask(slot)
         self.presence[slot] = sampling.presence_penalty
         self.frequency[slot] = sampling.frequency_penalty
         self.repetition[slot] = sampling.repetition_penalty
@@ -178,6 +203,11 @@ class Rows:
             self.logprob_rows -= bool(self.top_logprobs[slot] >= 0)
             self.presence[slot] = self.frequency[slot] = 0.0
             self.repetition[slot] = 1.0
+            if self.matcher[slot] is not None:
+                self._constrained -= 1
+                self.parked.discard(slot)
+                self.held.discard(slot)
+                self.next_mask[slot] = None  # a late result is dropped with it
             self.bias[slot] = self.matcher[slot] = None
             self.min_tokens[slot] = 0
             self.top_logprobs[slot] = -1
@@ -265,14 +295,93 @@ class Rows:
             mask = np.zeros((len(slots), (self.vocab + 31) // 32), np.int32)
             for r, m in enumerate(matchers):
                 if m is not None:
-                    m.fill(mask, r)
-                    if m.error:  # its limits exceeded: the row ends, its token unproduced
-                        self._grammar_failed(slots[r], m.error)
+                    why = self._take_mask(slots[r], m, mask[r])
+                    if why:  # the row ends, its token unproduced
+                        self._grammar_failed(slots[r], why)
                         mask[r] = -1
                     self._every_eos(mask[r])
             proc.allowed = mask
             proc.constrained = np.array([m is not None for m in matchers], np.bool_)
         return proc
+
+    def _take_mask(self, slot: int, m: RowMatcher, words: np.ndarray) -> str:
+        """Copy ``slot``'s next mask (computed, ``prepare`` / ``mask_ready`` saw to that) into
+        ``words``; why its grammar failed, "" when it did not."""
+        future, self.next_mask[slot] = self.next_mask[slot], None
+        assert future is not None and future.done(), "a constrained row sampled without its mask"
+        try:
+            words[:] = future.result()
+        except Exception as exc:  # the matcher raised: its row alone fails
+            text = str(exc).strip()
+            return text.splitlines()[0][:200] if text else type(exc).__name__
+        return m.error
+
+    def _submit_mask(self, slot: int) -> None:
+        """Start computing ``slot``'s next mask off the engine thread."""
+        m = self.matcher[slot]
+        assert m is not None
+        if self._masks is None:
+            from zerolayer.structured import MaskWorker
+
+            self._masks = MaskWorker((self.vocab + 31) // 32, len(self.seq))
+        self.next_mask[slot] = self._masks.submit(m, int(self.left[slot]))
+
+    def prepare(self, budget_s: float) -> float:
+        """Before the decode batch is made: wait at most ``budget_s`` for the decoding
+        constrained rows' next masks and park the rows whose mask is late; parked rows whose
+        mask is ready rejoin (a parked row is never waited for). Returns the deadline, for
+        ``mask_ready``."""
+        deadline = time.monotonic() + budget_s
+        if not self._constrained:
+            return deadline
+        decoding = [s for s in self.decoding if self.matcher[s] is not None]
+        for s in decoding:
+            if self.next_mask[s] is None:  # defensive: never left without one
+                self._submit_mask(s)
+        futures = [self.next_mask[s] for s in decoding]
+        if futures:
+            concurrent.futures.wait(futures, timeout=budget_s)  # type: ignore[arg-type]
+        late = {s for s in decoding if not self.next_mask[s].done()}  # type: ignore[union-attr]
+        back = [s for s in self.parked if self.next_mask[s].done()]  # type: ignore[union-attr]
+        if late or back:
+            self.parked -= set(back)
+            self.parked |= late
+            self.decoding = sorted([s for s in self.decoding if s not in late] + back)
+            self._changed = True
+        return deadline
+
+    def mask_ready(self, slot: int, deadline: float) -> bool:
+        """``slot``'s first mask (its prompt's last chunk is next) is ready, waited for until
+        ``deadline`` (monotonic) unless the row is already late (``held``): true for a row
+        without a grammar."""
+        future = self.next_mask[slot]
+        if future is None:
+            return self.matcher[slot] is None
+        if slot not in self.held:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                future.exception(max(0.0, deadline - time.monotonic()))
+        if future.done():
+            self.held.discard(slot)
+            return True
+        self.held.add(slot)
+        return False
+
+    def wait_late(self) -> None:
+        """A step with nothing to run while rows are parked or held: wait up to
+        ``PARKED_WAIT_S`` for one of their masks, so that the engine loop does not spin (it
+        looks at its inbox again after)."""
+        futures = [self.next_mask[s] for s in self.parked | self.held]
+        if futures:
+            concurrent.futures.wait(
+                futures,  # type: ignore[arg-type]
+                timeout=PARKED_WAIT_S,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+
+    def close(self) -> None:
+        """Stop the mask threads (at shutdown)."""
+        if self._masks is not None:
+            self._masks.close()
 
     def _ends(self, slot: int) -> list[int]:
         """The ids that would end ``slot``'s row: EOS and its stop ids (min_tokens bans them)."""
@@ -364,8 +473,12 @@ class Rows:
             m = self.matcher[slot]
             if m is not None and not fired[slot] & UNPRODUCED:
                 if m.accept(token):
-                    if m.finished:
+                    if m.budget_closed:  # steered to its end as its tokens ran out
+                        fired[slot] |= LENGTH
+                    elif m.finished:
                         fired[slot] |= GRAMMAR
+                    elif not fired[slot]:  # the row goes on: its next mask, off this thread
+                        self._submit_mask(slot)
                 elif m.error:
                     self._grammar_failed(slot, m.error)
                 else:
