@@ -1,17 +1,18 @@
 """The running sequences' per-row state: arrays indexed by KV slot, changed in place.
 
 A sequence's row is its slot. ``add`` writes the row when the sequence is admitted (sampling
-parameters, limits, stop ids, where its prompt ends); ``join`` puts prefilled rows into the
-decode set and ``leave`` takes ended rows out of it; nothing is rebuilt per step. Per step the
-engine asks for the decode batch (``batch``: views of the arrays while the decoding slots are
-consecutive, which the lowest-free-slot rule makes the usual case) and ``advance``s every row
-that sampled a token in one vectorized call, which also notes the finish rules its token fires
-(``fired``). The logits processing (gateway/zerolayer/engine/sampling.py: penalties, logit bias,
-min_tokens, logprobs, a grammar's matcher) is per-row state here too, by slot: written at ``add``;
-the token counts the penalties read ([slots, vocab], allocated with the first penalised row) and the
-grammar's state advance in ``advance``, the one place a sampled token is taken in. A batch or
-a prefill's last chunk carries a ``Processing`` (``processing``) only when one of its rows
-needs it: rows without any of these features cost nothing more per step.
+parameters, limits, stop ids, where its prompt ends); ``join`` puts prefilled rows into the decode
+set, ``remove`` takes ended rows out of it and ``leave`` preempted ones (they keep their state);
+nothing is rebuilt per step. Per step the engine asks for the decode batch (``batch``: views of the
+arrays while the decoding slots are consecutive, which the lowest-free-slot rule makes the usual
+case) and ``advance``s every row that sampled a token in one vectorized call, which also notes the
+finish rules its token fires (``fired``). The logits processing
+(gateway/zerolayer/engine/sampling.py: penalties, logit bias, min_tokens, logprobs, a grammar's
+matcher) is per-row state here too, by slot: written at ``add``; the token counts the penalties read
+([slots, vocab], allocated with the first penalised row) and the grammar's state advance in
+``advance``, the one place a sampled token is taken in. A batch or a prefill's last chunk carries a
+``Processing`` (``processing``) only when one of its rows needs it: rows without any of these
+features cost nothing more per step.
 
 Like vLLM v1's persistent InputBatch, but indexed by slot instead of by a compacted batch row:
 rows are never moved, so nothing per row is copied when others come and go.
@@ -185,6 +186,12 @@ class Rows:
         if slot in self.decoding:
             self.decoding.remove(slot)
             self._changed = True
+
+    def leave(self, slot: int) -> None:
+        """``slot``'s row stops decoding but keeps its state (a preempted row: it joins again
+        once its KV is recomputed, with the same last token, position and sampling state)."""
+        self.decoding.remove(slot)
+        self._changed = True
 
     def join(self, slots: list[int]) -> None:
         """Rows whose prompt is now in the cache join the decode set, and the row set is made
