@@ -168,3 +168,24 @@ def test_a_request_beyond_the_whole_pool_is_refused_naming_the_setting():
     assert "KV pool's 64 positions (engine.kv_cache_bytes)" in err.value.message
     default = inputs.prepare(Request(None, prompt_ids=np.arange(97, 117, dtype=np.int32)))
     assert default.max_tokens == 64 - 20
+
+
+def test_the_budget_setting_sizes_the_synthetic_pool(caplog):
+    from zerolayer.config.settings import EngineConfig, Settings
+    from zerolayer.engine.backends.factory import build_backend
+
+    def built(budget: int) -> SyntheticBackend:
+        cfg = EngineConfig(backend="synthetic", kv_cache_bytes=budget, max_context=256)
+        b, _ = build_backend(Settings(engine=cfg))
+        assert isinstance(b, SyntheticBackend)
+        return b
+
+    with caplog.at_level(logging.INFO, logger="zerolayer.engine"):
+        b = built(10 * 128 + 5)
+    assert b.kv_pages.num_pages == 10 and b.info.kv_positions == 160
+    assert "KV pool 1.2 KiB: 10 pages of 16 positions (160 positions, 8 bytes a position; " \
+        "engine.kv_cache_bytes=1285)" in caplog.text  # fmt: skip
+    auto = built(0)
+    assert auto.kv_pages.num_pages == 32 * 16  # every slot's whole context
+    with pytest.raises(ValueError, match="engine.kv_cache_bytes 100 holds no KV page"):
+        built(100)

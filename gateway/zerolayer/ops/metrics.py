@@ -190,8 +190,8 @@ class Metrics:
         )
         self.class_preempted = Counter(
             p + "principal_rows_preempted",
-            "Rows preempted to give their slot to another principal, by principal class "
-            "(always 0 until preemption comes with paged KV: a principal over its share waits).",
+            "Rows preempted (KV freed, recomputed later) to give their slot to another "
+            "principal waiting, by principal class.",
             ["principal_class"],
             registry=r,
         )
@@ -253,6 +253,21 @@ class Metrics:
         )
         self.kv_slots_used = Gauge(
             p + "kv_slots_used_ratio", "Fraction of KV-cache slots in use (0..1).", registry=r
+        )
+        self.kv_pages_used = Gauge(
+            p + "kv_pages_used_ratio",
+            "Fraction of the KV pages in use (0..1; 0 on a backend without pages).",
+            registry=r,
+        )
+        self.kv_preemptions = Counter(
+            p + "kv_preemptions",
+            "Sequences preempted (KV pages freed, recomputed later) for lack of KV pages.",
+            registry=r,
+        )
+        self.kv_admission_waits = Counter(
+            p + "kv_admission_waits",
+            "Sequences that waited for KV pages before admission (each counted once).",
+            registry=r,
         )
         # Written by the prefix store's owner: the engine thread (once per admitted request and
         # per prompt whose blocks it keeps), or start-up before it runs.
@@ -426,6 +441,18 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_slots_used.set(slots_used / slots_total if slots_total else 0.0)
+
+    def kv_pages(self, used_ratio: float, preemptions: int, admission_waits: int) -> None:
+        """The KV pages' occupancy and new preemptions and waits (engine thread, when they
+        changed)."""
+        self.kv_pages_used.set(used_ratio)
+        if preemptions:
+            self.kv_preemptions.inc(preemptions)
+        if admission_waits:
+            self.kv_admission_waits.inc(admission_waits)
+
+    def principals_preempted(self, principal_class: str, rows: int = 1) -> None:
+        self.class_preempted.labels(principal_class).inc(rows)
 
     def set_classes(self, rows: dict[str, list[int]]) -> None:
         """Rows [running, waiting] by principal class, set when they change."""

@@ -71,6 +71,7 @@ _LANES = (np.arange(HIDDEN, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E377
 # 64 entries, indexed by the top 6 bits of a token's hash: letters twice, then spaces.
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz" * 2 + b" " * 12, np.uint8).astype(np.int32)
 _U64 = np.uint64
+PAGE_BYTES = PAGE_TOKENS * 8  # a page of 16 uint64 digests
 _POS = _U64(0xD6E8FEB86659FD93)
 
 
@@ -120,7 +121,7 @@ class SyntheticBackend(PagedKV, Backend):
         row_pages = pages_for(max_context)
         pool = PagePool(num_pages or num_slots * row_pages, num_slots, row_pages)
         self.kv_pages: PagePool = pool
-        self.kv_page_bytes = PAGE_TOKENS * 8  # 16 uint64 digests
+        self.kv_page_bytes = PAGE_BYTES
         self.info = ModelInfo(
             name="synthetic",
             vocab_size=vocab_size,
