@@ -240,7 +240,7 @@ class StepSink:
             self.metrics.set_queue(*now, self.slots)
         if engine.class_version != self._classes_shown:
             self._classes_shown = engine.class_version
-            self.metrics.set_classes(engine.class_rows)
+            self.metrics.set_classes(engine.class_rows, engine.class_preempted)
         kv = (engine.kv_pages_used, engine.kv_preemptions, engine.kv_admission_waits)
         if kv != self._kv_shown:
             shown, self._kv_shown = self._kv_shown, kv

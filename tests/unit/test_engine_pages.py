@@ -189,3 +189,51 @@ def test_the_budget_setting_sizes_the_synthetic_pool(caplog):
     assert auto.kv_pages.num_pages == 32 * 16  # every slot's whole context
     with pytest.raises(ValueError, match="engine.kv_cache_bytes 100 holds no KV page"):
         built(100)
+
+
+def test_a_second_key_is_admitted_before_the_first_keys_long_rows_end():
+    """Key A holds every row with long requests; B's request is admitted in the next step, as
+    A's youngest row is preempted (it waits, then recomputes): every output is the one each
+    request gives alone, and the preemption is counted for A's class."""
+    from zerolayer.ops.metrics import Metrics
+
+    def make() -> list[Sequence]:
+        # the youngest (preempted) row has penalties: their counts must survive its wait
+        seqs = [request(i, max_tokens=120, **KINDS[(i + 3) % len(KINDS)]) for i in range(4)]
+        for s in seqs:
+            s.fair_key = "A"
+        late = request(9, max_tokens=10)
+        late.fair_key = "B"
+        return [*seqs, late]
+
+    want = alone(make())
+    engine = engine_on(backend(slots=4))
+    *a, b = make()
+    out: dict[object, list[int]] = {}
+    ended: dict[object, int] = {}
+
+    def step() -> None:
+        for owner, token, _text, finish in engine.step().outputs():
+            if token != NO_TOKEN:
+                out.setdefault(owner, []).append(token)
+            if finish != NOT_FINISHED:
+                ended[owner] = engine.steps
+
+    for s in a:
+        engine.submit(s)
+    for _ in range(5):
+        step()
+    assert engine.running == 4 and all(s.slot >= 0 for s in a)
+    engine.submit(b)
+    step()
+    assert b.slot >= 0  # admitted at once, not after A's 120-token rows
+    assert engine.class_preempted == {"default": 1}
+    assert a[3].slot < 0 and a[3] in engine._saved  # the youngest A row waits
+    while not engine.idle:
+        step()
+    assert ended[b.owner] < min(ended[s.owner] for s in a)  # B ended before A's long rows
+    assert out == want
+    metrics = Metrics()
+    metrics.set_classes(engine.class_rows, engine.class_preempted)
+    text = metrics.render().decode()
+    assert 'zerolayer_principal_rows_preempted_total{principal_class="default"} 1.0' in text

@@ -58,6 +58,9 @@ class Backend(ABC):
     info: ModelInfo
     num_slots: int
     kv_pages: PagePool | None = None  # set by a paged backend (module docstring)
+    # Whether chunks without ``last`` write their KV (and sample nothing): the engine's
+    # preemption recomputes a row's KV that way; without it rows are never preempted.
+    recomputes: bool = True
 
     @property
     def supports_prefix(self) -> bool:

@@ -30,6 +30,13 @@ had (``kv_preemptions``, a WARNING). No admission in a step that preempted. The 
 refuses a prompt + max_tokens beyond the whole pool, so the oldest sequence always fits and no
 request fails because another holds pages. A backend without pages keeps slot-only admission.
 
+Rows (issue #40): when the principal whose head is picked is within its share of the rows and no
+slot is free, the principals over their share give up their youngest rows (``_take_rows``): each
+such row's state is saved (zerolayer.engine.rows.SavedRow), its slot freed, and it waits at the
+head of its key's queue; admitted again, it recomputes its KV the same way and rejoins without
+resampling (``class_preempted``, by principal class). Not on a backend that cannot write KV
+without sampling (``Backend.recomputes``: the Neuron backend encodes prompts whole).
+
 Prompt outputs (an embedding, prompt logprobs: ``Sequence.pool`` / ``score``): the sequence's
 chunks ask the backend for them, ``_update`` hands each prefilled chunk's to its sequence, and
 such a sequence's prompt is computed whole (the prefix store's KV has no states or logits, so it
@@ -60,7 +67,7 @@ from zerolayer.engine.compute import ComputeThread
 from zerolayer.engine.finish import CANCEL, FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
 from zerolayer.engine.kv_pages import pages_for
 from zerolayer.engine.prefix_store import PrefixStore
-from zerolayer.engine.rows import Rows
+from zerolayer.engine.rows import Rows, SavedRow
 from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Logprobs, Output, StepOutput
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
@@ -150,6 +157,8 @@ class Engine:
         # Rows [running, waiting] per principal class, for the metrics (no key names), and a
         # counter bumped at every change so that a reader sets its gauges only then.
         self.class_rows: dict[str, list[int]] = {}
+        self.class_preempted: dict[str, int] = {}  # rows preempted for another principal
+        self._saved: dict[Sequence, SavedRow] = {}  # their rows' state while they wait
         self.class_version = 0
         self._pool = backend.kv_pages  # None: slot-only admission (module docstring)
         self._rejoin: list[Sequence] = []  # recomputed after a preemption: decode next step
@@ -305,18 +314,18 @@ class Engine:
         pool = self._pool
         copies: list[tuple[int, int]] = []
         preempted = False
+        if self._rejoin:  # their KV is recomputed: they decode again from this step
+            self._rows.join([seq.slot for seq in self._rejoin if seq.slot >= 0])
+            self._rejoin = []
         if pool is not None:
-            if self._rejoin:  # their KV is recomputed: they decode again from this step
-                self._rows.join([seq.slot for seq in self._rejoin if seq.slot >= 0])
-                self._rejoin = []
             before = self.kv_preemptions
             self._grow(copies)
             preempted = self.kv_preemptions != before
         promised = 0  # pages the first chunks of this step's admissions will take
-        while self._waiting and self._free_slots and not preempted:
+        while self._waiting and not preempted:
             key = self._pick()
             head = self._waiting[key][0]
-            if 1 + len(head.choices) > len(self._free_slots):
+            if 1 + len(head.choices) > len(self._free_slots) and not self._take_rows(key):
                 break  # held for that head: n choices are admitted together, when n are free
             if pool is not None:
                 need = self._pages_to_admit(head, promised)
@@ -459,7 +468,7 @@ class Engine:
         counted once, logged at most every 10 s."""
         pool = self._pool
         assert pool is not None
-        need = pages_for(min(len(seq.prompt), self._prefill_chunk), pool.page_tokens)
+        need = pages_for(min(len(seq.kv_ids), self._prefill_chunk), pool.page_tokens)
         if pool.available >= need + promised or self._reclaim(need + promised):
             return need
         if not seq.waited:
@@ -474,10 +483,77 @@ class Engine:
             )  # fmt: skip
         return -1
 
+    def _heads(self) -> list[tuple[object, int, int]]:
+        """(fairness key, rows its head needs, weight) of each waiting key, in round order."""
+        return [(key, 1 + len(q[0].choices), q[0].weight) for key, q in self._waiting.items()]
+
     def _pick(self) -> object:
         """The fairness key whose head is admitted next (zerolayer.engine.admission)."""
-        heads = [(key, 1 + len(q[0].choices), q[0].weight) for key, q in self._waiting.items()]
+        heads = self._heads()
         return heads[self._row_shares.pick(heads)][0]
+
+    def _take_rows(self, key: object) -> bool:
+        """``key``'s head needs more rows than are free: when ``key`` is within its share and
+        other principals run over theirs, their youngest rows are preempted (each gives its
+        slot back and waits again, at the head of its queue, to recompute its KV when admitted)
+        until the head's rows are free. Whether they are."""
+        if not self.backend.recomputes:
+            return False
+        heads = self._heads()
+        head = next(h for h in heads if h[0] == key)
+        if not self._row_shares.entitled(head, heads):
+            return False
+        while 1 + len(self._waiting[key][0].choices) > len(self._free_slots):
+            over = self._row_shares.over(heads)
+            victim = next(
+                (s for o in over for s in reversed(self._running) if s.fair_key == o
+                 and not s.choices and not s.cancelled and not s.prompt_outputs),
+                None,
+            )  # fmt: skip
+            if victim is None:
+                return False
+            self._requeue(victim)
+        return True
+
+    def _requeue(self, seq: Sequence) -> None:
+        """``seq`` gives its slot to another principal: its row's state is saved, its pages
+        released, and it waits at the head of its key's queue; when admitted again it
+        recomputes its KV (prompt and produced ids but the last) and goes on without
+        resampling, like a sequence preempted for pages."""
+        rows = self._rows
+        slot = seq.slot
+        if seq.recompute is None and seq.prefilled >= len(seq.prompt):  # a decoding row
+            positions = int(rows.pos[slot])
+            seq.recompute = np.concatenate(
+                [seq.prompt, rows.ids[slot, : positions - len(seq.prompt)]]
+            )
+            self._saved[seq] = rows.save(slot)
+        elif seq.recompute is not None:  # recomputing already
+            self._saved[seq] = rows.save(slot)
+        else:  # its prompt was not in yet: it starts again
+            seq.restart_prompt()
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        if seq in self._rejoin:
+            self._rejoin.remove(seq)
+        self._running.remove(seq)
+        self._free(seq)
+        seq.prefilled = 0
+        with self._lock:
+            self._queued += 1
+            self._shares.put_back(seq.fair_key)
+        queue = self._waiting.get(seq.fair_key)
+        if queue is None:
+            self._waiting[seq.fair_key] = queue = collections.deque()
+        queue.appendleft(seq)
+        self._count_class(seq, 1, 1)
+        self.class_preempted[seq.principal_class] = (
+            self.class_preempted.get(seq.principal_class, 0) + 1
+        )
+        log.info(
+            "preempted a row of client %s (over its share of the rows) for a waiting one",
+            seq.fair_key,
+        )
 
     def _next_waiting(self, key: object) -> Sequence:
         """Admission order, in one place: the head of ``key``'s queue, and ``key`` goes to the
@@ -517,15 +593,23 @@ class Engine:
 
     def _admit(self, seq: Sequence, finished: list[Finished]) -> None:
         """Give ``seq`` the lowest free slot and its row, and load its known prefix."""
-        seq.t_admit = time.perf_counter()
+        if not seq.t_admit:  # a preempted sequence keeps its first admission's
+            seq.t_admit = time.perf_counter()
         if seq.cancelled:
             finished.append(self._end(seq, FinishReason.CANCELLED))
             return
         self._take_slot(seq)
         slot = seq.slot
         try:
-            self._rows.add(slot, seq)
-            if self._store is not None and not seq.prompt_outputs:
+            saved = self._saved.pop(seq, None)
+            if saved is not None:  # preempted for another principal: back as it was
+                self._rows.restore(slot, seq, saved)
+            else:
+                self._rows.add(slot, seq)
+            if seq.recompute is not None:
+                if self._store is not None:  # its prompt's known blocks, by reference
+                    seq.prefilled = self._store.load(seq.recompute, slot)
+            elif self._store is not None and not seq.prompt_outputs:
                 # The longest known prefix's KV into the slot; prefill starts after it.
                 seq.prefilled = seq.reused = self._store.load(seq.prompt, slot)
         except Exception:  # this sequence alone cannot run: it ends, the others go on
@@ -851,6 +935,11 @@ class Engine:
             elapsed = time.perf_counter() - seq.t_admit
             self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
         if seq.slot < 0:
+            saved = self._saved.pop(seq, None)  # preempted and waiting: what it produced
+            if saved is not None and len(saved.ids):
+                ids = saved.ids.copy()
+                ids.flags.writeable = False
+                return Finished(seq.owner, finish, seq.t_admit, len(ids), ids)
             return Finished(seq.owner, finish, seq.t_admit, 0, None)
         ids = self._rows.produced_ids(seq.slot)
         return Finished(seq.owner, finish, seq.t_admit, len(ids), ids)

@@ -21,6 +21,7 @@ rows are never moved, so nothing per row is copied when others come and go.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +42,21 @@ from zerolayer.sampling_params import SAMPLING_ROW
 if TYPE_CHECKING:
     from zerolayer.engine.sampling import Processing, SparseRows
     from zerolayer.structured import RowMatcher
+
+
+@dataclass(slots=True)
+class SavedRow:
+    """A row's state while its sequence is out of the rows (preempted to give its slot to
+    another principal): what ``add`` does not rebuild from the sequence."""
+
+    token: int
+    pos: int
+    left: int
+    cap: int
+    ids: np.ndarray  # int32: what it produced so far
+    matcher: RowMatcher | None
+    counts: np.ndarray | None  # its penalties' rows, when penalised
+    seen: np.ndarray | None
 
 
 class Rows:
@@ -186,6 +202,33 @@ class Rows:
         if slot in self.decoding:
             self.decoding.remove(slot)
             self._changed = True
+
+    def save(self, slot: int) -> SavedRow:
+        """``slot``'s state, before ``remove`` clears it (the sequence comes back with
+        ``restore``, in any slot)."""
+        penalised = self.penalised[slot] and self.counts is not None and self.seen is not None
+        return SavedRow(
+            int(self.token[slot]),
+            int(self.pos[slot]),
+            int(self.left[slot]),
+            int(self.cap[slot]),
+            self.ids[slot, : self.produced(slot)].copy(),
+            self.matcher[slot],
+            self.counts[slot].copy() if penalised and self.counts is not None else None,
+            self.seen[slot].copy() if penalised and self.seen is not None else None,
+        )
+
+    def restore(self, slot: int, seq: Sequence, saved: SavedRow) -> None:
+        """``seq``'s row again, in ``slot``, as ``save`` left it (it joins after ``join``)."""
+        self.add(slot, seq)
+        self.token[slot], self.pos[slot] = saved.token, saved.pos
+        self.left[slot], self.cap[slot] = saved.left, saved.cap
+        self.ids[slot, : len(saved.ids)] = saved.ids
+        if saved.matcher is not None:
+            self.matcher[slot] = saved.matcher
+        if saved.counts is not None and self.counts is not None and self.seen is not None:
+            self.counts[slot] = saved.counts
+            self.seen[slot] = saved.seen
 
     def leave(self, slot: int) -> None:
         """``slot``'s row stops decoding but keeps its state (a preempted row: it joins again

@@ -195,6 +195,7 @@ class Metrics:
             ["principal_class"],
             registry=r,
         )
+        self._class_preempted_shown: dict[str, int] = {}  # set_classes: counted up to here
         tallies = TallyFamilies()
         # Written on the event loop only (the request path and the doors).
         self.ttft = tallies.histogram(
@@ -451,15 +452,20 @@ class Metrics:
         if admission_waits:
             self.kv_admission_waits.inc(admission_waits)
 
-    def principals_preempted(self, principal_class: str, rows: int = 1) -> None:
-        self.class_preempted.labels(principal_class).inc(rows)
-
-    def set_classes(self, rows: dict[str, list[int]]) -> None:
-        """Rows [running, waiting] by principal class, set when they change."""
+    def set_classes(
+        self, rows: dict[str, list[int]], preempted: dict[str, int] | None = None
+    ) -> None:
+        """Rows [running, waiting] by principal class, and the rows preempted so far for
+        another principal, set when they change."""
         for principal_class, (running, waiting) in rows.items():
             self.class_running.labels(principal_class).set(running)
             self.class_waiting.labels(principal_class).set(waiting)
             self.class_preempted.labels(principal_class)  # exported at 0
+        for principal_class, total in (preempted or {}).items():
+            shown = self._class_preempted_shown.get(principal_class, 0)
+            if total > shown:
+                self.class_preempted.labels(principal_class).inc(total - shown)
+                self._class_preempted_shown[principal_class] = total
 
     # -- connections and frames -----------------------------------------------------------
 
