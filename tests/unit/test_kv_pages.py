@@ -121,3 +121,18 @@ def test_mistakes_are_refused() -> None:
     pool.release(0)
     with pytest.raises(AssertionError):
         pool.decref(np.array([0], np.int32))
+
+
+def test_decode_rows_get_their_next_pages_at_once_or_not_at_all() -> None:
+    pool = PagePool(5, 3, 2)
+    for slot in range(3):
+        assert pool.prepare_write(slot, 0, 16) == []
+    assert pool.append(np.array([0, 2]))
+    assert pool.mapped.tolist() == [2, 1, 2] and pool.available == 0
+    assert not pool.append(np.array([1]))  # no page left: nothing changed
+    assert pool.mapped.tolist() == [2, 1, 2]
+    pool.release(2)
+    with pytest.raises(ValueError, match="cannot hold another page"):
+        pool.append(np.array([0]))
+    assert pool.available == 2  # the page taken for it went back
+    _check(pool, [])

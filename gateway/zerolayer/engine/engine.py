@@ -375,19 +375,26 @@ class Engine:
 
     def _grow(self, copies: list[tuple[int, int]]) -> None:
         """The decode rows whose write this step needs a page (a new one, or a copy of a
-        shared one) reserve it, oldest first (``_reserve``: it may preempt)."""
+        shared one) reserve it: all new pages at once when the pool has them (the usual case,
+        a few numpy calls per step), else row by row, oldest first (``_reserve``: it may
+        preempt)."""
         pool, rows = self._pool, self._rows
         assert pool is not None
         if not rows.decoding:
             return
-        slots = np.array(rows.decoding, np.intp)
+        slots = rows.decoding_slots()
         pos = rows.pos[slots]
-        pages = pool.tables[slots, pos // pool.page_tokens]
-        needy = (pages < 0) | (pool.refs[np.maximum(pages, 0)] > 1)
-        if not needy.any():
+        index = pos // pool.page_tokens
+        have = pool.mapped[slots] > index
+        pages = pool.tables[slots, np.minimum(index, pool.max_pages_per_row - 1)]
+        shared = have & (pool.refs[np.maximum(pages, 0)] > 1)
+        fresh = ~have
+        if not (shared.any() or fresh.any()):
+            return
+        if not shared.any() and pool.append(slots[fresh]):
             return
         order = {id(seq): i for i, seq in enumerate(self._running)}
-        held = [rows.seq[slot] for slot in slots[needy].tolist()]
+        held = [rows.seq[slot] for slot in slots[fresh | shared].tolist()]
         for seq in sorted((s for s in held if s is not None), key=lambda s: order[id(s)]):
             slot = seq.slot
             if slot < 0 or slot not in rows.decoding:  # preempted meanwhile

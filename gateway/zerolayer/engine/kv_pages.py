@@ -139,6 +139,20 @@ class PagePool:
             self.mapped[slot] = need_to
         return copies
 
+    def append(self, slots: np.ndarray) -> bool:
+        """One more page at the end of each of ``slots``' tables (distinct slots: decode rows
+        crossing into a new page), all or nothing; False when the free pages do not suffice."""
+        pages = self.alloc(len(slots))
+        if pages is None:
+            return False
+        ends = self.mapped[slots]
+        if (ends >= self.max_pages_per_row).any():
+            self.decref(pages)
+            raise ValueError("a slot cannot hold another page")
+        self.tables[slots, ends] = pages
+        self.mapped[slots] = ends + 1
+        return True
+
     def map(self, slot: int, first: int, pages: np.ndarray) -> None:
         """Put ``pages`` (held elsewhere: each gains a reference) into ``slot``'s table from
         page index ``first`` on, which must be where the row's pages end."""

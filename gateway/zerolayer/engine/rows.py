@@ -126,6 +126,7 @@ class Rows:
         self.index: slice | np.ndarray = slice(0, 0)
         self._sampling: tuple[np.ndarray, np.ndarray] | None = None
         self._last_id = np.empty(0, np.intp)  # per decode row: where its id 0 goes in _ids, - 1
+        self._slots_array = np.empty(0, np.intp)  # the decoding slots (decoding_slots)
         self._proc_rows: list[tuple[int, int]] = []  # (row, slot) of the processed decode rows
         self.scratch = np.zeros(n, np.int32)  # a token per slot, to put a step's rows in order
         self._changed = False
@@ -229,6 +230,12 @@ class Rows:
         if saved.counts is not None and self.counts is not None and self.seen is not None:
             self.counts[slot] = saved.counts
             self.seen[slot] = saved.seen
+
+    def decoding_slots(self) -> np.ndarray:
+        """The decoding slots as an array (int64, ascending; made once per row set)."""
+        if self._changed:
+            self._rebuild()
+        return self._slots_array
 
     def leave(self, slot: int) -> None:
         """``slot``'s row stops decoding but keeps its state (a preempted row: it joins again
@@ -353,7 +360,8 @@ class Rows:
             self.index = slice(slots[0], slots[-1] + 1)
         else:
             self.index = np.array(slots, np.intp)
-        self._last_id = np.array(slots, np.intp) * self.max_context - 1
+        self._slots_array = np.array(slots, np.intp)
+        self._last_id = self._slots_array * self.max_context - 1
         self._proc_rows = (
             [(r, s) for r, s in enumerate(slots) if self.processed[s]] if self._processing else []
         )
