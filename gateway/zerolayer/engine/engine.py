@@ -389,12 +389,13 @@ class Engine:
         pages = pool.tables[slots, np.minimum(index, pool.max_pages_per_row - 1)]
         shared = have & (pool.refs[np.maximum(pages, 0)] > 1)
         fresh = ~have
-        if not (shared.any() or fresh.any()):
+        needy = fresh | shared
+        if not np.count_nonzero(needy):  # the usual step: no page to take
             return
-        if not shared.any() and pool.append(slots[fresh]):
+        if not np.count_nonzero(shared) and pool.append(slots[fresh]):
             return
         order = {id(seq): i for i, seq in enumerate(self._running)}
-        held = [rows.seq[slot] for slot in slots[fresh | shared].tolist()]
+        held = [rows.seq[slot] for slot in slots[needy].tolist()]
         for seq in sorted((s for s in held if s is not None), key=lambda s: order[id(s)]):
             slot = seq.slot
             if slot < 0 or slot not in rows.decoding:  # preempted meanwhile
