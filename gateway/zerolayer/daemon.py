@@ -229,6 +229,7 @@ class StepSink:
         self.engine: Engine | None = None  # set once the engine is built
         self._shown = (-1, -1, -1)
         self._classes_shown = -1
+        self._kv_shown = (-1.0, 0, 0)  # pages used, preemptions, admission waits
 
     def __call__(self, step: StepOutput) -> None:
         engine = self.engine
@@ -239,7 +240,11 @@ class StepSink:
             self.metrics.set_queue(*now, self.slots)
         if engine.class_version != self._classes_shown:
             self._classes_shown = engine.class_version
-            self.metrics.set_classes(engine.class_rows)
+            self.metrics.set_classes(engine.class_rows, engine.class_preempted)
+        kv = (engine.kv_pages_used, engine.kv_preemptions, engine.kv_admission_waits)
+        if kv != self._kv_shown:
+            shown, self._kv_shown = self._kv_shown, kv
+            self.metrics.kv_pages(kv[0], kv[1] - shown[1], kv[2] - shown[2])
         self.outbox.put(step)
 
 

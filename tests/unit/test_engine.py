@@ -491,36 +491,51 @@ def test_byte_tokenizer_decode_skips_special_ids_from_lists_and_arrays():
     assert TOK.decode([0xE2, 0x82]) == "\ufffd"
 
 
-def test_synthetic_decode_ahead_gives_the_tokens_of_each_step():
-    """Tokens hashed ahead for unchanged rows equal the per-step hash, also when the positions
-    jump, the rows change or a slot is freed and prefilled again."""
-    from zerolayer.engine.backends.synthetic import synthetic_tokens
+def _pages(backend: SyntheticBackend, slot: int, start: int, end: int) -> None:
+    """Reserve a slot's pages for a write, as the engine does before a call."""
+    assert backend.kv_pages.prepare_write(slot, start, end) == []
 
-    backend = SyntheticBackend(num_slots=4, vocab_size=300, max_context=512)
-    for slot in range(4):
-        chunk = PrefillChunk(slot, np.array([slot, 7], np.int32), 0, True, SamplingParams())
-        backend.prefill([chunk])
 
-    def batch(slots: np.ndarray, positions: np.ndarray) -> DecodeBatch:
-        b = len(slots)
-        greedy = sampling_rows([SamplingParams()] * b)
-        return DecodeBatch(slots, np.zeros(b, np.int32), positions, greedy)
+def test_synthetic_decode_is_prefill_of_the_ids_through_any_page_mapping():
+    """A decode step's token is the one prefilling the same ids samples; the digests live where
+    the page tables say, so a page mapped to another row's page gives other tokens."""
+    backend = SyntheticBackend(num_slots=3, vocab_size=300, max_context=64)
+    prompt = np.array([5, 9, 11], np.int32)
+    greedy = sampling_rows([SamplingParams()])
 
-    slots = np.array([0, 2, 3], np.int32)
-    positions = np.array([2, 9, 4], np.int32)
-    for step in range(300):
-        if step == 100:
-            positions = positions + 5  # the same slots object, positions jump
-        if step == 150:
-            slots, positions = np.array([1, 2], np.int32), positions[:2]  # new rows
-        if step == 200:
-            backend.free(1)
-            chunk = PrefillChunk(1, np.array([99], np.int32), 0, True, SamplingParams())
-            backend.prefill([chunk])
-        want = synthetic_tokens(backend._digest[slots], positions + 1)
-        got = backend.decode(batch(slots, positions))
-        assert got.tolist() == want.tolist(), step
-        positions = positions + 1
+    def decode(slot: int, token: int, position: int) -> int:
+        _pages(backend, slot, position, position + 1)
+        batch = DecodeBatch(
+            np.array([slot], np.int32),
+            np.array([token], np.int32),
+            np.array([position], np.int32),
+            greedy,
+        )
+        return int(backend.decode(batch)[0])
+
+    _pages(backend, 0, 0, 3)
+    ids = list(prompt)
+    token = int(backend.prefill([PrefillChunk(0, prompt, 0, True, SamplingParams())])[0])
+    for position in range(3, 40):  # across two page boundaries
+        ids.append(token)
+        token = decode(0, token, position)
+        again = np.array(ids, np.int32)  # slot 1: the same ids prefilled
+        backend.kv_pages.release(1)
+        _pages(backend, 1, 0, len(again))
+        chunk = PrefillChunk(1, again, 0, True, SamplingParams())
+        assert int(backend.prefill([chunk])[0]) == token, position
+    # slot 2 maps slot 0's first page and a page of zeros as its second: other tokens at
+    # positions 17..19, while slot 0's own second page gives slot 0's tokens
+    pool = backend.kv_pages
+    blank = pool.alloc(1)
+    assert blank is not None
+    backend._kv[int(blank[0]) * 16 : int(blank[0]) * 16 + 16] = 0
+    pool.map(2, 0, np.concatenate([pool.pages_of(0)[:1], blank]))
+    pool.decref(blank)  # slot 2 alone holds it
+    right = [decode(1, ids[p], p) for p in (17, 18, 19)]
+    wrong = [decode(2, ids[p], p) for p in (17, 18, 19)]
+    assert right == [ids[18], ids[19], ids[20]]
+    assert wrong != right
 
 
 def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
@@ -534,13 +549,14 @@ def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
         for t in chunk.tokens.tolist():  # d = d * _FOLD + mix(id), id by id, in Python ints
             d0 = (d0 * _FOLD + int(_mix(np.array([t], np.uint64))[0])) % 2**64
         d = np.array([d0], np.uint64)
+        after = d0
         token = -1
         if chunk.last:
             if chunk.sampling.seed is not None:
                 d = _mix(d ^ np.uint64(chunk.sampling.seed))
             end = np.array([chunk.start + len(chunk.tokens)], np.uint64)
             token = int(synthetic_tokens(d, end)[0])
-        digest[chunk.slot] = d[0]
+        digest[chunk.slot] = after
         return token
 
     rng = np.random.default_rng(7)
@@ -559,8 +575,16 @@ def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
             chunks.append(PrefillChunk(slot, ids, starts[slot], last, sampling))
             starts[slot] = 0 if last else starts[slot] + n
         want = [reference(digest, chunk) for chunk in chunks]
+        for chunk in chunks:
+            _pages(backend, chunk.slot, chunk.start, chunk.start + len(chunk.tokens))
         assert backend.prefill(chunks).tolist() == want
-        assert backend._digest.tolist() == digest.tolist()
+        final = {chunk.slot: chunk for chunk in chunks}  # each slot's last chunk of the call
+        for slot, chunk in final.items():  # its digest after it, read through its pages
+            end = chunk.start + len(chunk.tokens) - 1
+            got = backend._kv[backend._where(np.array([slot]), np.array([end]))]
+            assert int(got[0]) == int(digest[slot])
+            if chunk.last:
+                backend.kv_pages.release(slot)
 
 
 # ---------------------------------------------------------------------- failures stay local

@@ -100,6 +100,11 @@ def test_engine_step_and_queue(m: Metrics) -> None:
     assert v(m, "zerolayer_kv_slots_used_ratio") == 0.75
     m.set_queue(running=0, waiting=0, slots_used=0, slots_total=0)
     assert v(m, "zerolayer_kv_slots_used_ratio") == 0
+    m.kv_pages(0.5, 2, 3)
+    m.kv_pages(0.25, 1, 0)
+    assert v(m, "zerolayer_kv_pages_used_ratio") == 0.25
+    assert v(m, "zerolayer_kv_preemptions_total") == 3
+    assert v(m, "zerolayer_kv_admission_waits_total") == 3
 
 
 def test_caches_and_limits(m: Metrics) -> None:

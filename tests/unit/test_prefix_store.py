@@ -37,7 +37,19 @@ def synthetic(slots: int = 4) -> SyntheticBackend:
 
 
 def prefilled(backend: Backend, prompt: np.ndarray, slot: int = 0) -> None:
+    pages = backend.kv_pages  # a paged backend: the slot's pages, as the engine reserves them
+    if pages is not None:
+        pages.release(slot)
+        assert pages.prepare_write(slot, 0, len(prompt)) == []
     backend.prefill([PrefillChunk(slot, prompt, 0, True, SamplingParams())])
+
+
+def load(store: PrefixStore, prompt: np.ndarray, slot: int) -> int:
+    """``store.load`` into a slot that holds nothing (as at admission)."""
+    pages = store.backend.kv_pages
+    if pages is not None:
+        pages.release(slot)
+    return store.load(prompt, slot)
 
 
 def offered(store: PrefixStore, prompt: np.ndarray, slot: int = 0) -> int:
@@ -66,10 +78,10 @@ def test_a_block_is_reused_only_after_the_same_history() -> None:
     a = ids(2 * B + 5, 1)
     assert offered(store, a) == 2  # two full blocks; the 5 ids after them are not kept
     assert store.blocks == 2 and store.cached_bytes == 2 * B * 8
-    assert store.load(np.concatenate([a, ids(9, 2)]), 1) == 2 * B
+    assert load(store, np.concatenate([a, ids(9, 2)]), 1) == 2 * B
     # The same second block after a different first one: nothing.
     other = np.concatenate([ids(B, 3), a[B:]])
-    assert store.load(other, 1) == 0
+    assert load(store, other, 1) == 0
     # Diverging inside the second block: the first block only.
     assert store.load(np.concatenate([a[: B + 3], ids(20, 4)]), 1) == B
     assert rec.lookups == [(2 * B + 14, 2 * B), (len(other), 0), (B + 23, B)]
@@ -83,8 +95,8 @@ def test_at_least_one_prompt_token_is_left_to_prefill() -> None:
     store = PrefixStore(synthetic(), 1 << 20)
     a = ids(2 * B, 5)
     assert offered(store, a) == 2
-    assert store.load(a, 1) == B  # the whole prompt is known: its last block is prefilled
-    assert store.load(a[:1], 1) == 0
+    assert load(store, a, 1) == B  # the whole prompt is known: its last block is prefilled
+    assert load(store, a[:1], 1) == 0
 
 
 def test_loaded_blocks_give_the_tokens_prefilling_them_gives() -> None:
@@ -93,11 +105,19 @@ def test_loaded_blocks_give_the_tokens_prefilling_them_gives() -> None:
     shared, user = ids(3 * B, 6), ids(7, 7)
     offered(store, shared)
     full = np.concatenate([shared, user])
-    expected = backend.prefill([PrefillChunk(1, full, 0, True, SamplingParams())])
-    assert store.load(full, 2) == 3 * B
+    prefilled(backend, full, 1)
+    expected = backend.prefill([PrefillChunk(1, full[-1:], len(full) - 1, True, SamplingParams())])
+    assert load(store, full, 2) == 3 * B
+    pool = backend.kv_pages
+    assert pool.pages_of(2).tolist() == pool.pages_of(0)[:3].tolist()  # shared, not copied
+    assert pool.prepare_write(2, 3 * B, len(full)) == []
     got = backend.prefill([PrefillChunk(2, user, 3 * B, True, SamplingParams())])
     assert got.tolist() == expected.tolist()
-    assert backend._kv[2, : len(full)].tolist() == backend._kv[1, : len(full)].tolist()
+    positions = np.arange(len(full))
+    assert (
+        backend._kv[backend._where(np.full(len(full), 2), positions)].tolist()
+        == backend._kv[backend._where(np.full(len(full), 1), positions)].tolist()
+    )
 
 
 def chain_is_whole(store: PrefixStore) -> bool:
@@ -113,20 +133,20 @@ def test_lru_eviction_keeps_the_budget_and_takes_the_deepest_blocks_first() -> N
     assert offered(store, b) == 2  # a's second block made room
     assert store.cached_bytes == 3 * block_bytes and store.evicted_blocks == 1
     assert chain_is_whole(store)
-    assert store.load(a, 1) == B and store.load(b, 1) == 2 * B
+    assert load(store, a, 1) == B and load(store, b, 1) == 2 * B
     # b was used after a: a's block goes first.
     c = ids(B + 1, 10)
     assert offered(store, c) == 1
-    assert store.load(a, 1) == 0 and store.load(b, 1) == 2 * B and store.load(c, 1) == B
+    assert load(store, a, 1) == 0 and load(store, b, 1) == 2 * B and load(store, c, 1) == B
     # Now c was used last, b before it: b goes, its deepest block first, c stays.
     assert offered(store, a) == 2
-    assert store.load(b, 1) == 0 and store.load(c, 1) == B and store.load(a, 1) == 2 * B
+    assert load(store, b, 1) == 0 and load(store, c, 1) == B and load(store, a, 1) == 2 * B
     assert store.evicted_blocks == 4
     assert chain_is_whole(store) and store.cached_bytes <= store.capacity_bytes
     # A chain longer than the whole budget keeps its leading blocks only.
     long = ids(5 * B + 1, 11)
     assert offered(store, long) == 3
-    assert store.load(long, 1) == 3 * B and chain_is_whole(store)
+    assert load(store, long, 1) == 3 * B and chain_is_whole(store)
 
 
 def test_zero_capacity_keeps_pinned_prompts_only() -> None:
@@ -134,8 +154,8 @@ def test_zero_capacity_keeps_pinned_prompts_only() -> None:
     assert offered(store, ids(3 * B, 12)) == 0 and store.blocks == 0
     pinned = ids(B + 4, 13)
     prefilled(store.backend, pinned)
-    assert store.pin(pinned, 0) == (B * 8 + 4 * 8, B * 8 + 4 * 8)
-    assert store.load(np.concatenate([pinned, ids(3, 14)]), 1) == B + 4
+    assert store.pin(pinned, 0) == (2 * B * 8, 2 * B * 8)  # the tail holds a whole page
+    assert load(store, np.concatenate([pinned, ids(3, 14)]), 1) == B + 4
 
 
 def test_a_pinned_prompt_is_reused_to_its_last_token_and_never_evicted() -> None:
@@ -144,20 +164,20 @@ def test_a_pinned_prompt_is_reused_to_its_last_token_and_never_evicted() -> None
     system = ids(2 * B + 7, 15)  # two full blocks and a 7-token tail
     prefilled(store.backend, system)
     total, new = store.pin(system, 0)
-    assert total == new == len(system) * 8 and store.pinned_bytes == new
+    assert total == new == 3 * B * 8 and store.pinned_bytes == new  # pages: 2 and the tail's
     assert rec.bytes == (new, 0)
     # Pinning the same prompt again shares every entry.
     assert store.pin(system, 0) == (total, 0)
     for seed in range(16, 24):  # pressure on the LRU
         offered(store, ids(3 * B, seed))
     user = ids(5, 30)
-    assert store.load(np.concatenate([system, user]), 1) == len(system)
+    assert load(store, np.concatenate([system, user]), 1) == len(system)
     # Diverging inside the tail: the full blocks only.
-    assert store.load(np.concatenate([system[:-2], user]), 1) == 2 * B
+    assert load(store, np.concatenate([system[:-2], user]), 1) == 2 * B
     # The prompt alone: everything but its last token comes from a full block or the tail...
-    assert store.load(system, 1) == 2 * B
+    assert load(store, system, 1) == 2 * B
     # ... and a prompt that is exactly the pinned ids plus one token reuses them all.
-    assert store.load(np.concatenate([system, user[:1]]), 1) == len(system)
+    assert load(store, np.concatenate([system, user[:1]]), 1) == len(system)
     assert store.pinned_bytes == total and store.cached_bytes <= store.capacity_bytes
 
 
@@ -326,6 +346,7 @@ def test_the_engine_prefills_only_what_the_store_does_not_have() -> None:
     store = PrefixStore(backend, 1 << 20)
     prompt = ids(3 * B + 5, 50)
     offered(store, prompt)
+    backend.kv_pages.release(0)  # slot 0 was borrowed: the store holds its blocks' pages
     engine = Engine(backend, TOK, lambda *_: None, max_queue=4, max_step_tokens=512,
                     prefill_chunk=256, prefix_store=store)  # fmt: skip
     seq = Sequence("a", np.concatenate([prompt, ids(4, 51)]), 2, SamplingParams())

@@ -19,6 +19,7 @@ from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backend import Backend, ModelInfo
 from zerolayer.engine.backends.synthetic import SyntheticBackend
 from zerolayer.engine.engine import Sequence
+from zerolayer.engine.kv_pages import pages_for
 from zerolayer.engine.prefix_store import BLOCK_TOKENS, PrefixStore
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 from zerolayer.request_path.prompts import (
@@ -233,6 +234,12 @@ def test_extends_is_token_for_token() -> None:
 # --------------------------------------------------------------------------- compile()
 
 
+def kv(tokens: int) -> int:
+    """The synthetic backend's KV bytes of a pinned prompt of ``tokens`` (all but its last
+    pinned): whole pages of 16 positions, 8 bytes each."""
+    return 128 * pages_for(tokens - 1)
+
+
 def synthetic_store(slots: int = 2, max_context: int = 512, capacity: int = 0) -> PrefixStore:
     return PrefixStore(SyntheticBackend(slots, vocab_size=259, max_context=max_context), capacity)
 
@@ -241,23 +248,23 @@ def test_compile_on_synthetic_backend_and_its_budget() -> None:
     reg = build([{"id": 1, "name": "a", "text": SYSTEM}, {"id": 2, "name": "b", "text": "B."}])
     store = synthetic_store()
     facts = reg.compile(store, chunk=16)
-    # The synthetic backend keeps 8 bytes per position; every token but the last is pinned.
+    # Every token but the last is pinned, in pages (kv).
     n1, n2 = len(reg.by_id(1).ids), len(reg.by_id(2).ids)
     assert facts == [
-        {"id": 1, "name": "a", "tokens": n1, "kv_bytes": 8 * (n1 - 1)},
-        {"id": 2, "name": "b", "tokens": n2, "kv_bytes": 8 * (n2 - 1)},
+        {"id": 1, "name": "a", "tokens": n1, "kv_bytes": kv(n1)},
+        {"id": 2, "name": "b", "tokens": n2, "kv_bytes": kv(n2)},
     ]
     assert reg.compiled and reg.describe() == facts
-    assert store.pinned_bytes == 8 * (n1 - 1 + n2 - 1) and store.cached_bytes == 0
+    assert store.pinned_bytes == kv(n1) + kv(n2) and store.cached_bytes == 0
 
     small = build(
         [{"id": 1, "name": "a", "text": SYSTEM}, {"id": 2, "name": "b", "text": "B."}],
-        budget_bytes=8 * (n1 - 1) + 7,
+        budget_bytes=kv(n1) + 7,
     )
     with pytest.raises(PromptConfigError) as err:
         small.compile(synthetic_store())
-    total = 8 * (n1 - 1 + n2 - 1)
-    needs = f'prompt 2 "b": its KV needs {8 * (n2 - 1)} bytes, {total} bytes with the prompts'
+    total = kv(n1) + kv(n2)
+    needs = f'prompt 2 "b": its KV needs {kv(n2)} bytes, {total} bytes with the prompts'
     assert needs in str(err.value)
     assert "(engine.prefix_budget_bytes)" in str(err.value)
 
@@ -459,8 +466,8 @@ def test_prompts_are_listed_on_the_metrics_port() -> None:
             body = json.loads(resp.read())
         assert body == {
             "prompts": [
-                {"id": 4, "name": "a", "tokens": len(ids4), "kv_bytes": 8 * (len(ids4) - 1)},
-                {"id": 9, "name": "b", "tokens": len(ids9), "kv_bytes": 8 * (len(ids9) - 1)},
+                {"id": 4, "name": "a", "tokens": len(ids4), "kv_bytes": kv(len(ids4))},
+                {"id": 9, "name": "b", "tokens": len(ids9), "kv_bytes": kv(len(ids9))},
             ]
         }
         with pytest.raises(urllib.error.HTTPError) as err:

@@ -112,7 +112,8 @@ def test_a_second_key_is_admitted_before_the_first_keys_33rd_row():
 
 def test_one_key_with_n8_heads_does_not_starve_a_one_row_newcomer():
     """Four n=8 requests hold all 32 rows, a fifth waits at the head of A's queue: B's single
-    row is admitted at the first row that frees, before A's older n=8 head."""
+    row is admitted at once (A, over its share, gives up its youngest row), before A's older
+    n=8 head."""
     engine = _engine()
     a = [_seq(f"a{i}", "A", 3 if i == 0 else 1000, n=8) for i in range(5)]
     for s in a:
@@ -126,7 +127,9 @@ def test_one_key_with_n8_heads_does_not_starve_a_one_row_newcomer():
         if b.t_admit:
             break
     assert b.t_admit and not a[4].t_admit
-    assert engine.class_rows["default"] == [25, 8]  # 24 A rows + b running, A's n=8 waiting
+    # 31 A rows + b running; A's n=8 and its preempted row waiting
+    assert engine.class_rows["default"] == [32, 9]
+    assert engine.class_preempted == {"default": 1}
 
 
 def test_anonymous_and_classes_are_counted_per_class_without_key_names():

@@ -115,6 +115,9 @@ class EngineConfig(_Section):
     # How the CPU backend stores K and V: bfloat16 (half the bytes, computed in the model's
     # dtype), or float32, the parity mode (with model.dtype float32: transformers' math).
     kv_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # The KV pages' budget of a paged backend (zerolayer.engine.kv_pages): 0 = every slot's
+    # whole context (nothing ever waits for pages).
+    kv_cache_bytes: int = Field(0, ge=0)
     # Automatic prefix reuse (docs/prefix-cache.md): on where the backend can save/load KV.
     prefix_cache: bool = True
     prefix_cache_bytes: int = Field(1024 * 1024 * 1024, ge=0)  # unpinned blocks, LRU

@@ -17,9 +17,11 @@ is the key's, from the keys file), or a fixed ``ceil(row_share * slots)`` when t
 waiting head goes next: among the principals whose head fits in their share (a principal
 holding no rows always fits), the one with the fewest rows per weight; when none fits, the
 fewest rows per weight of all (work-conserving: a principal alone may use every slot). The
-engine holds the free slots for the principal picked until its head's n rows are free, so a
-principal over its share waits while others do: it is never preempted (freeing a row's KV to
-recompute it later comes with paged KV, issue #38). Pure bookkeeping on the engine thread:
+engine holds the free slots for the principal picked until its head's n rows are free. When
+the principal picked is within its share (``entitled``) and no slot is free, the principals
+over their share (``over``) give up their youngest rows: the engine preempts them (their KV
+freed, recomputed when they are admitted again), so a principal alone on every slot does not
+keep a newcomer waiting for its long rows to end. Pure bookkeeping on the engine thread:
 ``took`` at each slot given, ``gave_back`` at each slot freed.
 """
 
@@ -56,6 +58,12 @@ class QueueShares:
         self._held[key] = held + count
         self.total += count
         return True
+
+    def put_back(self, key: object, count: int = 1) -> None:
+        """Count ``count`` sequences queued again (preempted rows: they were admitted once, so
+        no share refuses them)."""
+        self._held[key] = self._held.get(key, 0) + count
+        self.total += count
 
     def give_back(self, key: object, count: int = 1) -> None:
         """``count`` of ``key``'s queued sequences left the queue (admitted or cancelled)."""
@@ -99,11 +107,32 @@ class RowShares:
             return self.fixed
         return max(1, self.slots * weight // max(1, total_weight))
 
+    def _total(self, heads: Sequence[tuple[Hashable, int, int]]) -> int:
+        """The weight of the principals with work: running, or with a head in ``heads``."""
+        total = sum(self._weight.values())
+        return total + sum(w for key, _, w in heads if key not in self._weight)
+
+    def entitled(
+        self, head: tuple[Hashable, int, int], heads: Sequence[tuple[Hashable, int, int]]
+    ) -> bool:
+        """Whether ``head``'s principal stays within its share with its head's rows."""
+        key, need, weight = head
+        return self.running.get(key, 0) + need <= self.share(weight, self._total(heads))
+
+    def over(self, heads: Sequence[tuple[Hashable, int, int]]) -> list[Hashable]:
+        """The principals running more rows than their share while ``heads`` wait, the most
+        over (rows per weight) first: whose youngest rows a waiting principal within its share
+        may take (preemption, zerolayer.engine.engine)."""
+        total = self._total(heads)
+        over = [
+            key for key, held in self.running.items() if held > self.share(self._weight[key], total)
+        ]
+        return sorted(over, key=lambda k: -self.running[k] / self._weight[k])
+
     def pick(self, heads: Sequence[tuple[Hashable, int, int]]) -> int:
         """The index in ``heads`` — (principal, rows its head needs, weight), one per waiting
         principal, in round-robin order — of the one admitted next."""
-        total = sum(self._weight.values())
-        total += sum(w for key, _, w in heads if key not in self._weight)
+        total = self._total(heads)
         best = fallback = -1
         best_ratio = fallback_ratio = math.inf
         for i, (key, need, weight) in enumerate(heads):

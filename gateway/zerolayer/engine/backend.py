@@ -10,6 +10,13 @@ there.
 KV ranges (the prefix store, gateway/zerolayer/engine/prefix_store.py) are optional: a backend that
 can copy the KV of a range of a slot's positions out and back into a slot at the same positions also
 inherits ``PrefixKV`` (``save_kv``, ``load_kv``, ``kv_nbytes``); ``supports_prefix`` is derived.
+
+KV in pages (zerolayer.engine.kv_pages) is optional too: a paged backend sets ``kv_pages``, the
+pool whose page tables it reads in place, and implements ``copy_pages``. The engine then owns the
+pages: it reserves every page a call writes before the call (``PagePool.prepare_write``), hands
+the step's copies on write to ``copy_pages`` first, and shares pages by reference for the prefix
+store and n choices (``PagedKV``: a saved range is its page ids). A backend without pages (the
+Neuron backend's static cache) keeps one slot's whole context per slot.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
+from zerolayer.engine.kv_pages import PagePool, pages_for
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
 
 if TYPE_CHECKING:  # torch only where a model runs (this module is the synthetic backend's too)
@@ -35,6 +43,9 @@ class ModelInfo:
     eos_token_id: int  # -1 when the model has none
     max_context: int
     hidden_size: int = 0  # the length of an embedding (0: the backend has no prompt outputs)
+    # Positions the paged KV holds in all (0: not paged): the longest sequence that can run,
+    # so a longer prompt + max_tokens is refused, never left waiting for pages.
+    kv_positions: int = 0
 
 
 class Backend(ABC):
@@ -46,6 +57,10 @@ class Backend(ABC):
 
     info: ModelInfo
     num_slots: int
+    kv_pages: PagePool | None = None  # set by a paged backend (module docstring)
+    # Whether chunks without ``last`` write their KV (and sample nothing): the engine's
+    # preemption recomputes a row's KV that way; without it rows are never preempted.
+    recomputes: bool = True
 
     @property
     def supports_prefix(self) -> bool:
@@ -61,6 +76,11 @@ class Backend(ABC):
     def decode(self, batch: DecodeBatch) -> np.ndarray:
         """Run one decode step. Returns the sampled next token per row, int32 [batch.size], a
         new array the caller owns (the engine feeds it back as the next step's tokens)."""
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each ``(source, destination)`` page's KV (a paged backend: before the step's
+        writes, which may go into a destination)."""
+        raise NotImplementedError(f"{type(self).__name__} holds no KV pages")
 
     def free(self, slot: int) -> None:  # noqa: B027 - optional for stateless backends
         """Forget the slot's sequence; the slot may be reused by the next prefill."""
@@ -137,3 +157,49 @@ class PrefixKV(ABC, Generic[KVHandle]):
     @abstractmethod
     def kv_nbytes(self, handle: KVHandle) -> int:
         """Memory held by a saved range."""
+
+    def drop_kv(self, handle: KVHandle) -> None:  # noqa: B027 - a copy needs no release
+        """The store no longer keeps a saved range."""
+
+    def kv_reclaimable(self, handle: KVHandle) -> bool:
+        """Whether dropping the range gives memory back (a shared page does not)."""
+        return True
+
+
+class PagedKV(PrefixKV[np.ndarray]):
+    """KV ranges of a paged backend, by reference: a saved range is the page ids holding it
+    (each gains a reference), loading maps them into the slot's table, and the first write into
+    a shared page copies it (zerolayer.engine.kv_pages). A range starts on a page boundary; it
+    may end inside a page (a pinned prompt's tail)."""
+
+    kv_pages: PagePool | None
+    kv_page_bytes: int  # one page's KV, every layer
+
+    def _pool(self) -> PagePool:
+        pool = self.kv_pages
+        assert pool is not None, "a PagedKV backend sets kv_pages"
+        return pool
+
+    def save_kv(self, slot: int, start: int, end: int) -> np.ndarray:
+        pool = self._pool()
+        pt = pool.page_tokens
+        if start % pt:
+            raise ValueError(f"a saved KV range starts on a page boundary, not at {start}")
+        pages: np.ndarray = pool.tables[slot, start // pt : pages_for(end, pt)].copy()
+        if (pages < 0).any():
+            raise ValueError(f"slot {slot} holds no KV for positions {start} .. {end - 1}")
+        pool.incref(pages)
+        return pages
+
+    def load_kv(self, handle: np.ndarray, slot: int, start: int) -> None:
+        pool = self._pool()
+        pool.map(slot, start // pool.page_tokens, handle)
+
+    def kv_nbytes(self, handle: np.ndarray) -> int:
+        return len(handle) * self.kv_page_bytes
+
+    def drop_kv(self, handle: np.ndarray) -> None:
+        self._pool().decref(handle)
+
+    def kv_reclaimable(self, handle: np.ndarray) -> bool:
+        return bool((self._pool().refs[handle] == 1).all())

@@ -17,6 +17,26 @@ A step is schedule → execute → update (``step``):
   hands to ``deliver``.
 The waiting queue is bounded: ``submit`` refuses when it is full.
 
+KV pages (a paged backend: ``backend.kv_pages``, zerolayer.engine.kv_pages): admission needs a
+free row and the pages of the head's first chunk; when the pool is out of them (after the prefix
+store gave back the pages only it holds) the head waits, fair order kept (``kv_admission_waits``,
+one log line per 10 s at most). Every page a step writes is reserved in ``schedule``, oldest
+sequence first (decode rows, then prompt chunks); a reservation that cannot be met preempts the
+most recently admitted sequence holding pages (vLLM's recompute preemption): it keeps its slot and
+its row's state (sampling state, penalties' counts, grammar, produced ids) but leaves the decode
+set, gives its pages back, and prefills again its prompt and the ids it produced but the last
+(``Sequence.recompute``), sampling nothing; it then rejoins the decode set with the last token it
+had (``kv_preemptions``, a WARNING). No admission in a step that preempted. The input processor
+refuses a prompt + max_tokens beyond the whole pool, so the oldest sequence always fits and no
+request fails because another holds pages. A backend without pages keeps slot-only admission.
+
+Rows (issue #40): when the principal whose head is picked is within its share of the rows and no
+slot is free, the principals over their share give up their youngest rows (``_take_rows``): each
+such row's state is saved (zerolayer.engine.rows.SavedRow), its slot freed, and it waits at the
+head of its key's queue; admitted again, it recomputes its KV the same way and rejoins without
+resampling (``class_preempted``, by principal class). Not on a backend that cannot write KV
+without sampling (``Backend.recomputes``: the Neuron backend encodes prompts whole).
+
 Prompt outputs (an embedding, prompt logprobs: ``Sequence.pool`` / ``score``): the sequence's
 chunks ask the backend for them, ``_update`` hands each prefilled chunk's to its sequence, and
 such a sequence's prompt is computed whole (the prefix store's KV has no states or logits, so it
@@ -35,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -45,8 +65,9 @@ from zerolayer.engine.admission import QueueShares, RowShares
 from zerolayer.engine.backend import Backend, PrefixKV
 from zerolayer.engine.compute import ComputeThread
 from zerolayer.engine.finish import CANCEL, FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
+from zerolayer.engine.kv_pages import pages_for
 from zerolayer.engine.prefix_store import PrefixStore
-from zerolayer.engine.rows import Rows
+from zerolayer.engine.rows import Rows, SavedRow
 from zerolayer.engine.sequence import Sequence
 from zerolayer.engine.step import FINISH_ERROR, NO_TOKEN, Finished, Logprobs, Output, StepOutput
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
@@ -81,13 +102,15 @@ class EngineStopped(Exception):
 
 @dataclass(slots=True)
 class StepPlan:
-    """What one step runs: prompt chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then the
-    decode batch of the decoding rows (``decode[i]`` owns row i)."""
+    """What one step runs: KV page copies (a paged backend's copies on write, first), prompt
+    chunks (``chunk_seqs[i]`` owns ``chunks[i]``), then the decode batch of the decoding rows
+    (``decode[i]`` owns row i)."""
 
     chunks: list[PrefillChunk]
     chunk_seqs: list[Sequence]
     decode: list[Sequence]
     batch: DecodeBatch | None
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Engine:
@@ -139,7 +162,14 @@ class Engine:
         # Rows [running, waiting] per principal class, for the metrics (no key names), and a
         # counter bumped at every change so that a reader sets its gauges only then.
         self.class_rows: dict[str, list[int]] = {}
+        self.class_preempted: dict[str, int] = {}  # rows preempted for another principal
+        self._saved: dict[Sequence, SavedRow] = {}  # their rows' state while they wait
         self.class_version = 0
+        self._pool = backend.kv_pages  # None: slot-only admission (module docstring)
+        self._rejoin: list[Sequence] = []  # recomputed after a preemption: decode next step
+        self.kv_admission_waits = 0  # sequences that waited for pages at admission (once each)
+        self.kv_preemptions = 0
+        self._full_logged = -1e9  # when "KV pool full" was last logged (monotonic)
         info = backend.info
         self._rows = Rows(n, info.max_context, info.vocab_size, tokenizer.eos_token_ids)
         self._wake = threading.Event()
@@ -167,6 +197,12 @@ class Engine:
     @property
     def slots_used(self) -> int:
         return self.backend.num_slots - len(self._free_slots)
+
+    @property
+    def kv_pages_used(self) -> float:
+        """Fraction of the KV pages in use (0 without pages)."""
+        pool = self._pool
+        return pool.used / pool.num_pages if pool is not None else 0.0
 
     @property
     def alive(self) -> bool:
@@ -282,53 +318,263 @@ class Engine:
                 self._waiting[seq.fair_key] = queue = collections.deque()
             queue.append(seq)
             self._count_class(seq, 1, 1 + len(seq.choices))
-        while self._waiting and self._free_slots:
+        pool = self._pool
+        copies: list[tuple[int, int]] = []
+        preempted = False
+        if self._rejoin:  # their KV is recomputed: they decode again from this step
+            self._rows.join([seq.slot for seq in self._rejoin if seq.slot >= 0])
+            self._rejoin = []
+        # masks first: a parked row that rejoins now reserves its page below like the others
+        deadline = self._rows.prepare(self._mask_budget_s)
+        if pool is not None:
+            before = self.kv_preemptions
+            self._grow(copies)
+            preempted = self.kv_preemptions != before
+        promised = 0  # pages the first chunks of this step's admissions will take
+        while self._waiting and not preempted:
             key = self._pick()
-            if 1 + len(self._waiting[key][0].choices) > len(self._free_slots):
+            head = self._waiting[key][0]
+            if 1 + len(head.choices) > len(self._free_slots) and not self._take_rows(key):
                 break  # held for that head: n choices are admitted together, when n are free
+            if pool is not None:
+                need = self._pages_to_admit(head, promised)
+                if need < 0:
+                    break  # held for that head too, until pages free up
+                promised += need
             self._admit(self._next_waiting(key), finished)
         self._drop_cancelled_waiting(finished)
         if not self._running:
             return None
         rows = self._rows
-        deadline = rows.prepare(self._mask_budget_s)
-        plan = StepPlan([], [], [], rows.batch())
-        if plan.batch is not None:
-            plan.decode = rows.decoding_seqs
-        budget = self._max_step_tokens - len(plan.decode)
-        for seq in self._prefilling:
+        plan = StepPlan([], [], [], None, copies)
+        budget = self._max_step_tokens - len(rows.decoding)
+        for seq in list(self._prefilling):  # a copy: a preemption puts a sequence back in
             if budget <= 0:
                 break
             if seq.cancelled:  # its row ends in this step's update: no more of its prompt runs
                 continue
+            ids = seq.kv_ids
             start = seq.prefilled
-            n = min(len(seq.prompt) - start, self._prefill_chunk, budget)
-            last = start + n == len(seq.prompt)
+            n = min(len(ids) - start, self._prefill_chunk, budget)
+            prompt = seq.recompute is None  # a recomputed row samples nothing, outputs nothing
+            last = prompt and start + n == len(ids)
             if last and not rows.mask_ready(seq.slot, deadline):
                 continue  # its first mask is late: the last chunk runs at a later step
+            if pool is not None and not self._reserve(seq, start, start + n, copies):
+                continue  # it waits for pages (or was itself preempted)
             budget -= n
             plan.chunks.append(
                 PrefillChunk(
                     slot=seq.slot,
-                    tokens=seq.prompt[start : start + n],
+                    tokens=ids[start : start + n],
                     start=start,
                     last=last,
                     sampling=seq.sampling,
                     processing=rows.processing([seq.slot]) if last else None,
-                    pool=seq.pool,
-                    score=seq.score,
-                    targets=seq.prompt[start + 1 : start + n + 1] if seq.score >= 0 else None,
+                    pool=seq.pool and prompt,
+                    score=seq.score if prompt else -1,
+                    targets=ids[start + 1 : start + n + 1] if prompt and seq.score >= 0 else None,
                 )
             )
             plan.chunk_seqs.append(seq)
-        if plan.batch is None and not plan.chunks:
+        plan.batch = rows.batch()  # after the reservations: a preempted row left the set
+        if plan.batch is not None:
+            plan.decode = rows.decoding_seqs
+        elif not plan.chunks:
             rows.wait_late()  # only rows waiting for their masks: no spin
         return plan
 
+    # ---- KV pages (a paged backend) ----------------------------------------------------------
+
+    def _grow(self, copies: list[tuple[int, int]]) -> None:
+        """The decode rows whose write this step needs a page (a new one, or a copy of a
+        shared one) reserve it: all new pages at once when the pool has them (the usual case,
+        a few numpy calls per step), else row by row, oldest first (``_reserve``: it may
+        preempt)."""
+        pool, rows = self._pool, self._rows
+        assert pool is not None
+        if not rows.decoding:
+            return
+        slots = rows.decoding_slots()
+        pos = rows.pos[slots]
+        index = pos // pool.page_tokens
+        have = pool.mapped[slots] > index
+        pages = pool.tables[slots, np.minimum(index, pool.max_pages_per_row - 1)]
+        shared = have & (pool.refs[np.maximum(pages, 0)] > 1)
+        fresh = ~have
+        needy = fresh | shared
+        if not np.count_nonzero(needy):  # the usual step: no page to take
+            return
+        if not np.count_nonzero(shared) and pool.append(slots[fresh]):
+            return
+        order = {id(seq): i for i, seq in enumerate(self._running)}
+        held = [rows.seq[slot] for slot in slots[needy].tolist()]
+        for seq in sorted((s for s in held if s is not None), key=lambda s: order[id(s)]):
+            slot = seq.slot
+            if slot < 0 or slot not in rows.decoding:  # preempted meanwhile
+                continue
+            p = int(rows.pos[slot])
+            self._reserve(seq, p, p + 1, copies)
+
+    def _reserve(self, seq: Sequence, start: int, end: int, copies: list[tuple[int, int]]) -> bool:
+        """Make positions ``start .. end - 1`` of ``seq``'s slot writable (its page copies go to
+        ``copies``). When the pool is short: the prefix store gives back pages only it holds,
+        else the most recently admitted sequence after ``seq`` that holds pages is preempted;
+        when there is none, ``seq`` itself is (when it holds pages) and False is returned."""
+        pool = self._pool
+        assert pool is not None
+        slot = seq.slot
+        while True:
+            got = pool.prepare_write(slot, start, end)
+            if got is not None:
+                copies += got
+                return True
+            if self._reclaim(pool.pages_needed(slot, start, end)):
+                continue
+            victim = self._victim(seq)
+            if victim is None:
+                if pool.mapped[slot]:
+                    self._preempt(seq)
+                return False
+            self._preempt(victim)
+
+    def _reclaim(self, need: int) -> bool:
+        """Whether ``need`` pages are free once the prefix store gave back what it alone
+        holds."""
+        pool = self._pool
+        assert pool is not None
+        return self._store is not None and self._store.reclaim(lambda: pool.available >= need)
+
+    def _victim(self, seq: Sequence) -> Sequence | None:
+        """The most recently admitted sequence after ``seq`` that holds pages."""
+        pool = self._pool
+        assert pool is not None
+        running = self._running
+        first = running.index(seq) + 1
+        for victim in reversed(running[first:]):
+            if pool.mapped[victim.slot]:
+                return victim
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption (module docstring): ``seq`` gives its pages back and prefills
+        its KV again later; its row keeps its state."""
+        pool, rows = self._pool, self._rows
+        assert pool is not None
+        slot = seq.slot
+        pages = pool.release(slot)
+        if seq.recompute is None and seq.prefilled >= len(seq.prompt):  # a decoding row
+            positions = int(rows.pos[slot])  # its KV: every position before its next input
+            produced = rows.ids[slot, : positions - len(seq.prompt)]
+            seq.recompute = np.concatenate([seq.prompt, produced])
+            rows.leave(slot)
+        elif seq.recompute is None:  # its prompt was not in yet: it starts again
+            positions = seq.prefilled
+            seq.restart_prompt()
+        else:
+            positions = seq.prefilled
+        seq.prefilled = 0
+        if seq not in self._prefilling:  # back in, in admission order
+            members = {id(s) for s in self._prefilling} | {id(seq)}
+            self._prefilling = [s for s in self._running if id(s) in members]
+        self.kv_preemptions += 1
+        log.warning(
+            "preempted sequence (client %s, %d positions) to free %d KV pages; it recomputes",
+            seq.fair_key, positions, pages,
+        )  # fmt: skip
+
+    def _pages_to_admit(self, seq: Sequence, promised: int) -> int:
+        """The pages of ``seq``'s first chunk when the pool has them beside the ``promised``
+        ones (after the prefix store gave back what it alone holds), else -1: ``seq`` waits,
+        counted once, logged at most every 10 s."""
+        pool = self._pool
+        assert pool is not None
+        need = pages_for(min(len(seq.kv_ids), self._prefill_chunk), pool.page_tokens)
+        if pool.available >= need + promised or self._reclaim(need + promised):
+            return need
+        if not seq.waited:
+            seq.waited = True
+            self.kv_admission_waits += 1
+        now = time.monotonic()
+        if now - self._full_logged >= 10.0:
+            self._full_logged = now
+            log.info(
+                "KV pool full (%d/%d pages, %d sequences): %d requests wait",
+                pool.used, pool.num_pages, len(self._running), self._queued,
+            )  # fmt: skip
+        return -1
+
+    def _heads(self) -> list[tuple[object, int, int]]:
+        """(fairness key, rows its head needs, weight) of each waiting key, in round order."""
+        return [(key, 1 + len(q[0].choices), q[0].weight) for key, q in self._waiting.items()]
+
     def _pick(self) -> object:
         """The fairness key whose head is admitted next (zerolayer.engine.admission)."""
-        heads = [(key, 1 + len(q[0].choices), q[0].weight) for key, q in self._waiting.items()]
+        heads = self._heads()
         return heads[self._row_shares.pick(heads)][0]
+
+    def _take_rows(self, key: object) -> bool:
+        """``key``'s head needs more rows than are free: when ``key`` is within its share and
+        other principals run over theirs, their youngest rows are preempted (each gives its
+        slot back and waits again, at the head of its queue, to recompute its KV when admitted)
+        until the head's rows are free. Whether they are."""
+        if not self.backend.recomputes:
+            return False
+        heads = self._heads()
+        head = next(h for h in heads if h[0] == key)
+        if not self._row_shares.entitled(head, heads):
+            return False
+        while 1 + len(self._waiting[key][0].choices) > len(self._free_slots):
+            over = self._row_shares.over(heads)
+            victim = next(
+                (s for o in over for s in reversed(self._running) if s.fair_key == o
+                 and not s.choices and not s.cancelled and not s.prompt_outputs),
+                None,
+            )  # fmt: skip
+            if victim is None:
+                return False
+            self._requeue(victim)
+        return True
+
+    def _requeue(self, seq: Sequence) -> None:
+        """``seq`` gives its slot to another principal: its row's state is saved, its pages
+        released, and it waits at the head of its key's queue; when admitted again it
+        recomputes its KV (prompt and produced ids but the last) and goes on without
+        resampling, like a sequence preempted for pages."""
+        rows = self._rows
+        slot = seq.slot
+        if seq.recompute is None and seq.prefilled >= len(seq.prompt):  # a decoding row
+            positions = int(rows.pos[slot])
+            seq.recompute = np.concatenate(
+                [seq.prompt, rows.ids[slot, : positions - len(seq.prompt)]]
+            )
+            self._saved[seq] = rows.save(slot)
+        elif seq.recompute is not None:  # recomputing already
+            self._saved[seq] = rows.save(slot)
+        else:  # its prompt was not in yet: it starts again
+            seq.restart_prompt()
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        if seq in self._rejoin:
+            self._rejoin.remove(seq)
+        self._running.remove(seq)
+        self._free(seq)
+        seq.prefilled = 0
+        with self._lock:
+            self._queued += 1
+            self._shares.put_back(seq.fair_key)
+        queue = self._waiting.get(seq.fair_key)
+        if queue is None:
+            self._waiting[seq.fair_key] = queue = collections.deque()
+        queue.appendleft(seq)
+        self._count_class(seq, 1, 1)
+        self.class_preempted[seq.principal_class] = (
+            self.class_preempted.get(seq.principal_class, 0) + 1
+        )
+        log.info(
+            "preempted a row of client %s (over its share of the rows) for a waiting one",
+            seq.fair_key,
+        )
 
     def _next_waiting(self, key: object) -> Sequence:
         """Admission order, in one place: the head of ``key``'s queue, and ``key`` goes to the
@@ -368,15 +614,23 @@ class Engine:
 
     def _admit(self, seq: Sequence, finished: list[Finished]) -> None:
         """Give ``seq`` the lowest free slot and its row, and load its known prefix."""
-        seq.t_admit = time.perf_counter()
+        if not seq.t_admit:  # a preempted sequence keeps its first admission's
+            seq.t_admit = time.perf_counter()
         if seq.cancelled:
             finished.append(self._end(seq, FinishReason.CANCELLED))
             return
         self._take_slot(seq)
         slot = seq.slot
         try:
-            self._rows.add(slot, seq)
-            if self._store is not None and not seq.prompt_outputs:
+            saved = self._saved.pop(seq, None)
+            if saved is not None:  # preempted for another principal: back as it was
+                self._rows.restore(slot, seq, saved)
+            else:
+                self._rows.add(slot, seq)
+            if seq.recompute is not None:
+                if self._store is not None:  # its prompt's known blocks, by reference
+                    seq.prefilled = self._store.load(seq.recompute, slot)
+            elif self._store is not None and not seq.prompt_outputs:
                 # The longest known prefix's KV into the slot; prefill starts after it.
                 seq.prefilled = seq.reused = self._store.load(seq.prompt, slot)
         except Exception:  # this sequence alone cannot run: it ends, the others go on
@@ -423,6 +677,9 @@ class Engine:
                 continue
             self._running.append(choice)
             self._prefilling.append(choice)
+        if handle is not None:  # a paged backend's handle holds the pages: the choices do now
+            assert isinstance(backend, PrefixKV)
+            backend.drop_kv(handle)
 
     def _end_prompt_only(
         self, completed: list[Sequence], finished: list[Finished]
@@ -470,6 +727,8 @@ class Engine:
         failed: set[int] | None = None
         prefilled = decoded = None
         backend = self.backend
+        if plan.copies:  # before any write: a copy's destination may be written in this step
+            backend.copy_pages(plan.copies)
         if plan.chunks:
             t0 = time.perf_counter()
             try:
@@ -533,6 +792,7 @@ class Engine:
         rows = self._rows
         sampled = decoded
         completed: list[Sequence] = []
+        recomputed: list[Sequence] = []
         first: list[int] = []
         if prefilled is not None:
             for seq, chunk, token in zip(plan.chunk_seqs, plan.chunks, prefilled.tolist(),
@@ -545,10 +805,17 @@ class Engine:
                 if chunk.last:
                     completed.append(seq)
                     first.append(token)
+                elif seq.recompute is not None and seq.prefilled == len(seq.recompute):
+                    recomputed.append(seq)
+            for seq in recomputed:  # its KV is back: it decodes from the next step on
+                seq.recompute = None
+                seq.prefilled = len(seq.prompt)
+                self._rejoin.append(seq)
+            if completed or recomputed:
+                self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.kv_ids)]
             if completed:
                 if self._store is not None:
                     self._offer(completed)
-                self._prefilling = [s for s in self._prefilling if s.prefilled < len(s.prompt)]
                 if any(seq.max_tokens == 0 for seq in completed):
                     first = [t for s, t in zip(completed, first, strict=True) if s.max_tokens]
                     completed = self._end_prompt_only(completed, finished)
@@ -689,6 +956,11 @@ class Engine:
             elapsed = time.perf_counter() - seq.t_admit
             self._avg_seq_s += 0.05 * (elapsed - self._avg_seq_s)
         if seq.slot < 0:
+            saved = self._saved.pop(seq, None)  # preempted and waiting: what it produced
+            if saved is not None and len(saved.ids):
+                ids = saved.ids.copy()
+                ids.flags.writeable = False
+                return Finished(seq.owner, finish, seq.t_admit, len(ids), ids)
             return Finished(seq.owner, finish, seq.t_admit, 0, None)
         ids = self._rows.produced_ids(seq.slot)
         return Finished(seq.owner, finish, seq.t_admit, len(ids), ids)
@@ -710,6 +982,8 @@ class Engine:
         slot = seq.slot
         if slot >= 0:
             self._rows.remove(slot)
+            if self._pool is not None:
+                self._pool.release(slot)
             self.backend.free(slot)
             heapq.heappush(self._free_slots, slot)
             seq.slot = -1
@@ -721,8 +995,10 @@ class Engine:
         for seq in seqs:
             self._free(seq)
             self._running.remove(seq)
-            if seq.prefilled < len(seq.prompt):
+            if seq.prefilled < len(seq.kv_ids):
                 self._prefilling.remove(seq)
+            if seq in self._rejoin:
+                self._rejoin.remove(seq)
 
     def _fail_all(self) -> list[Finished]:
         running = list(self._running)

@@ -7,7 +7,7 @@ before them, and a block is only reused after the same history. A lookup walks a
 from the start and stops at the first one missing; every block found is also checked against the
 ids and parent it was stored with, so even a hash collision cannot hand out the wrong KV.
 
-- ``load`` (at admission): copies the longest run of a prompt's leading blocks found into the
+- ``load`` (at admission): loads the longest run of a prompt's leading blocks found into the
   sequence's slot, always leaving at least one prompt token to prefill (its logits give the first
   output token), and returns how many tokens it covered.
 - ``offer`` (when a prompt's prefill completes, while its slot is still held): saves the prompt's
@@ -15,6 +15,12 @@ ids and parent it was stored with, so even a hash collision cannot hand out the 
 - ``pin`` (start-up, registered prompts): the same blocks, never evicted, plus a pinned *tail*:
   the prompt's last, partial block, so a registered prompt is reused up to its last token
   instead of to its last block boundary. Only pinned entries may be partial.
+
+On a paged backend (zerolayer.engine.kv_pages) an entry holds the KV pages themselves, by
+reference: loading maps them into the slot's page table (no copy; the first write into a shared
+partial page copies it), an evicted entry drops its references, and when the pages run out the
+engine asks the store to ``reclaim`` the pages only it holds before a sequence waits or is
+preempted.
 
 Unpinned blocks live in an LRU under ``capacity_bytes``. Whenever a block is used or added, the
 blocks before it are marked used after it, so a parent is never evicted before its children
@@ -31,6 +37,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,6 +177,7 @@ class PrefixStore:
             handle = self._kv.save_kv(slot, start, start + self.block_tokens)
             nbytes = int(self._kv.kv_nbytes(handle))
             if not self._make_room(nbytes, chain):
+                self._kv.drop_kv(handle)
                 break
             entry = _Entry(key, parent, chunk, start, self.block_tokens, handle, nbytes, False)
             self._blocks[key] = self._lru[key] = entry
@@ -189,11 +197,30 @@ class PrefixStore:
             key, entry = next(iter(self._lru.items()))
             if key in keep:  # only the chain being offered is left
                 return False
-            del self._lru[key]
-            del self._blocks[key]
-            self.cached_bytes -= entry.nbytes
-            self.evicted_blocks += 1
+            self._evict(entry)
         return True
+
+    def _evict(self, entry: _Entry) -> None:
+        del self._lru[entry.key]
+        del self._blocks[entry.key]
+        self._kv.drop_kv(entry.handle)
+        self.cached_bytes -= entry.nbytes
+        self.evicted_blocks += 1
+
+    def reclaim(self, enough: Callable[[], bool]) -> bool:
+        """Evict least recently used blocks that give memory back (KV pages no sequence
+        shares) until ``enough()``; returns ``enough()``. The engine calls it when the KV pages
+        run out, before it makes a sequence wait or preempts one."""
+        evicted = False
+        for entry in list(self._lru.values()):
+            if enough():
+                break
+            if self._kv.kv_reclaimable(entry.handle):
+                self._evict(entry)
+                evicted = True
+        if evicted:
+            self._report_bytes()
+        return enough()
 
     def _touch(self, entries: list[_Entry]) -> None:
         """Mark ``entries`` (a chain, first block first) used, the first one last."""

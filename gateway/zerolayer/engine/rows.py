@@ -1,17 +1,18 @@
 """The running sequences' per-row state: arrays indexed by KV slot, changed in place.
 
 A sequence's row is its slot. ``add`` writes the row when the sequence is admitted (sampling
-parameters, limits, stop ids, where its prompt ends); ``join`` puts prefilled rows into the
-decode set and ``leave`` takes ended rows out of it; nothing is rebuilt per step. Per step the
-engine asks for the decode batch (``batch``: views of the arrays while the decoding slots are
-consecutive, which the lowest-free-slot rule makes the usual case) and ``advance``s every row
-that sampled a token in one vectorized call, which also notes the finish rules its token fires
-(``fired``). The logits processing (gateway/zerolayer/engine/sampling.py: penalties, logit bias,
-min_tokens, logprobs, a grammar's matcher) is per-row state here too, by slot: written at ``add``;
-the token counts the penalties read ([slots, vocab], allocated with the first penalised row) and the
-grammar's state advance in ``advance``, the one place a sampled token is taken in. A batch or
-a prefill's last chunk carries a ``Processing`` (``processing``) only when one of its rows
-needs it: rows without any of these features cost nothing more per step.
+parameters, limits, stop ids, where its prompt ends); ``join`` puts prefilled rows into the decode
+set, ``remove`` takes ended rows out of it and ``leave`` preempted ones (they keep their state);
+nothing is rebuilt per step. Per step the engine asks for the decode batch (``batch``: views of the
+arrays while the decoding slots are consecutive, which the lowest-free-slot rule makes the usual
+case) and ``advance``s every row that sampled a token in one vectorized call, which also notes the
+finish rules its token fires (``fired``). The logits processing
+(gateway/zerolayer/engine/sampling.py: penalties, logit bias, min_tokens, logprobs, a grammar's
+matcher) is per-row state here too, by slot: written at ``add``; the token counts the penalties read
+([slots, vocab], allocated with the first penalised row) and the grammar's state advance in
+``advance``, the one place a sampled token is taken in. A batch or a prefill's last chunk carries a
+``Processing`` (``processing``) only when one of its rows needs it: rows without any of these
+features cost nothing more per step.
 
 A constrained row's next mask is grammar work of unbounded cost (issue #40), so it never runs on
 the engine thread: the row submits it to a ``MaskWorker`` (zerolayer.structured) when it joins and
@@ -32,6 +33,7 @@ import concurrent.futures
 import contextlib
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,6 +58,24 @@ if TYPE_CHECKING:
 # How long a step with nothing else to run waits for a late row's mask before it returns (the
 # engine loop then looks at its inbox again): the loop never spins while rows are parked.
 PARKED_WAIT_S = 0.02
+
+
+@dataclass(slots=True)
+class SavedRow:
+    """A row's state while its sequence is out of the rows (preempted to give its slot to
+    another principal): what ``add`` does not rebuild from the sequence."""
+
+    token: int
+    pos: int
+    left: int
+    cap: int
+    ids: np.ndarray  # int32: what it produced so far
+    matcher: RowMatcher | None
+    counts: np.ndarray | None  # its penalties' rows, when penalised
+    seen: np.ndarray | None
+    # the matcher's next mask (computing or done): for its state, so it is kept, never made
+    # again while it may still run (one mask at a time per matcher)
+    next_mask: concurrent.futures.Future[np.ndarray] | None
 
 
 class Rows:
@@ -132,6 +152,7 @@ class Rows:
         self.index: slice | np.ndarray = slice(0, 0)
         self._sampling: tuple[np.ndarray, np.ndarray] | None = None
         self._last_id = np.empty(0, np.intp)  # per decode row: where its id 0 goes in _ids, - 1
+        self._slots_array = np.empty(0, np.intp)  # the decoding slots (decoding_slots)
         self._proc_rows: list[tuple[int, int]] = []  # (row, slot) of the processed decode rows
         self.scratch = np.zeros(n, np.int32)  # a token per slot, to put a step's rows in order
         self._changed = False
@@ -212,6 +233,52 @@ class Rows:
             self.min_tokens[slot] = 0
             self.top_logprobs[slot] = -1
         self.seq[slot] = None
+        if slot in self.decoding:
+            self.decoding.remove(slot)
+            self._changed = True
+
+    def save(self, slot: int) -> SavedRow:
+        """``slot``'s state, before ``remove`` clears it (the sequence comes back with
+        ``restore``, in any slot)."""
+        penalised = self.penalised[slot] and self.counts is not None and self.seen is not None
+        return SavedRow(
+            int(self.token[slot]),
+            int(self.pos[slot]),
+            int(self.left[slot]),
+            int(self.cap[slot]),
+            self.ids[slot, : self.produced(slot)].copy(),
+            self.matcher[slot],
+            self.counts[slot].copy() if penalised and self.counts is not None else None,
+            self.seen[slot].copy() if penalised and self.seen is not None else None,
+            self.next_mask[slot],
+        )
+
+    def restore(self, slot: int, seq: Sequence, saved: SavedRow) -> None:
+        """``seq``'s row again, in ``slot``, as ``save`` left it (it joins after ``join``)."""
+        self.add(slot, seq)
+        self.token[slot], self.pos[slot] = saved.token, saved.pos
+        self.left[slot], self.cap[slot] = saved.left, saved.cap
+        self.ids[slot, : len(saved.ids)] = saved.ids
+        if saved.matcher is not None:
+            self.matcher[slot] = saved.matcher  # ``add`` made a fresh one: this one goes on
+            self.next_mask[slot] = saved.next_mask
+            if saved.next_mask is None:
+                self._submit_mask(slot)
+        if saved.counts is not None and self.counts is not None and self.seen is not None:
+            self.counts[slot] = saved.counts
+            self.seen[slot] = saved.seen
+
+    def decoding_slots(self) -> np.ndarray:
+        """The decoding slots as an array (int64, ascending; made once per row set)."""
+        if self._changed:
+            self._rebuild()
+        return self._slots_array
+
+    def leave(self, slot: int) -> None:
+        """``slot``'s row stops decoding but keeps its state (a preempted row: it joins again
+        once its KV is recomputed, with the same last token, position and sampling state; a
+        parked row too: its mask is kept, and waited for again when it joins)."""
+        self.parked.discard(slot)
         if slot in self.decoding:
             self.decoding.remove(slot)
             self._changed = True
@@ -412,7 +479,8 @@ class Rows:
             self.index = slice(slots[0], slots[-1] + 1)
         else:
             self.index = np.array(slots, np.intp)
-        self._last_id = np.array(slots, np.intp) * self.max_context - 1
+        self._slots_array = np.array(slots, np.intp)
+        self._last_id = self._slots_array * self.max_context - 1
         self._proc_rows = (
             [(r, s) for r, s in enumerate(slots) if self.processed[s]] if self._processing else []
         )

@@ -30,7 +30,7 @@ class Sequence:
                  "detok", "reused", "slot", "prefilled", "held", "cancelled", "t_admit",
                  "ignore_eos", "fair_key", "weight", "principal_class", "matched_stop", "_max_stop",
                  "grammar", "grammar_error", "choices", "parent", "pool", "score", "pooled",
-                 "prompt_logprobs", "_scored")  # fmt: skip
+                 "prompt_logprobs", "_scored", "recompute", "waited")  # fmt: skip
 
     def __init__(
         self,
@@ -80,6 +80,22 @@ class Sequence:
         self.pooled: np.ndarray | None = None
         self.prompt_logprobs: PromptLogprobs | None = None  # of prompt[1:]
         self._scored: list[PromptLogprobs] = []
+        # Preempted after its prompt (zerolayer.engine.engine): the ids whose KV it prefills
+        # again (prompt + produced but the last), sampling nothing; None otherwise.
+        self.recompute: np.ndarray | None = None
+        self.waited = False  # it waited for KV pages at admission (counted once)
+
+    @property
+    def kv_ids(self) -> np.ndarray:
+        """The ids its prefill writes: the prompt, or what a preempted row recomputes."""
+        return self.prompt if self.recompute is None else self.recompute
+
+    def restart_prompt(self) -> None:
+        """Preempted before its prompt completed: the prompt prefills again from the start,
+        its prompt outputs gathered again."""
+        self.prefilled = 0
+        self.pooled = None
+        self._scored = []
 
     @property
     def prompt_outputs(self) -> bool:

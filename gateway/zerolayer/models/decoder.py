@@ -1,4 +1,5 @@
-"""One decoder for the Llama-shaped families, in plain torch, on a static slot KV cache.
+"""One decoder for the Llama-shaped families, in plain torch, on a static slot KV cache or KV
+in pages.
 
 Owns the model math: RMSNorm (optionally scaling by 1 + weight), rotary embeddings (plain,
 "linear" and "llama3" scaling; a second table for sliding layers with their own base),
@@ -19,6 +20,10 @@ The KV cache is allocated once (``KVCache.allocate``) and passed in as two tenso
 reads only the first ``attn_len`` cache positions; callers pick ``attn_len`` from a small set
 of buckets (``attention_bucket``) so cost follows the real length while shapes stay fixed;
 sliding-window layers keep every position too and mask the ones outside their window.
+KV in pages (``PagedKVCache``, the engine's page tables: zerolayer.engine.kv_pages) is the same
+math: writes go to each position's row of the token-major page storage, and attention gathers
+each row's pages into the static cache's layout before the same attention call, so the float32
+parity mode gives the static cache's logits bit for bit.
 Parameter names match the Hugging Face ``*ForCausalLM`` with the ``model.`` prefix removed
 (Phi-3's fused matrices are split by the loader). A model loaded from a GGUF file holds its
 matrices as the file's own blocks (``Decoder.use_blocks``, ``zerolayer.kernels.qmatmul``: the same
@@ -29,6 +34,7 @@ for forwards of many tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -161,6 +167,11 @@ class Rows:
     packed: torch.Tensor | None  # [T] int64 or None (no padding)
     slot_start: int | None  # rows are slots slot_start, slot_start + 1, ...: read in place
     blocks: bool = False  # few enough tokens for the GGUF block weights (Decoder.use_blocks)
+    # KV in pages (PagedKVCache): where each computed token's K/V goes in the layer's
+    # [pages * page_tokens, kv_heads, head_dim] storage ([B, n] or [T]) and where each row's
+    # first attn_len positions are read from ([B, attn_len]); None on the static cache.
+    write_index: torch.Tensor | None = None
+    read_index: torch.Tensor | None = None
 
 
 def _bias(parts: list[nn.Linear]) -> torch.Tensor | None:
@@ -237,14 +248,21 @@ class Attention(nn.Module):
         # mask hides positions after each query (later chunk tokens, stale data of old sequences)
         # and, in a sliding layer, those outside the window.
         # Indexing [write_slots, :, write_positions] selects [*tokens, kv_heads, head_dim].
-        k_cache[rows.write_slots, :, rows.write_positions] = k.to(k_cache.dtype)
-        v_cache[rows.write_slots, :, rows.write_positions] = v.to(v_cache.dtype)
-        if rows.slot_start is None:  # any slots: a gather (a copy of each row's first attn_len)
-            keys = k_cache[rows.slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
-            values = v_cache[rows.slots, :, :attn_len]
-        else:  # consecutive slots: a view of the cache, no copy per layer and step
-            keys = k_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
-            values = v_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
+        if rows.write_index is not None and rows.read_index is not None:  # KV in pages
+            k_cache[rows.write_index] = k.to(k_cache.dtype)
+            v_cache[rows.write_index] = v.to(v_cache.dtype)
+            # each row's pages gathered into the static cache's layout [B, kv, attn_len, hd]
+            keys = k_cache[rows.read_index].transpose(1, 2).contiguous()
+            values = v_cache[rows.read_index].transpose(1, 2).contiguous()
+        else:
+            k_cache[rows.write_slots, :, rows.write_positions] = k.to(k_cache.dtype)
+            v_cache[rows.write_slots, :, rows.write_positions] = v.to(v_cache.dtype)
+            if rows.slot_start is None:  # any slots: a gather (a copy of each row's first attn_len)
+                keys = k_cache[rows.slots, :, :attn_len]  # [B, kv_heads, attn_len, head_dim]
+                values = v_cache[rows.slots, :, :attn_len]
+            else:  # consecutive slots: a view of the cache, no copy per layer and step
+                keys = k_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
+                values = v_cache.narrow(0, rows.slot_start, B).narrow(2, 0, attn_len)
         if keys.dtype != q.dtype:  # a bfloat16 cache of a float32 model: computed in float32
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         if rows.packed is not None:  # queries back into the padded [B, n] layout; padding = 0
@@ -354,6 +372,8 @@ class KVCache:
 
     k: torch.Tensor
     v: torch.Tensor
+    tables: None = None  # not paged (PagedKVCache)
+    page_tokens: int = 0
 
     @classmethod
     def allocate(
@@ -379,6 +399,62 @@ class KVCache:
     @property
     def max_context(self) -> int:
         return self.k.shape[3]
+
+
+@dataclass
+class PagedKVCache:
+    """KV in pages (zerolayer.engine.kv_pages): k and v are [layers, num_pages * page_tokens,
+    kv_heads, head_dim], token-major, so one token's K or V of a layer is one row; position p
+    of slot s is row ``tables[s, p // page_tokens] * page_tokens + p % page_tokens``. ``tables``
+    [num_slots, max_pages_per_row] (-1 = no page) is the engine's page table, shared, read at
+    every forward. Zeroed at allocation: attention masks positions a row has not written, but a
+    masked value still enters the weighted sum (times 0), so it must never be NaN."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: torch.Tensor
+    page_tokens: int
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: DecoderConfig,
+        num_pages: int,
+        tables: torch.Tensor,
+        dtype: torch.dtype,
+        page_tokens: int = 16,
+    ) -> PagedKVCache:
+        shape = (
+            cfg.num_hidden_layers,
+            num_pages * page_tokens,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        return cls(k, v, tables, page_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    @property
+    def page_nbytes(self) -> int:
+        """One page's K and V over every layer."""
+        return self.nbytes // (self.k.shape[1] // self.page_tokens)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.tables.shape[1]) * self.page_tokens
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) page's rows, every layer."""
+        pt = self.page_tokens
+        lanes = torch.arange(pt)
+        pairs = torch.tensor(copies, dtype=torch.int64).reshape(-1, 2) * pt
+        src = (pairs[:, :1] + lanes).flatten()
+        dst = (pairs[:, 1:] + lanes).flatten()
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
 
 class Decoder(nn.Module):
@@ -538,6 +614,8 @@ class Decoder(nn.Module):
         slot_start: int | None = None,  # set when slots == slot_start, slot_start + 1, ...
         last_index: torch.Tensor | None = None,  # [B] int64 in [0, n): last real token per row
         hidden: bool = False,
+        tables: torch.Tensor | None = None,  # a PagedKVCache's tables: k/v are its pages
+        page_tokens: int = 16,
     ) -> torch.Tensor:
         """Run the tokens through the model, writing their K/V into the cache.
 
@@ -590,6 +668,19 @@ class Decoder(nn.Module):
                 slot_start,
                 self.blocks_max_rows > 0 and int(lengths.sum()) <= self.blocks_max_rows,
             )
+        if tables is not None:  # KV in pages: rows of the token-major storage (PagedKVCache)
+            table = tables.to(torch.int64)
+            pages = table[rows.write_slots, rows.write_positions // page_tokens]
+            if bool((pages < 0).any()):
+                raise ValueError(
+                    "a position is written without a KV page (the engine reserves them)"
+                )
+            read = table[slots][:, key_pos // page_tokens] * page_tokens + key_pos % page_tokens
+            rows = dataclasses.replace(
+                rows,
+                write_index=pages * page_tokens + rows.write_positions % page_tokens,
+                read_index=read.clamp_(min=0),  # no page yet: masked, any row will do
+            )
         # [B, n, hidden], or [T, hidden] when packed
         if self.embed_blocks is not None:
             x = self.embed_blocks.rows(tokens, self.rope_cos.dtype)
@@ -636,7 +727,7 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,  # [n] int64
         start: int,
         slot: int,
-        cache: KVCache,
+        cache: KVCache | PagedKVCache,
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Write one prompt chunk at positions start..start+n-1 of ``slot``. Returns [vocab]
@@ -647,12 +738,13 @@ class Decoder(nn.Module):
         slots = torch.tensor([slot], dtype=torch.int64)
         attn_len = eager_attention_len(end, cache.max_context)
         logits: torch.Tensor = self(
-            tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits, slot
-        )
+            tokens[None], positions, slots, cache.k, cache.v, attn_len, all_logits, slot,
+            tables=cache.tables, page_tokens=cache.page_tokens,
+        )  # fmt: skip
         return logits[0]
 
     def prefill_hidden(
-        self, tokens: torch.Tensor, start: int, slot: int, cache: KVCache
+        self, tokens: torch.Tensor, start: int, slot: int, cache: KVCache | PagedKVCache
     ) -> torch.Tensor:
         """``prefill`` that returns the chunk's final-norm states [n, hidden] (``forward``'s
         ``hidden``) instead of logits; ``head`` turns any of them into logits."""
@@ -661,8 +753,9 @@ class Decoder(nn.Module):
         slots = torch.tensor([slot], dtype=torch.int64)
         attn_len = eager_attention_len(start + n, cache.max_context)
         states: torch.Tensor = self(
-            tokens[None], positions, slots, cache.k, cache.v, attn_len, True, slot, hidden=True
-        )
+            tokens[None], positions, slots, cache.k, cache.v, attn_len, True, slot, hidden=True,
+            tables=cache.tables, page_tokens=cache.page_tokens,
+        )  # fmt: skip
         return states[0]
 
     def prefill_batch(
@@ -670,7 +763,7 @@ class Decoder(nn.Module):
         chunks: list[torch.Tensor],  # B chunks, [n_i] int64 each
         starts: list[int],
         slots: list[int],  # distinct
-        cache: KVCache,
+        cache: KVCache | PagedKVCache,
     ) -> torch.Tensor:
         """Write B prompt chunks in ONE forward, chunk i at positions starts[i] .. of slots[i].
         Returns [B, vocab] logits of each chunk's last token, rows in the order given: the same
@@ -701,6 +794,8 @@ class Decoder(nn.Module):
             slot_start=first if consecutive else None,
             # Equal lengths need no padding, and so no packing either.
             last_index=None if bool((lengths == lengths[0]).all()) else lengths - 1,
+            tables=cache.tables,
+            page_tokens=cache.page_tokens,
         )
         if order == sorted(order):  # given in slot order already: no reordering copy
             return logits
@@ -712,7 +807,7 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,  # [b] int64
         positions: torch.Tensor,  # [b] int64
         slots: torch.Tensor,  # [b] int64
-        cache: KVCache,
+        cache: KVCache | PagedKVCache,
     ) -> torch.Tensor:
         """One batched decode step. Returns [b, vocab] logits, rows in the order given.
 
@@ -733,6 +828,8 @@ class Decoder(nn.Module):
             cache.v,
             attn_len,
             slot_start=first if consecutive else None,
+            tables=cache.tables,
+            page_tokens=cache.page_tokens,
         )
         if order is None:
             return logits

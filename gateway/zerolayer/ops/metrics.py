@@ -190,11 +190,12 @@ class Metrics:
         )
         self.class_preempted = Counter(
             p + "principal_rows_preempted",
-            "Rows preempted to give their slot to another principal, by principal class "
-            "(always 0 until preemption comes with paged KV: a principal over its share waits).",
+            "Rows preempted (KV freed, recomputed later) to give their slot to another "
+            "principal waiting, by principal class.",
             ["principal_class"],
             registry=r,
         )
+        self._class_preempted_shown: dict[str, int] = {}  # set_classes: counted up to here
         tallies = TallyFamilies()
         # Written on the event loop only (the request path and the doors).
         self.ttft = tallies.histogram(
@@ -253,6 +254,21 @@ class Metrics:
         )
         self.kv_slots_used = Gauge(
             p + "kv_slots_used_ratio", "Fraction of KV-cache slots in use (0..1).", registry=r
+        )
+        self.kv_pages_used = Gauge(
+            p + "kv_pages_used_ratio",
+            "Fraction of the KV pages in use (0..1; 0 on a backend without pages).",
+            registry=r,
+        )
+        self.kv_preemptions = Counter(
+            p + "kv_preemptions",
+            "Sequences preempted (KV pages freed, recomputed later) for lack of KV pages.",
+            registry=r,
+        )
+        self.kv_admission_waits = Counter(
+            p + "kv_admission_waits",
+            "Sequences that waited for KV pages before admission (each counted once).",
+            registry=r,
         )
         # Written by the prefix store's owner: the engine thread (once per admitted request and
         # per prompt whose blocks it keeps), or start-up before it runs.
@@ -427,12 +443,29 @@ class Metrics:
         self.waiting.set(waiting)
         self.kv_slots_used.set(slots_used / slots_total if slots_total else 0.0)
 
-    def set_classes(self, rows: dict[str, list[int]]) -> None:
-        """Rows [running, waiting] by principal class, set when they change."""
+    def kv_pages(self, used_ratio: float, preemptions: int, admission_waits: int) -> None:
+        """The KV pages' occupancy and new preemptions and waits (engine thread, when they
+        changed)."""
+        self.kv_pages_used.set(used_ratio)
+        if preemptions:
+            self.kv_preemptions.inc(preemptions)
+        if admission_waits:
+            self.kv_admission_waits.inc(admission_waits)
+
+    def set_classes(
+        self, rows: dict[str, list[int]], preempted: dict[str, int] | None = None
+    ) -> None:
+        """Rows [running, waiting] by principal class, and the rows preempted so far for
+        another principal, set when they change."""
         for principal_class, (running, waiting) in rows.items():
             self.class_running.labels(principal_class).set(running)
             self.class_waiting.labels(principal_class).set(waiting)
             self.class_preempted.labels(principal_class)  # exported at 0
+        for principal_class, total in (preempted or {}).items():
+            shown = self._class_preempted_shown.get(principal_class, 0)
+            if total > shown:
+                self.class_preempted.labels(principal_class).inc(total - shown)
+                self._class_preempted_shown[principal_class] = total
 
     # -- connections and frames -----------------------------------------------------------
 

@@ -156,8 +156,8 @@ class InputProcessor:
         if req.truncate and req.max_tokens == 0 and len(ids) > max_context:
             ids = ids[:max_context]  # the first tokens, as Ollama's /api/embed truncates
         max_tokens = req.max_tokens
-        if max_tokens is None:  # as many as fit beside the prompt
-            max_tokens = max_context - len(ids)
+        if max_tokens is None:  # as many as fit beside the prompt (and in the KV pool)
+            max_tokens = min(max_context, self.info.kv_positions or max_context) - len(ids)
         if (req.embed or req.prompt_logprobs >= 0) and not self.info.hidden_size:
             field = "input" if req.embed else "echo"
             raise invalid(f"{field}: this backend returns no prompt outputs", field)
@@ -167,6 +167,14 @@ class InputProcessor:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max(max_tokens, 1)}) exceeds "
                 f"{'max_context' if req.context is None else 'the request context'} "
                 f"{max_context}",
+            )
+        pool = self.info.kv_positions  # paged KV: a sequence must fit in the whole pool
+        if pool and len(ids) + max_tokens > pool:
+            raise Refusal(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV pool's "
+                f"{pool} positions (engine.kv_cache_bytes)",
+                field="max_tokens",
             )
         wants_detok = req.want_text or bool(req.stop_sequences)
         return Prepared(

@@ -288,10 +288,18 @@ class PromptRegistry:
                     f"{max_context} (engine.max_context)"
                 )
             body = c.ids[:-1]
+            pages = backend.kv_pages  # a paged backend: slot 0's pages, reserved here
             for start in range(0, len(body), chunk):
                 piece = body[start : start + chunk]
+                if pages is not None and pages.prepare_write(0, start, start + len(piece)) is None:
+                    raise PromptConfigError(
+                        f"prompt {label}: its KV does not fit in the KV pages left "
+                        "(engine.kv_cache_bytes)"
+                    )
                 backend.prefill([PrefillChunk(0, piece, start, False, SamplingParams())])
             c.kv_bytes, _ = store.pin(body, 0)
+            if pages is not None:
+                pages.release(0)  # the pinned entries hold their pages
             backend.free(0)
             total = store.pinned_bytes - pinned
             if total > self.budget_bytes:

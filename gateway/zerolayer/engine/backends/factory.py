@@ -16,15 +16,24 @@ log = logging.getLogger("zerolayer.engine")
 def build_backend(settings: Settings) -> tuple[Backend, Tokenizer]:
     engine = settings.engine
     if engine.backend == "synthetic":
+        from zerolayer.engine.backends.synthetic import PAGE_BYTES as SYNTHETIC_PAGE_BYTES
         from zerolayer.engine.backends.synthetic import SyntheticBackend
 
+        num_pages = engine.kv_cache_bytes // SYNTHETIC_PAGE_BYTES
+        if engine.kv_cache_bytes and not num_pages:
+            raise ValueError(
+                f"engine.kv_cache_bytes {engine.kv_cache_bytes} holds no KV page "
+                f"({SYNTHETIC_PAGE_BYTES} bytes each)"
+            )
         backend = SyntheticBackend(
             num_slots=engine.max_batch_size,
             vocab_size=engine.synthetic_vocab_size,
             max_context=engine.max_context,
             step_ms=engine.synthetic_step_ms,
             prefill_us_per_token=engine.synthetic_prefill_us_per_token,
+            num_pages=num_pages,
         )
+        log_pool(backend, engine.kv_cache_bytes)
         return backend, ByteTokenizer(engine.synthetic_vocab_size)
     if engine.backend == "cpu":
         from zerolayer.engine.backends.cpu import create_cpu_backend
@@ -33,6 +42,22 @@ def build_backend(settings: Settings) -> tuple[Backend, Tokenizer]:
     from zerolayer.engine.backends.neuron import create_neuron_backend
 
     return create_neuron_backend(settings.model, engine)
+
+
+def log_pool(backend: Backend, setting: int) -> None:
+    """The KV pages, said once at start-up."""
+    pool = backend.kv_pages
+    if pool is None:
+        return
+    page_bytes = getattr(backend, "kv_page_bytes", 0)
+    total = pool.num_pages * page_bytes
+    size = f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**10:.1f} KiB"
+    log.info(
+        "KV pool %s: %s pages of %d positions (%s positions, %s bytes a position; "
+        "engine.kv_cache_bytes=%s)",
+        size, f"{pool.num_pages:,}", pool.page_tokens, f"{pool.positions:,}",
+        f"{page_bytes // pool.page_tokens:,}", setting or "auto",
+    )  # fmt: skip
 
 
 def build_prefix_store(

@@ -312,6 +312,8 @@ class NeuronBackend(LogitsBackend):
     ``num_slots`` rows of ``info.max_context`` positions. ``model`` is called as
     ``model(input_ids, cache_ids=..., start_ids=...)`` and returns float logits [rows, vocab]."""
 
+    recomputes = False  # a prompt is encoded whole, with its last chunk: no KV without sampling
+
     def __init__(self, model: Any, info: ModelInfo, num_slots: int) -> None:
         import torch
 

@@ -1,24 +1,29 @@
 """The synthetic backend: no model, deterministic tokens, optional step time.
 
 It runs through the same scheduler as a real model so the whole serving layer can be tested and
-measured alone. Each slot keeps a 64-bit digest of its prompt (and seed); the token at position p
-is a hash of (digest, p) mapped onto lowercase letters and spaces of the byte-level tokenizer, so
-text deltas are readable and a request's output is a pure function of prompt, seed and position.
+measured alone. Each slot keeps a 64-bit digest of its ids so far at every position; the token at
+position p is a hash of (digest, seed, p) mapped onto lowercase letters and spaces of the
+byte-level tokenizer, so text deltas are readable and a request's output is a pure function of
+prompt, seed and position.
 It never emits EOS: streams end on max_tokens, stop ids, stop sequences or cancel.
 
-A prompt folds into its digest id by id, ``d = d * _FOLD + mix(id)`` (mod 2**64): a polynomial
+A sequence folds into its digest id by id, ``d = d * _FOLD + mix(id)`` (mod 2**64): a polynomial
 hash, so a chunk's digests at all its positions come from one cumulative sum (``_fold``) instead
-of a numpy call per position. Its "KV cache" is the running digest at every prompt position of
-every slot (uint64 [slots, max_context]): a chunk continues from the digest of the position
-before it, so a range saved from one slot and loaded into another (``save_kv`` / ``load_kv``,
-the prefix store) gives exactly the digest, and so the tokens, that prefilling those ids would.
-Reused positions are never sent to ``prefill``, so with a per-token cost
-(``prefill_us_per_token``) they cost nothing, as on a model.
+of a numpy call per position. Its "KV cache" is the running digest after every position, prompt
+and output alike, kept in pages (zerolayer.engine.kv_pages: uint64 [num_pages * 16], position p
+of a slot at ``tables[slot, p // 16] * 16 + p % 16``): a chunk or a decode step goes on from the
+digest of the position before it, read through the slot's page table, and the next token is a
+hash of the digest after its input (mixed with the seed of a seeded row) and the position. So the
+output is a function of the sequence's ids, seed and position, like a model's, and a wrong page
+mapping (a page shared without a copy, a page freed while in use, a preempted sequence
+recomputed wrongly) gives wrong tokens. A range shared from one slot into another (the prefix
+store, n choices) gives exactly the tokens that prefilling those ids would. Reused positions are
+never sent to ``prefill``, so with a per-token cost (``prefill_us_per_token``) they cost nothing,
+as on a model.
 
-Hashing costs about as much per step as the rest of the engine, and this backend stands in for a
-model in the serving benchmark, so while a batch keeps its rows (the engine passes the same
-``slots`` array, its positions one further each step) decode computes the tokens of several
-coming steps at once and hands them out step by step: the same tokens, hashed in fewer calls.
+The engine reserves every page a call writes (``kv_pages``); a position without a page is the
+scheduler's bug and raises. The pool holds ``num_pages`` pages (default: every slot's whole
+context, so nothing ever waits); a page is 128 bytes (16 digests).
 
 Rows with logits processing (gateway/zerolayer/engine/sampling.py: penalties, logit bias,
 min_tokens, a grammar, logprobs) get logits made up for the purpose, 0 everywhere but ``PEAK`` at
@@ -49,7 +54,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zerolayer.engine.backend import Backend, ModelInfo, PrefixKV
+from zerolayer.engine.backend import Backend, ModelInfo, PagedKV
+from zerolayer.engine.kv_pages import PAGE_TOKENS, PagePool, pages_for
 from zerolayer.engine.types import DecodeBatch, PrefillChunk, PromptLogprobs
 from zerolayer.kernels.splitmix import MIX1, splitmix64
 from zerolayer.sampling_params import SamplingParams, sampling_rows
@@ -65,6 +71,7 @@ _LANES = (np.arange(HIDDEN, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E377
 # 64 entries, indexed by the top 6 bits of a token's hash: letters twice, then spaces.
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz" * 2 + b" " * 12, np.uint8).astype(np.int32)
 _U64 = np.uint64
+PAGE_BYTES = PAGE_TOKENS * 8  # a page of 16 uint64 digests
 _POS = _U64(0xD6E8FEB86659FD93)
 
 
@@ -79,7 +86,14 @@ def _powers(base: int, n: int) -> np.ndarray:
     return np.cumprod(out, dtype=_U64)
 
 
-_MIN_BLOCK, _MAX_BLOCK = 4, 64  # decode steps hashed at once; doubles while the rows stay
+def _next_tokens(
+    digests: np.ndarray, seeds: np.ndarray, seeded: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    """The token after each digest (the sequence's ids up to ``positions - 1``): a seeded row's
+    digest is mixed with its seed first."""
+    if np.count_nonzero(seeded):  # count_nonzero: no ufunc reduction set up per step
+        digests = np.where(seeded, splitmix64(digests ^ seeds.astype(_U64)), digests)
+    return synthetic_tokens(digests, positions)
 
 
 def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -93,7 +107,7 @@ def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return tokens
 
 
-class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
+class SyntheticBackend(PagedKV, Backend):
     def __init__(
         self,
         num_slots: int,
@@ -101,32 +115,49 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
         max_context: int,
         step_ms: float = 0.0,
         prefill_us_per_token: float = 0.0,
+        num_pages: int = 0,
     ) -> None:
         self.num_slots = num_slots
+        row_pages = pages_for(max_context)
+        pool = PagePool(num_pages or num_slots * row_pages, num_slots, row_pages)
+        self.kv_pages: PagePool = pool
+        self.kv_page_bytes = PAGE_BYTES
         self.info = ModelInfo(
             name="synthetic",
             vocab_size=vocab_size,
             eos_token_id=257,
             max_context=max_context,
             hidden_size=HIDDEN,
+            kv_positions=pool.positions,
         )
         self._step_s = step_ms / 1000.0
         self._prefill_token_s = prefill_us_per_token / 1e6
         # Slots whose prompt the last call (a prefill) finished; None after a decode.
         self._just_prefilled: set[int] | None = None
-        self._digest = np.zeros(num_slots, _U64)  # what decode hashes: the prompt's, seeded
-        self._kv = np.zeros((num_slots, max_context), _U64)  # unseeded digest after position p
+        self._kv = np.zeros(pool.num_pages * PAGE_TOKENS, _U64)  # unseeded digest after each
         self._up = _powers(_FOLD, max_context + 1)  # _FOLD ** k, for _fold
         self._down = _powers(_UNFOLD, max_context + 1)  # _FOLD ** -k
-        # Tokens of coming decode steps for one batch of rows: the slots array they are for,
-        # the positions each step's batch will carry (int32 [k, b]), the tokens (int32 [k, b]),
-        # the next step to hand out, and the size of the next block.
-        self._block_slots: np.ndarray | None = None
-        self._block_positions: list[bytes] = []  # each step's positions, as bytes to compare
-        self._block: list[np.ndarray] = []  # each step's tokens (read-only rows)
-        self._block_next = 0
-        self._block_size = _MIN_BLOCK
         self._sampler: Sampler | None = None  # for rows with processing, made at first use
+        # mix(id) of every id, so that a decode step folds its inputs with one lookup (256 KiB
+        # for 32,000 ids; none beyond 2**20 ids, hashed per step then)
+        self._mix = (
+            splitmix64(np.arange(vocab_size, dtype=_U64))
+            if vocab_size <= 1 << 20
+            else (np.empty(0, _U64))
+        )
+
+    def _where(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Where (slot, position) pairs live in ``_kv``, through the page tables."""
+        pages = self.kv_pages.tables[slots, positions // PAGE_TOKENS]
+        if pages.min() < 0:
+            raise AssertionError("the synthetic KV was addressed at a position without a page")
+        where: np.ndarray = pages.astype(np.intp) * PAGE_TOKENS + positions % PAGE_TOKENS
+        return where
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        pairs = np.array(copies, np.intp).reshape(-1, 2) * PAGE_TOKENS
+        lanes = np.arange(PAGE_TOKENS)
+        self._kv[(pairs[:, 1:] + lanes).ravel()] = self._kv[(pairs[:, :1] + lanes).ravel()]
 
     def _processed(self, tokens: np.ndarray, proc: Processing) -> np.ndarray:
         """The tokens of rows with processing (module docstring): greedy over made-up logits."""
@@ -159,7 +190,6 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
 
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         self._pause_prefill(chunks)
-        self._forget_block()
         slots = [chunk.slot for chunk in chunks]
         if len(set(slots)) < len(slots):  # a slot's chunks chain: one after the other
             out = np.concatenate([self._prefill([chunk]) for chunk in chunks])
@@ -176,7 +206,8 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
         """``pooled`` and ``scored`` from the digests after each of the chunk's positions
         (module docstring)."""
         n = len(chunk.tokens)
-        digests = self._kv[chunk.slot, chunk.start : chunk.start + n]
+        positions = np.arange(chunk.start, chunk.start + n)
+        digests = self._kv[self._where(np.full(n, chunk.slot), positions)]
         if chunk.pool:
             bits = splitmix64(digests[:, None] ^ _LANES[None, :]) >> _U64(11)
             states = bits.astype(np.float64) / float(1 << 52) - 1.0  # [n, HIDDEN] in [-1, 1)
@@ -209,26 +240,28 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
         starts = np.fromiter([c.start for c in chunks], np.intp, n)
         lengths = np.fromiter([len(c.tokens) for c in chunks], np.intp, n)
         # A chunk goes on from the digest of the position before it (0 at the prompt's start).
-        digests = np.where(starts > 0, kv[slots, np.maximum(starts - 1, 0)], _U64(0))
+        after = starts > 0
+        digests = np.zeros(n, _U64)
+        if after.any():
+            digests[after] = kv[self._where(slots[after], starts[after] - 1)]
         row = np.repeat(np.arange(n), lengths)  # each id's chunk ...
         col = np.arange(len(row)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # ... column
         ids = np.zeros((n, int(lengths.max(initial=0))), _U64)
         ids[row, col] = np.concatenate([c.tokens for c in chunks])
         history = self._fold(digests, ids)  # the digest after each id: the chunk's "KV"
-        kv[slots[row], starts[row] + col] = history[row, col]
+        kv[self._where(slots[row], starts[row] + col)] = history[row, col]
         if ids.shape[1]:  # each chunk's digest after its last id (an empty chunk keeps its own)
             digests = np.where(
                 lengths > 0, history[np.arange(n), np.maximum(lengths - 1, 0)], digests
             )
         last = np.array([c.last for c in chunks], np.bool_)
-        seeded = np.array([c.last and c.sampling.seed is not None for c in chunks], np.bool_)
-        if seeded.any():
-            seeds = np.array([c.sampling.seed or 0 for c in chunks], _U64)
-            digests[seeded] = splitmix64(digests[seeded] ^ seeds[seeded])
         out = np.full(n, -1, np.int32)
         if last.any():
-            out[last] = synthetic_tokens(digests[last], (starts + lengths)[last])
-        self._digest[slots] = digests
+            seeds = np.array([c.sampling.seed or 0 for c in chunks], _U64)
+            seeded = np.array([c.sampling.seed is not None for c in chunks], np.bool_)
+            out[last] = _next_tokens(
+                digests[last], seeds[last], seeded[last], (starts + lengths)[last]
+            )
         return out
 
     def _fold(self, digests: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -248,45 +281,15 @@ class SyntheticBackend(Backend, PrefixKV[np.ndarray]):
         return tokens
 
     def _decode(self, batch: DecodeBatch) -> np.ndarray:
+        """Each row's input folds into the digest of the position before it, written at its
+        position; the next token hashes that digest (seeded rows: mixed with the seed)."""
         self._pause_decode(batch)
-        if batch.slots is not self._block_slots:  # new rows: one step, and remember them
-            self._forget_block()
-            self._block_slots = batch.slots
-            return synthetic_tokens(self._digest[batch.slots], batch.positions + 1)
-        j = self._block_next
-        # One bytes comparison instead of numpy calls: this runs once per paced step.
-        if j < len(self._block) and batch.positions.tobytes() == self._block_positions[j]:
-            self._block_next = j + 1
-            return self._block[j]
-        # The same rows again: hash this step and the next ones in one go.
-        k = self._block_size
-        self._block_size = min(2 * k, _MAX_BLOCK)
-        steps = np.arange(k, dtype=np.int32)[:, None]
-        positions = batch.positions[None, :] + steps
-        block = synthetic_tokens(self._digest[batch.slots][None, :], positions + 1)
-        block.flags.writeable = False  # handed out row by row: nobody may change them
-        self._block_positions = [row.tobytes() for row in positions]  # batch.positions dtype
-        self._block = list(block)
-        self._block_next = 1
-        return self._block[0]
-
-    def _forget_block(self) -> None:
-        """Slots' digests may change: tokens hashed ahead are no longer valid."""
-        self._block_slots = None
-        self._block_next = len(self._block)
-        self._block_size = _MIN_BLOCK
-
-    def free(self, slot: int) -> None:
-        self._forget_block()
-        self._digest[slot] = 0
-
-    def save_kv(self, slot: int, start: int, end: int) -> np.ndarray:
-        saved: np.ndarray = self._kv[slot, start:end].copy()  # numpy types indexing as Any
-        return saved
-
-    def load_kv(self, handle: np.ndarray, slot: int, start: int) -> None:
-        self._forget_block()
-        self._kv[slot, start : start + len(handle)] = handle
-
-    def kv_nbytes(self, handle: np.ndarray) -> int:
-        return int(handle.nbytes)
+        positions = batch.positions.astype(np.intp)
+        # where each row's previous position and its own live: one table lookup for both
+        both = self._where(batch.slots, np.stack([positions - 1, positions]))
+        kv = self._kv
+        mixed = self._mix.take(batch.tokens) if len(self._mix) else splitmix64(batch.tokens)
+        digests = kv[both[0]] * _U64(_FOLD) + mixed  # a decode input always follows a prompt
+        kv[both[1]] = digests
+        rows = batch.sampling
+        return _next_tokens(digests, rows["seed"], rows["seeded"], positions + 1)
