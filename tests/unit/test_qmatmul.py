@@ -305,19 +305,24 @@ def test_the_kernel_setting_picks_the_activations(kernel, dtype, int8) -> None:
 
 
 OTHER_BUILDS = ["avx2", "default"]
+# The paged decode attention's tests (its source is built into the same library): every test's
+# name there says "paged".
+ATTENTION = str(Path(__file__).with_name("test_attention.py"))
+SAME_TESTS = "bit_for_bit or summation_order or computed_alone or real_shaped or int8 or paged"
 
 
 @pytest.fixture(scope="module")
 def other_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """The builds this machine does not load: the AVX2 code (on an AVX-512 machine) and the
     plain C++ path (no instruction-set flags, as for a CPU torch detects neither on, such as
-    aarch64). One kernel library per process, so the kernel tests above run again in a child
-    process per build that torch tells it has that CPU; the children build and run at once."""
+    aarch64). One kernel library per process, so the kernel tests above and the paged
+    attention's (test_attention.py) run again in a child process per build that torch tells it
+    has that CPU; the children build and run at once."""
     this = torch.backends.cpu.get_cpu_capability().lower()
     children = {
         capability: subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-            + ["-k", "bit_for_bit or summation_order or computed_alone or real_shaped or int8"]
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, ATTENTION]
+            + ["-k", SAME_TESTS]
             + ["--basetemp", str(tmp_path_factory.mktemp(capability))],
             env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
             stdout=subprocess.PIPE,
@@ -333,14 +338,14 @@ def other_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         child.communicate()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # a build, then the kernel's tests and the paged attention's
 @pytest.mark.parametrize("capability", OTHER_BUILDS)
 def test_other_builds_pass_the_same_tests(capability: str, other_builds: dict) -> None:
     if capability not in other_builds:
         pytest.skip(f"the {capability} build is this process's (the tests above)")
-    output, _ = other_builds[capability].communicate(timeout=280)
+    output, _ = other_builds[capability].communicate(timeout=580)
     assert other_builds[capability].returncode == 0, output[-6000:]
-    assert "\n63 passed" in output, output[-500:]
+    assert "\n132 passed" in output, output[-500:]
 
 
 def test_build_without_a_compiler_says_why(monkeypatch, tmp_path: Path) -> None:

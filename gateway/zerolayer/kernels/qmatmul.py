@@ -13,10 +13,12 @@ per call to int8 blocks and multiplied by the weights' quants in integers, as ll
 backend does: faster, but no longer the dense model's arithmetic (benchmarks/kl.py measures the
 distance). ``model.kernel`` picks the path (``uses_int8``); the float path is the parity mode.
 
-``build`` compiles the source once per source, torch version and instruction set into a cache
-directory (``torch.utils.cpp_extension.load``: needs a C++ compiler and ninja) and registers the
-ops ``torch.ops.zerolayer.qmatmul`` / ``dequantize`` / ``q8matmul_parts`` / ``quantize_q8``; it
-returns why not when it cannot.
+``build`` compiles the sources (``SOURCES``: these products, and ``attention.cpp``, the paged
+decode attention that ``zerolayer.kernels.attention`` calls) into one library, once per source,
+torch version and instruction set, in a cache directory (``torch.utils.cpp_extension.load``:
+needs a C++ compiler and ninja) and registers the ops ``torch.ops.zerolayer.qmatmul`` /
+``dequantize`` / ``q8matmul_parts`` / ``quantize_q8`` / ``paged_decode_attention``; it returns
+why not when it cannot.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "src" / "qmatmul.cpp"  # the top-level kernels/ directory
+# The library's translation units: the block products, and the paged decode attention.
+SOURCES = (SOURCE, SOURCE.parent / "attention.cpp")
 # The GGUF types the kernel computes on: its kind code, a block's bytes and weights.
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -91,8 +95,10 @@ def with_environment_tools(path: str, executable: str = sys.executable) -> str:
 
 
 def build_key(flags: list[str]) -> str:
-    """Names a build: the source, torch's version and the compiler flags."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    """Names a build: the sources, torch's version and the compiler flags."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     for header in sorted(SOURCE.parent.glob("*.h")):  # the headers it includes
         digest.update(header.read_bytes())
     digest.update(f"{torch.__version__}|{' '.join(flags)}".encode())
@@ -140,7 +146,7 @@ def _build(cache_root: Path) -> str | None:
         # for it, and concurrent starts never share a half-written directory.
         cpp_extension.load(
             name=library.removesuffix(".so"),
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(tmp),
