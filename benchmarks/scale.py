@@ -16,7 +16,10 @@ prefix cache; in one round every server gets the same prompts. 1, 8 and 32 concu
 2 x streams requests after one warm-up request. Every server has ``--slots`` slots of
 ``--context`` positions and ``--threads`` threads; ZeroLayer's modes are named settings
 (``MODES``) or ``--mode LABEL:ZEROLAYER_X=V,...`` (any ``ZEROLAYER_*`` variable: dtype, threads,
-kernel paths). The servers take turns in each round (one running, the others SIGSTOPped);
+kernel paths; and libgomp's ``OMP_*`` / ``GOMP_*``, how its threads wait). ``--busy-core on``
+measures every run while a process spins on CPU ``--busy-cpu`` (1), as a neighbour on a shared
+machine would take a core; ``both`` measures each run without, then with it (rows marked "busy
+CPU"). The servers take turns in each round (one running, the others SIGSTOPped);
 for files above ``--one-at-a-time-above`` GiB (the 8B) each server runs all its rounds alone
 and is stopped before the next starts: two such servers never hold memory at once.
 
@@ -32,11 +35,12 @@ machine, threads and load go beside the table.
     python benchmarks/scale.py [--sizes 1b,3b,8b] [--streams 1,8,32] [--rounds 2]
         [--modes default] [--mode LABEL:ZEROLAYER_X=V,...] [--threads 2]
         [--servers zerolayer,llama-server] [--skip zerolayer@8b] [--llama-server PATH]
-        [--cache-dir DIR] [--write]
+        [--busy-core off|on|both] [--busy-cpu 1] [--section scale] [--cache-dir DIR] [--write]
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -48,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._report import ROOT, machine, machine_line, parser, publish, table  # noqa: E402
 from benchmarks._support import fresh_prompts, llama_files  # noqa: E402
+from benchmarks._support.busy import busy_core  # noqa: E402
 from benchmarks._support.peers import (  # noqa: E402
     THREADS,
     Server,
@@ -64,18 +69,26 @@ MODES: dict[str, dict[str, str]] = {
     "default": {},
     "float32": {"ZEROLAYER_MODEL__DTYPE": "float32"},
     "bfloat16": {"ZEROLAYER_MODEL__DTYPE": "bfloat16"},
+    "int8": {"ZEROLAYER_MODEL__KERNEL": "int8"},
+    "float-kernel": {"ZEROLAYER_MODEL__KERNEL": "float"},
+    "parity": {"ZEROLAYER_MODEL__DTYPE": "float32", "ZEROLAYER_ENGINE__KV_DTYPE": "float32"},
 }
+# What a mode may set: ZeroLayer's settings, and how OpenMP waits (libgomp's variables)
+MODE_PREFIXES = ("ZEROLAYER_", "OMP_", "GOMP_")
 GIB = 1 << 30
 
 
 def parse_mode(text: str) -> tuple[str, dict[str, str]]:
-    """``LABEL:ZEROLAYER_X=V,ZEROLAYER_Y=W`` -> (label, settings)."""
+    """``LABEL:ZEROLAYER_X=V,OMP_Y=W`` -> (label, settings)."""
     label, _, rest = text.partition(":")
     settings = {}
     for pair in filter(None, rest.split(",")):
         key, eq, value = pair.partition("=")
-        if not eq or not key.startswith("ZEROLAYER_"):
-            raise SystemExit(f"--mode {text!r}: each setting is ZEROLAYER_NAME=VALUE")
+        if not eq or not key.startswith(MODE_PREFIXES):
+            raise SystemExit(
+                f"--mode {text!r}: each setting is NAME=VALUE, NAME one of "
+                f"{', '.join(p + '*' for p in MODE_PREFIXES)}"
+            )
         settings[key] = value
     if not label:
         raise SystemExit(f"--mode {text!r}: needs a label before the colon")
@@ -150,6 +163,15 @@ class Plan:
         return server, seconds
 
 
+# --busy-core: the runs of each server and stream count without (False) and with (True) a core
+# taken by a spinning process
+BUSY = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def labelled(label: str, busy: bool) -> str:
+    return f"{label}, busy CPU" if busy else label
+
+
 def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label.lower())
 
@@ -180,14 +202,22 @@ def run_size(args, size: str, cache: Path, binary: str | None, streams: list[int
         )  # fmt: skip
 
     def one(server: Server, label: str, round_: int, n: int, file: Path) -> None:
-        out = cache / f"{_slug(label)}-{size}-{n}.json"
-        r = bench(server, out, streams=n, requests=requests[n], input_len=args.input_len,
-                  output_len=args.output_len, prompts=file)  # fmt: skip
-        r["round"] = round_
-        entry["servers"][label]["runs"][str(n)].append(r)
+        for busy in BUSY[args.busy_core]:  # quiet, then with a busy core, as asked
+            out = cache / f"{_slug(label)}-{size}-{n}{'-busy' if busy else ''}.json"
+            with busy_core(args.busy_cpu) if busy else contextlib.nullcontext():
+                r = bench(server, out, streams=n, requests=requests[n], input_len=args.input_len,
+                          output_len=args.output_len, prompts=file)  # fmt: skip
+            r["round"] = round_
+            entry["servers"][labelled(label, busy)]["runs"][str(n)].append(r)
 
     def record(label: str, seconds: list[float]) -> None:
-        entry["servers"][label] = {"start_s": seconds, "runs": {str(n): [] for n in streams}}
+        for busy in BUSY[args.busy_core]:
+            runs = {str(n): [] for n in streams}
+            entry["servers"][labelled(label, busy)] = {"start_s": seconds, "runs": runs}
+
+    def peak(label: str, server: Server) -> None:
+        for busy in BUSY[args.busy_core]:
+            entry["servers"][labelled(label, busy)]["peak_rss_mib"] = server.peak_rss_mib()
 
     alone = path.stat().st_size > args.one_at_a_time_above * GIB
     entry["one_at_a_time"] = alone
@@ -199,7 +229,7 @@ def run_size(args, size: str, cache: Path, binary: str | None, streams: list[int
                 for round_ in range(args.rounds):
                     for n in streams:
                         one(server, label, round_, n, prompts(round_, n))
-                entry["servers"][label]["peak_rss_mib"] = server.peak_rss_mib()
+                peak(label, server)
             finally:
                 server.stop()
         return entry
@@ -221,7 +251,7 @@ def run_size(args, size: str, cache: Path, binary: str | None, streams: list[int
                     with measured(server):
                         one(server, label, round_, n, file)
         for label, server in started.items():
-            entry["servers"][label]["peak_rss_mib"] = server.peak_rss_mib()
+            peak(label, server)
     return entry
 
 
@@ -271,8 +301,18 @@ def markdown(results: dict) -> str:
                 ])  # fmt: skip
     a = results["args"]
     peer = results["peers"]["llama-server"]
+    busy = a.get("busy_core", "off")
+    busy_text = (
+        ""
+        if busy == "off"
+        else f' Rows marked "busy CPU": measured while a process spun on CPU {a["busy_cpu"]}'
+        + (" (each server's runs without and with it, back to back)." if busy == "both" else ".")
+    )
+    title = "Scale: Llama-shaped Q4_K_M files, ZeroLayer beside llama-server"
+    if a.get("section", "scale") != "scale":
+        title += f" ({a['section']})"
     lines = [
-        "## Scale: Llama-shaped Q4_K_M files, ZeroLayer beside llama-server",
+        f"## {title}",
         "",
         f"`python benchmarks/scale.py {a['command']}`: random-weight files in llama.cpp's "
         f"Q4_K_M type mix; prompts of {a['input_len']} token ids, new in every round, "
@@ -291,7 +331,7 @@ def markdown(results: dict) -> str:
         )
         + ". Peak RSS: VmHWM summed over a "
         "server's processes. The machine is shared: the load average before and after the "
-        "runs of each row.",
+        "runs of each row." + busy_text,
         "",
         table(headers, rows),
         "",
@@ -324,6 +364,14 @@ def main() -> None:
     ap.add_argument(
         "--bandwidth", type=float, default=0.0, metavar="GBS", help="the roofline's (GB/s)"
     )
+    ap.add_argument(
+        "--busy-core", choices=tuple(BUSY), default="off",
+        help="measure with a process spinning on --busy-cpu (on), or without and with (both)",
+    )  # fmt: skip
+    ap.add_argument("--busy-cpu", type=int, default=1, help="the CPU the busy process takes")
+    ap.add_argument(
+        "--section", default="scale", help="the results file and docs section (--write)"
+    )
     ap.add_argument("--llama-server", default=None, metavar="PATH")
     ap.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "zerolayer-scale"))
     args = ap.parse_args()
@@ -347,12 +395,15 @@ def main() -> None:
         "peers": {"llama-server": binary or f"skipped: {skipped}"},
         "args": {
             "command": " ".join(a for a in sys.argv[1:] if a != "--write"),
+            "section": args.section,
             "input_len": args.input_len,
             "output_len": args.output_len,
             "slots": args.slots,
             "context": args.context,
             "threads": args.threads,
             "rounds": args.rounds,
+            "busy_core": args.busy_core,
+            "busy_cpu": args.busy_cpu,
             "modes": {
                 k: " ".join(f"{a}={b}" for a, b in v.items()) for k, v in args.mode_settings.items()
             },
@@ -361,7 +412,7 @@ def main() -> None:
     }
     for size in args.sizes.split(","):
         results["sizes"][size] = run_size(args, size, cache, binary, streams)
-    publish(args, "scale", results, markdown(results))
+    publish(args, args.section, results, markdown(results))
 
 
 if __name__ == "__main__":

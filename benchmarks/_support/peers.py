@@ -137,10 +137,10 @@ def start_zerolayer(
     threads: int = THREADS,
 ) -> Server:
     """``zerolayer serve`` on ``model`` (a file, a directory or a named model); ``env``:
-    ``ZEROLAYER_*`` settings beside the threads, slots and context set here."""
+    settings beside the threads, slots and context set here (``env`` wins: a mode may set its
+    own threads)."""
     port = free_port()
     full = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
-    full.update(env)
     full.update(
         {
             "ZEROLAYER_MODEL__PATH": str(model),
@@ -149,6 +149,7 @@ def start_zerolayer(
             "ZEROLAYER_ENGINE__MAX_CONTEXT": str(context),
         }
     )
+    full.update(env)
     argv = [sys.executable, "-m", "zerolayer.cli.main", "serve", "--host", "127.0.0.1"]
     argv += ["--port", str(free_port()), "--http-port", str(port)]
     argv += ["--metrics-port", str(free_port())]

@@ -57,7 +57,8 @@ def daemon(smollm2_dir: Path):
         "MODEL__DATA_DIR": data_dir_of(smollm2_dir),
         "ENGINE__MAX_BATCH_SIZE": "4",
         "ENGINE__MAX_CONTEXT": "1024",
-        "ENGINE__KV_DTYPE": "float32",  # the parity mode: logprobs compared with transformers'
+        "MODEL__DTYPE": "float32",  # the parity mode: logprobs compared with transformers'
+        "ENGINE__KV_DTYPE": "float32",
         "CACHE__ENABLED": "false",
     }
     with Daemon(env) as d:

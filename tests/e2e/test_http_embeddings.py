@@ -41,6 +41,7 @@ def daemon(smollm2_dir: Path, keys):
     env = {
         "ENGINE__BACKEND": "cpu",
         "MODEL__DATA_DIR": data_dir_of(smollm2_dir),
+        "MODEL__DTYPE": "float32",  # the parity mode: vectors and logprobs vs transformers'
         "ENGINE__MAX_BATCH_SIZE": "4",
         "ENGINE__MAX_CONTEXT": "1024",
         "ENGINE__PREFILL_CHUNK": "8",  # inputs span several prefill chunks

@@ -30,6 +30,7 @@ def test_daemon_serves_smollm2_greedy_like_transformers(
     env = {
         "ENGINE__BACKEND": "cpu",  # model.path is left at its default: the bundled SmolLM2
         "MODEL__DATA_DIR": data_dir_of(smollm2_dir),
+        "MODEL__DTYPE": "float32",  # the parity mode (the default takes 8-bit activations)
         "ENGINE__MAX_BATCH_SIZE": "4",
         "ENGINE__MAX_CONTEXT": "512",
         "CACHE__ENABLED": "false",  # repeats must run the model, not replay a stored answer
@@ -103,6 +104,7 @@ def test_daemon_without_a_compiler_serves_dense_weights(
     env = {
         "ENGINE__BACKEND": "cpu",
         "MODEL__DATA_DIR": str(tmp_path),
+        "MODEL__DTYPE": "float32",  # the parity mode, compared with transformers
         "ENGINE__MAX_BATCH_SIZE": "2",
         "ENGINE__MAX_CONTEXT": "512",
         "CACHE__ENABLED": "false",

@@ -290,7 +290,8 @@ def builtin(smollm2_dir: Path):
     engine_cfg = EngineConfig(
         max_batch_size=2, max_context=512, prefill_chunk=24, kv_dtype="float32"
     )
-    return create_cpu_backend(ModelConfig(data_dir=data_dir_of(smollm2_dir)), engine_cfg)
+    model_cfg = ModelConfig(data_dir=data_dir_of(smollm2_dir), dtype="float32")  # parity mode
+    return create_cpu_backend(model_cfg, engine_cfg)
 
 
 def test_identical_outputs_with_and_without_reuse_on_the_builtin_model(builtin) -> None:

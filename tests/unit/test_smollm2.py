@@ -15,9 +15,10 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers
 
 from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
 from zerolayer.config.settings import SMOLLM2_MODEL, ModelConfig
+from zerolayer.kernels import qmatmul
 from zerolayer.models.decoder import KVCache
 from zerolayer.models.hf_tokenizer import HFTokenizer
-from zerolayer.models.loader import load_model
+from zerolayer.models.loader import auto_dtype, load_model
 
 # llama.cpp's `smollm` pre-tokenizer (src/llama-vocab.cpp): the text is split at every \p{N}
 # character (each one a piece of its own), then each piece by GPT-2's regex.
@@ -66,7 +67,20 @@ def llama_cpp_pieces(text: str, digits: bool = True) -> list[str]:
 
 @pytest.fixture(scope="module")
 def loaded(smollm2_dir: Path):
-    return load_model(ModelConfig(path=SMOLLM2_MODEL, data_dir=data_dir_of(smollm2_dir)), 2048)
+    # float32 named: the parity mode (the default, "auto", takes 8-bit activations)
+    cfg = ModelConfig(path=SMOLLM2_MODEL, data_dir=data_dir_of(smollm2_dir), dtype="float32")
+    return load_model(cfg, 2048)
+
+
+def test_the_default_is_the_measured_mode_and_float32_named_the_parity_one(
+    smollm2_dir: Path, loaded
+) -> None:
+    default = load_model(ModelConfig(path=SMOLLM2_MODEL, data_dir=data_dir_of(smollm2_dir)), 64)
+    assert default.dtype == auto_dtype()  # float32 on AVX2, bfloat16 with AVX512-BF16
+    fast = torch.backends.cpu.get_cpu_capability() in qmatmul.INT8_BY_DEFAULT
+    assert default.model.head_blocks is not None and default.model.head_blocks.int8 is fast
+    assert loaded.dtype == torch.float32 and loaded.model.head_blocks is not None
+    assert not loaded.model.head_blocks.int8
 
 
 @pytest.fixture(scope="module")

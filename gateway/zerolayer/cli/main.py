@@ -27,6 +27,7 @@ from zerolayer.config.settings import (
     load_settings,
 )
 from zerolayer.hooks.keys import add_keys_subparser, positive_int
+from zerolayer.ops import openmp
 
 if TYPE_CHECKING:
     import ssl
@@ -86,7 +87,7 @@ SERVE_FLAGS: tuple[tuple[str, tuple[str, ...], dict[str, Any]], ...] = (
     ("--port", ("server.port",), {"type": int, "metavar": "N", "help": "frame-protocol port"}),
     ("--http-port", ("http.port",), {"type": int, "metavar": "N", "help": "OpenAI/Anthropic port"}),
     ("--metrics-port", ("metrics.port",), {"type": int, "metavar": "N", "help": "metrics port"}),
-    ("--dtype", ("model.dtype",), {"choices": ("float32", "bfloat16")}),
+    ("--dtype", ("model.dtype",), {"choices": ("auto", "float32", "bfloat16")}),
     ("--max-batch-size", ("engine.max_batch_size",), {"type": int, "metavar": "N"}),
     ("--max-context", ("engine.max_context",), {"type": int, "metavar": "N"}),
     (
@@ -154,6 +155,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    # Before zerolayer.daemon imports torch: libgomp reads its wait policy once, as it loads.
+    openmp.set_defaults()
     from zerolayer.daemon import run
 
     return run(settings, args.config)

@@ -149,12 +149,15 @@ class ModelConfig(_Section):
     name: str = ""  # reported in WELCOME; empty = derived from the path
     # Where the built-in model is generated and GGUF files are converted; empty = ~/.cache/zerolayer
     data_dir: str = ""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # The activations' dtype: "auto" = the fastest measured for the CPU (bfloat16 with
+    # AVX512-BF16, else float32; zerolayer.models.loader.auto_dtype), or one named. "float32"
+    # named is the parity mode: with model.kernel "auto", the block products' float path.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # GGUF models: forwards of a few tokens compute on the file's own blocks (the same weights)
     quantized_decode: bool = True
-    # The block products' activations: "int8" (quantized once per call, llama.cpp's way; faster),
-    # "float" (the dense model's arithmetic, bit-exact weights), "auto" = int8 for bfloat16,
-    # float for float32 (the parity mode)
+    # The block products' activations: "int8" (quantized once per call, llama.cpp's way; the
+    # faster), "float" (the dense model's arithmetic, bit-exact weights), "auto" = int8 unless
+    # model.dtype is "float32" (the parity mode: float)
     kernel: Literal["auto", "int8", "float"] = "auto"
 
 

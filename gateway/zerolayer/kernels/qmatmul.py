@@ -79,11 +79,22 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", *arch]
 
 
-def uses_int8(kernel: str, dtype: torch.dtype) -> bool:
+# The instruction sets (torch's CPU capability) where the 8-bit products have run and measured
+# faster than the float ones, the only ones where model.kernel "auto" takes them: AVX2
+# (docs/benchmarks.md, "Block kernel: 8-bit activations" and "Defaults"). Their AVX-512 build
+# compiles but has not run on an AVX-512 machine; the portable one has run but is not measured.
+INT8_BY_DEFAULT = frozenset({"AVX2"})
+
+
+def uses_int8(kernel: str, parity: bool, capability: str | None = None) -> bool:
     """Whether products take 8-bit activations under ``model.kernel`` = ``kernel``: "int8"
-    always, "float" never, "auto" for bfloat16 models (float32 is the parity mode: the dense
-    model's weights, bit-exact)."""
-    return kernel == "int8" or (kernel == "auto" and dtype == torch.bfloat16)
+    always, "float" never, "auto" unless ``parity``, the parity mode (``model.dtype`` set to
+    float32: the dense model's weights, bit-exact), on the instruction sets of
+    ``INT8_BY_DEFAULT`` (``capability``: this CPU's, unless given)."""
+    if kernel != "auto":
+        return kernel == "int8"
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    return not parity and capability in INT8_BY_DEFAULT
 
 
 def with_environment_tools(path: str, executable: str = sys.executable) -> str:

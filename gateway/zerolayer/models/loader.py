@@ -423,9 +423,19 @@ def _block_rows(weight: QWeight, start: int, end: int) -> QWeight:
     return QWeight(weight.blocks[start:end], weight.kind)
 
 
+def auto_dtype() -> torch.dtype:
+    """The activations' dtype ``model.dtype = "auto"`` picks on this CPU: bfloat16 where the CPU
+    multiplies bfloat16 natively (AVX512-BF16: faster at 32 streams on such a machine), else
+    float32 (AVX2 has no bfloat16 products: a dense bfloat16 product ran ~7x slower than float32
+    there). docs/benchmarks.md, "Defaults", has the measurements."""
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+
+
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return auto_dtype()
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -506,8 +516,17 @@ def load_model(
     model_cfg: ModelConfig, max_context: int, dtype: torch.dtype | str | None = None
 ) -> LoadedModel:
     """The model the daemon serves, as ``model.path`` names it (``resolve_source``).
-    ``dtype`` defaults to ``model_cfg.dtype``."""
-    torch_dtype = resolve_dtype(dtype if dtype is not None else model_cfg.dtype)
+    ``dtype`` defaults to ``model_cfg.dtype``; float32 asked (not chosen by "auto") is the
+    parity mode, whose block products keep float activations unless ``model.kernel`` says
+    otherwise."""
+    asked = dtype if dtype is not None else model_cfg.dtype
+    torch_dtype = resolve_dtype(asked)
+    int8 = qmatmul.uses_int8(model_cfg.kernel, parity=asked in ("float32", torch.float32))
+    log.info(
+        "activations %s (model.dtype=%s), block products on %s activations (model.kernel=%s)",
+        str(torch_dtype).removeprefix("torch."), str(asked).removeprefix("torch."),
+        "8-bit" if int8 else "float", model_cfg.kernel,
+    )  # fmt: skip
     source = resolve_source(model_cfg)
     kernel_cache = data_root(model_cfg.data_dir) / "kernels"
     if source.gguf is not None:
@@ -519,7 +538,7 @@ def load_model(
             source.name,
             kernel_cache if model_cfg.quantized_decode else None,
         )
-        loaded.model.use_int8_activations(qmatmul.uses_int8(model_cfg.kernel, torch_dtype))
+        loaded.model.use_int8_activations(int8)
         return loaded
     loaded = load_checkpoint(
         source.directory,
@@ -529,5 +548,5 @@ def load_model(
         name=source.name,
         kernel_cache=kernel_cache if model_cfg.quantized_decode else None,
     )
-    loaded.model.use_int8_activations(qmatmul.uses_int8(model_cfg.kernel, torch_dtype))
+    loaded.model.use_int8_activations(int8)
     return loaded

@@ -25,6 +25,7 @@ from zerolayer.engine.backend import LogitsBackend, ModelInfo, PrefixKV
 from zerolayer.engine.types import DecodeBatch, PrefillChunk, PromptLogprobs
 from zerolayer.models.decoder import KVCache, eager_attention_len
 from zerolayer.models.loader import LoadedModel, load_model
+from zerolayer.ops import openmp
 from zerolayer.tokenizer import Tokenizer
 
 log = logging.getLogger("zerolayer.engine")
@@ -253,6 +254,7 @@ def create_cpu_backend(
     # streams: the loop's work per step is small next to a model's forward.
     if engine_cfg.threads:
         torch.set_num_threads(engine_cfg.threads)
+    log.info("torch threads: %d; %s", torch.get_num_threads(), openmp.describe())
     loaded = load_model(model_cfg, engine_cfg.max_context)
     backend = CpuBackend(
         loaded,

@@ -62,7 +62,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
 # is Gemma 1: no QK-norm, no norms after attention and MLP, no sliding layers).
 CPU_ONLY_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 
-AMP_BY_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# model.dtype "auto" is the CPU's choice (zerolayer.models.loader.auto_dtype); on Neuron it
+# keeps f32, as before "auto" existed
+AMP_BY_DTYPE = {"auto": "f32", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 AMP_VALUES = frozenset(AMP_BY_DTYPE.values())
 
 
