@@ -60,17 +60,6 @@ struct Cache {
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
-// A task's running state for its G query heads: max score m, sum of exp l, output acc [G][hd].
-struct Online {
-  float* m;
-  float* l;
-  float* acc;
-};
-
-// The softmax step for one head given its tile scores s[0..n): rescale what was summed so far
-// to the new max, add exp(s - max) and leave those in s (the tile's probabilities, unnormalised).
-inline void softmax_step(float* s, int64_t n, float& m, float& l, float* acc, int64_t hd);
-
 #ifdef ZL_ATTN_AVX2
 
 inline float hsum(__m256 v) {
@@ -140,6 +129,8 @@ inline void score_tile(const float* q, int64_t G, int64_t hd, const float* const
   }
 }
 
+// The softmax step for one head given its tile scores s[0..n): rescale what was summed so far
+// to the new max, add exp(s - max) and leave those in s (the tile's probabilities, unnormalised).
 inline void softmax_step(float* s, int64_t n, float& m, float& l, float* acc, int64_t hd) {
   int64_t t = 0;
   __m256 vm = _mm256_set1_ps(m);

@@ -14,9 +14,10 @@
 // Q4_1 take the block's sum). A block's integer sum per weight block:
 //   Q4_K, Q5_K: d * dy * sum_j sc_j * sum(q * y) - dmin * dy * sum_j m_j * sum(y)  (q unsigned)
 //   Q6_K:       d * dy * sum_g sc_g * sum((q - 32) * y)                              (16 a scale)
+//               (AVX2: sum_g sc_g * sum(q * y) - 32 * sum_g sc_g * bsum_g, q unsigned, the same integer)
 //   Q8_0:       d * dy * sum(q * y); Q4_0: q - 8 in place of q; Q4_1: d * dy * sum(q * y) + m * dy * sum(y)
-// No int16 saturation: |q| <= 32 (Q6_K's q - 32; Q5_K 31), |y| <= 127, so maddubs' pairs are
-// below 2 * 32 * 127 = 8,128; Q8_0's signed q (|q| <= 128) is multiplied with the sign trick
+// No int16 saturation: 0 <= q <= 63 (Q6_K; Q5_K 31), |y| <= 127, so maddubs' pairs are at most
+// 2 * 63 * 127 = 16,002; Q8_0's signed q (|q| <= 128) is multiplied with the sign trick
 // (|q| times y with q's sign), pairs at most 2 * 128 * 127 = 32,512 < 32,767.
 //
 // The AVX-512 build runs the 256-bit code (AVX-512 implies AVX2); VNNI's dpbusd is not used.
@@ -79,7 +80,7 @@ inline __m256i mul_signed(__m256i w, __m256i y) {
 }
 
 // One weight row's K-quant super-blocks against M activation rows: the block's quants
-// unpacked once (eight vectors of 32, unsigned for Q4_K / Q5_K, q - 32 for Q6_K) and reused
+// unpacked once (eight vectors of 32, unsigned, Q6_K's too) and reused
 // for every activation row.
 template <int KIND, int M>
 void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* out) {
@@ -99,6 +100,7 @@ void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* ou
     __m256i scale[8];   // int16 scales of q[i]: low lane weights 0..15, high lane 16..31
     float d, dmin = 0.0f;
     __m128i mins = _mm_setzero_si128();  // Q4_K / Q5_K: the 8 mins as int16
+    __m256i sc16 = _mm256_setzero_si256();  // Q6_K: the 16 scales as int16
     if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
       d = half_fast(p);
       dmin = half_fast(p + 2);
@@ -134,17 +136,18 @@ void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* ou
       const uint8_t* ql = p;
       const uint8_t* qh = p + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-      const __m256i m3 = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+      const __m256i m3 = _mm256_set1_epi8(3);
       for (int n = 0; n < 2; ++n) {
         const __m256i l0 = load32(ql + 64 * n), l1 = load32(ql + 64 * n + 32), h = load32(qh + 32 * n);
         const __m256i lows[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
                                  _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
                                  _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-        for (int g = 0; g < 4; ++g) {
+        for (int g = 0; g < 4; ++g) {  // q unsigned (0..63): the -32 is taken out with the bsums
           const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * g), m3), 4);
-          q[4 * n + g] = _mm256_sub_epi8(_mm256_or_si256(lows[g], hi), bias);
+          q[4 * n + g] = _mm256_or_si256(lows[g], hi);
         }
       }
+      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
       for (int c = 0; c < 8; ++c)
         scale[c] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * c]), _mm_set1_epi16(sc[2 * c + 1]));
     }
@@ -152,17 +155,13 @@ void q8_row_k(const uint8_t* row, int64_t nb, const Q8<256>* const* y, float* ou
       const Q8<256>& a = y[m][b];
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
       for (int c = 0; c < 8; c += 2) {
-        __m256i p0, p1;
-        if constexpr (KIND == kQ6_K) {
-          p0 = mul_signed(q[c], load32(a.q + 32 * c));
-          p1 = mul_signed(q[c + 1], load32(a.q + 32 * c + 32));
-        } else {
-          p0 = _mm256_maddubs_epi16(q[c], load32(a.q + 32 * c));
-          p1 = _mm256_maddubs_epi16(q[c + 1], load32(a.q + 32 * c + 32));
-        }
+        const __m256i p0 = _mm256_maddubs_epi16(q[c], load32(a.q + 32 * c));
+        const __m256i p1 = _mm256_maddubs_epi16(q[c + 1], load32(a.q + 32 * c + 32));
         s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(scale[c], p0));
         s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(scale[c + 1], p1));
       }
+      if constexpr (KIND == kQ6_K)  // sum_g sc_g * sum((q - 32) * y) = ... - 32 * sum_g sc_g * bsum_g
+        s0 = _mm256_sub_epi32(s0, _mm256_slli_epi32(_mm256_madd_epi16(sc16, load32(a.bsum)), 5));
       acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc[m]);
       if constexpr (KIND != kQ6_K) {  // sum_c m_c * (sum of y over chunk c)
         const __m256i bs = load32(a.bsum);

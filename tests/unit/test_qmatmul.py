@@ -325,7 +325,10 @@ def other_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         capability: subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, ATTENTION]
             + ["-k", SAME_TESTS]
-            + ["--basetemp", str(tmp_path_factory.mktemp(capability))],
+            + ["--basetemp", str(tmp_path_factory.mktemp(capability))]
+            # The child's first test waits for its build (two sources: minutes on a loaded
+            # 2-core machine, past the suite's 120 s a test); this test bounds the child.
+            + ["--timeout", "540"],
             env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
