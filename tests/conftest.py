@@ -4,8 +4,9 @@ unit tests in tests/unit run without starting a daemon, tests/e2e start real dae
 (and redis-server) on loopback.
 
 What is expensive to make and not the point of the tests using it is made once per session: the
-converted SmolLM2, transformers' reference model on the same file, and the GGUF block kernel
-(one build, which the daemons' data dirs link to: ``share_kernels``).
+SmolLM2 file's description (config and tokenizer), transformers' reference model on the same
+file, the GGUF block kernel (one build, which the daemons' data dirs link to:
+``share_kernels``), and a synthetic daemon per config that several modules share.
 
 torch runs on one thread in the test process and, by the environment they inherit, in the
 daemons and child processes it starts (unless OMP_NUM_THREADS is set already): on the shared
@@ -76,14 +77,17 @@ def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory, kernel_cache: Path) -> Path:
-    """SmolLM2-135M-Instruct converted once per session into a fresh cache (the daemon tests
-    pass its model.data_dir, so their daemons reuse it, and the session's kernel build)."""
+    """SmolLM2-135M-Instruct described once per session into a fresh cache (config.json and its
+    tokenizer's files, as every daemon serving the file writes them; the weights stay in the
+    file): the daemon tests pass its model.data_dir, so their daemons reuse it, and the
+    session's kernel build. No test reads a float32 conversion of it (6 s of CPU and 0.5 GB
+    written, when this fixture made one)."""
     from tests.support.datadirs import share_kernels
     from zerolayer.models.bundled import smollm2_gguf
-    from zerolayer.models.gguf_import import ensure_converted
+    from zerolayer.models.gguf_import import ensure_described
 
     data_dir = share_kernels(tmp_path_factory.mktemp("models"), kernel_cache)
-    return ensure_converted(smollm2_gguf(), str(data_dir))
+    return ensure_described(smollm2_gguf(), str(data_dir))[0]
 
 
 @pytest.fixture(scope="session")

