@@ -4,6 +4,9 @@ accepted by the engine's header check), the fresh prompts, and the table it writ
 from __future__ import annotations
 
 import json
+import os
+import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -11,6 +14,7 @@ import pytest
 
 from benchmarks import scale
 from benchmarks._support import fresh_prompts, llama_files
+from benchmarks._support.busy import busy_core
 from zerolayer.client.bench.workload import load_file
 from zerolayer.models.gguf_import import check_header, read_header
 
@@ -130,3 +134,24 @@ def test_table_shows_every_rounds_range_and_the_roofline_at_one_stream():
     assert "Skipped: 8b: 2.0 GiB available." in md
     assert "1-minute load average 3.0" in md and "1 thread(s)" in md
     json.dumps(results)  # what --write stores
+
+
+def test_a_mode_sets_zerolayers_settings_and_openmps_only():
+    label, settings = scale.parse_mode("spin:ZEROLAYER_ENGINE__THREADS=2,GOMP_SPINCOUNT=300000")
+    assert label == "spin"
+    assert settings == {"ZEROLAYER_ENGINE__THREADS": "2", "GOMP_SPINCOUNT": "300000"}
+    assert scale.parse_mode("p:OMP_WAIT_POLICY=ACTIVE")[1] == {"OMP_WAIT_POLICY": "ACTIVE"}
+    with pytest.raises(SystemExit, match="NAME one of"):
+        scale.parse_mode("x:PATH=/bin")
+
+
+def test_the_busy_core_spins_on_its_cpu_until_the_block_ends():
+    cpu = max(os.sched_getaffinity(0))
+    with busy_core(cpu) as pid:
+        for _ in range(200):  # the child pins itself first thing; wait for it, not for a time
+            if os.sched_getaffinity(pid) == {cpu}:
+                break
+            time.sleep(0.05)
+        assert os.sched_getaffinity(pid) == {cpu}
+        assert Path(f"/proc/{pid}/stat").read_text().split()[2] in "RS"
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped
