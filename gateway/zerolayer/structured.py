@@ -140,6 +140,7 @@ def closed(schema: Any, close: bool = True) -> Any:
 _STRUCTURAL = re.compile(rb'[{}\[\]",:\\]')
 STEER_MARGIN = 4
 WALK_MAX = 1024
+VISITS = 20_000  # subschemas ``budget_bounds`` visits at most
 _DIGITS = frozenset(b"0123456789")
 _PRINTABLE = range(0x20, 0x7F)
 
@@ -151,7 +152,9 @@ def budget_bounds(constraint: Constraint) -> tuple[int, int]:
     if constraint.kind in ("regex", "choice"):
         return 16, STEER_MARGIN
     schema = closed(json.loads(constraint.text))
-    extra = [0]  # the margin's part: the longest enum / const string, a pattern's allowance
+    # [the margin's part: the longest enum / const string, a pattern's allowance; subschemas
+    # visited, bounded (a recursive schema branches: past VISITS the bound is WALK_MAX)]
+    extra = [0, 0]
     jump = _instance_bound(schema, schema, 0, extra)
     return max(16, min(jump, WALK_MAX)), STEER_MARGIN + extra[0]
 
@@ -159,6 +162,9 @@ def budget_bounds(constraint: Constraint) -> tuple[int, int]:
 def _instance_bound(s: Any, root: Any, depth: int, extra: list[int]) -> int:
     """Bytes of ``s``'s instance with every property present, each value the longest of its
     cheapest forms (an upper bound of what the close path writes for it)."""
+    extra[1] += 1
+    if extra[1] > VISITS:
+        return WALK_MAX
     if not isinstance(s, dict) or depth > 12:
         return 64 if depth > 12 else 8  # true / false schemas, deep recursion: best effort
     if isinstance(s.get("$ref"), str):

@@ -669,3 +669,29 @@ def test_steered_rows_end_length_with_text_that_validates(grammars, tokenizer) -
 
     run()
     assert seen["length"] > 10  # the adversary runs away: most rows were steered
+
+
+def test_budget_bounds_of_a_branching_recursive_schema_are_capped() -> None:
+    """A recursive schema whose every level branches three ways: the jump bound stops at its
+    cap after a bounded number of subschemas (no exponential walk on the compile worker)."""
+    from zerolayer.structured import VISITS, WALK_MAX, budget_bounds
+
+    calls = 0
+    import zerolayer.structured as structured
+
+    real = structured._instance_bound
+
+    def counting(*args):  # noqa: ANN002, ANN202
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    node = {"type": "object", "properties": {k: {"$ref": "#/$defs/n"} for k in "abc"}}
+    schema = {"$defs": {"n": node}, "$ref": "#/$defs/n"}
+    structured._instance_bound = counting  # type: ignore[assignment]
+    try:
+        jump, margin = budget_bounds(Constraint.json_schema(schema))
+    finally:
+        structured._instance_bound = real  # type: ignore[assignment]
+    assert (jump, margin) == (WALK_MAX, 4)
+    assert calls <= 3 * VISITS

@@ -423,7 +423,11 @@ class Rows:
         without a grammar."""
         future = self.next_mask[slot]
         if future is None:
-            return self.matcher[slot] is None
+            if self.matcher[slot] is None:
+                return True
+            self._submit_mask(slot)  # defensive: never left without one
+            future = self.next_mask[slot]
+            assert future is not None
         if slot not in self.held:
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 future.exception(max(0.0, deadline - time.monotonic()))
