@@ -701,7 +701,16 @@ class Grammars:
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except asyncio.TimeoutError:
+            # the compile goes on (it is cached when it ends); its outcome is read here, so a
+            # late GrammarError is not logged as an exception nobody retrieved
+            future.add_done_callback(_retrieved)
             raise self._timed_out(constraint) from None
+
+
+def _retrieved(future: asyncio.Future[Grammar]) -> None:
+    """Read a finished future's outcome (nobody else will)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _pick(bits: np.ndarray, byte: np.ndarray, priority: bytes) -> int:

@@ -427,6 +427,45 @@ def test_a_compile_past_its_timeout_is_refused_and_still_fills_the_cache(
         g.close()
 
 
+def test_a_late_compile_that_fails_leaves_no_unretrieved_exception(
+    model_dir, tokenizer, monkeypatch
+) -> None:
+    """A compile that fails after its request timed out is read by the request path: asyncio
+    does not report "Future exception was never retrieved" (hostile.py's daemon logged 7)."""
+    import gc
+    import threading
+
+    g = Grammars(model_dir / "tokenizer.json", tokenizer.eos_token_id, tokenizer.vocab_size,
+                 timeout_s=0.01)  # fmt: skip
+    release = threading.Event()
+
+    def late_failure(c: Constraint) -> None:
+        release.wait(30)
+        raise GrammarError(c.field, "late and wrong")
+
+    monkeypatch.setattr(g, "_build", late_failure)
+    reported: list[str] = []
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: reported.append(context["message"]))
+        with pytest.raises(GrammarError, match="engine.grammar_timeout_s"):
+            await g.compile(Constraint.regex("late"))
+        release.set()
+        await loop.run_in_executor(None, lambda: g._pool.submit(lambda: None).result(30))
+        for _ in range(3):  # the worker's outcome reaches the loop's future by a callback
+            await asyncio.sleep(0.01)
+        gc.collect()
+
+    try:
+        asyncio.run(run())
+        gc.collect()
+        assert release.is_set() and reported == []
+    finally:
+        release.set()
+        g.close()
+
+
 def test_row_matchers_are_independent_copies(grammars, tokenizer) -> None:
     grammar = grammars.compile_sync(Constraint.choice(["yes", "no"]))
     a, b = grammar.matcher(), grammar.matcher()
