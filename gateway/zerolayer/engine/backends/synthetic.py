@@ -16,10 +16,15 @@ digest of the position before it, read through the slot's page table, and the ne
 hash of the digest after its input (mixed with the seed of a seeded row) and the position. So the
 output is a function of the sequence's ids, seed and position, like a model's, and a wrong page
 mapping (a page shared without a copy, a page freed while in use, a preempted sequence
-recomputed wrongly) gives wrong tokens. A range shared from one slot into another (the prefix
-store, n choices) gives exactly the tokens that prefilling those ids would. Reused positions are
-never sent to ``prefill``, so with a per-token cost (``prefill_us_per_token``) they cost nothing,
-as on a model.
+recomputed wrongly) gives wrong tokens. Decode rows also keep their running digest (the last
+position's): the same rows one position on (the engine's batch arrays unchanged) go on from it
+with a few numpy calls per step, still writing each digest through the page tables; a row's
+digest is read from its page whenever the rows change and its slot's last known digest is not the
+position's before its input (admission, recompute, a prefix or a prompt's KV loaded). A copy on
+write keeps a page's digests, so it needs no read. A range shared from one slot into another
+(the prefix store, n choices) gives exactly the tokens that prefilling those ids would. Reused
+positions are never sent to ``prefill``, so with a per-token cost (``prefill_us_per_token``) they
+cost nothing, as on a model.
 
 The engine reserves every page a call writes (``kv_pages``); a position without a page is the
 scheduler's bug and raises. The pool holds ``num_pages`` pages (default: every slot's whole
