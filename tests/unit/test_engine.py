@@ -538,6 +538,62 @@ def test_synthetic_decode_is_prefill_of_the_ids_through_any_page_mapping():
     assert wrong != right
 
 
+def test_synthetic_rows_decoding_on_keep_prefills_tokens_and_write_through_the_tables():
+    """The same rows step after step go on from their running digests (one cache, kept), yet
+    every token is the one prefilling the same ids samples (another backend, so nothing here
+    touches the rows), and every digest lands where the page tables say: after a copy on write
+    in mid-page, in the copy, the shared page left as it was."""
+    sizes, seeds = [3, 10, 5], [None, None, 12345]
+    backend = SyntheticBackend(num_slots=3, vocab_size=300, max_context=96)
+    reference = SyntheticBackend(num_slots=1, vocab_size=300, max_context=96)
+    params = [SamplingParams(seed=s) for s in seeds]
+    rng = np.random.default_rng(3)
+    ids = [list(rng.integers(0, 300, n)) for n in sizes]
+    for slot, n in enumerate(sizes):
+        _pages(backend, slot, 0, n)
+    chunks = [PrefillChunk(i, np.array(ids[i], np.int32), 0, True, params[i]) for i in range(3)]
+    tokens = backend.prefill(chunks)
+    slots, sampling = np.arange(3, dtype=np.int32), sampling_rows(params)
+    pool, cache, held, index = backend.kv_pages, None, None, -1
+    for step in range(40):  # every row across two page boundaries, at its own offsets
+        for i in range(3):
+            ids[i].append(int(tokens[i]))
+        positions = np.array([len(row) - 1 for row in ids], np.int32)
+        copies = []
+        for i in range(3):
+            got = pool.prepare_write(i, int(positions[i]), int(positions[i]) + 1)
+            assert got is not None
+            copies += got
+        if copies:
+            backend.copy_pages(copies)
+        tokens = backend.decode(DecodeBatch(slots, tokens.copy(), positions, sampling))
+        for i in range(3):
+            reference.kv_pages.release(0)
+            _pages(reference, 0, 0, len(ids[i]))
+            chunk = PrefillChunk(0, np.array(ids[i], np.int32), 0, True, params[i])
+            assert int(reference.prefill([chunk])[0]) == int(tokens[i]), (step, i)
+        cache = cache or backend._rows
+        assert backend._rows is cache  # the same rows: never read from their pages again
+        if step == 20:  # slot 1's page is shared (a saved range): its next write copies it
+            at = int(positions[1]) + 1
+            assert at % 16, "mid-page"
+            index = at // 16
+            held = backend.save_kv(1, index * 16, at)
+            shared = backend._kv[int(held[0]) * 16 : int(held[0]) * 16 + 16].copy()
+    assert held is not None
+    assert int(pool.tables[1, index]) != int(held[0])  # slot 1 writes into its copy
+    assert backend._kv[int(held[0]) * 16 : int(held[0]) * 16 + 16].tolist() == shared.tolist()
+    for i in range(3):  # every position's digest, read through the tables, is the prefill's
+        n = len(ids[i])
+        reference.kv_pages.release(0)
+        _pages(reference, 0, 0, n)
+        reference.prefill([PrefillChunk(0, np.array(ids[i], np.int32), 0, True, params[i])])
+        where = np.arange(n - 1)  # the last id is an input not yet decoded
+        mine = backend._kv[backend._where(np.full(n - 1, i), where)]
+        theirs = reference._kv[reference._where(np.zeros(n - 1, np.intp), where)]
+        assert mine.tolist() == theirs.tolist(), i
+
+
 def test_synthetic_prefill_of_many_chunks_equals_one_chunk_at_a_time():
     """Chunks fold side by side; the digests and first tokens are those of folding each chunk
     alone, in order, id by id (the reference below)."""

@@ -16,10 +16,15 @@ digest of the position before it, read through the slot's page table, and the ne
 hash of the digest after its input (mixed with the seed of a seeded row) and the position. So the
 output is a function of the sequence's ids, seed and position, like a model's, and a wrong page
 mapping (a page shared without a copy, a page freed while in use, a preempted sequence
-recomputed wrongly) gives wrong tokens. A range shared from one slot into another (the prefix
-store, n choices) gives exactly the tokens that prefilling those ids would. Reused positions are
-never sent to ``prefill``, so with a per-token cost (``prefill_us_per_token``) they cost nothing,
-as on a model.
+recomputed wrongly) gives wrong tokens. Decode rows also keep their running digest (the last
+position's): the same rows one position on (the engine's batch arrays unchanged) go on from it
+with a few numpy calls per step, still writing each digest through the page tables; a row's
+digest is read from its page whenever the rows change and its slot's last known digest is not the
+position's before its input (admission, recompute, a prefix or a prompt's KV loaded). A copy on
+write keeps a page's digests, so it needs no read. A range shared from one slot into another
+(the prefix store, n choices) gives exactly the tokens that prefilling those ids would. Reused
+positions are never sent to ``prefill``, so with a per-token cost (``prefill_us_per_token``) they
+cost nothing, as on a model.
 
 The engine reserves every page a call writes (``kv_pages``); a position without a page is the
 scheduler's bug and raises. The pool holds ``num_pages`` pages (default: every slot's whole
@@ -50,6 +55,7 @@ prefill just finished.)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -100,10 +106,15 @@ def synthetic_tokens(digests: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Token ids for (digest, position) pairs, broadcast: int32 of their shape. One multiply
     spreads (digest, position) into the top bits, which pick the letter: few numpy calls, as
     this runs whenever the decode rows change."""
-    h = digests ^ (positions.astype(_U64) * _POS)
+    return _letters(digests ^ (positions.astype(_U64) * _POS))
+
+
+def _letters(h: np.ndarray) -> np.ndarray:
+    """The tokens of hashes ``digest ^ position * _POS`` (``synthetic_tokens``), ``h`` mixed in
+    place."""
     h *= MIX1
     h >>= _U64(58)
-    tokens: np.ndarray = _ALPHABET[h]  # numpy types fancy indexing as Any
+    tokens: np.ndarray = _ALPHABET.take(h)
     return tokens
 
 
@@ -138,6 +149,14 @@ class SyntheticBackend(PagedKV, Backend):
         self._up = _powers(_FOLD, max_context + 1)  # _FOLD ** k, for _fold
         self._down = _powers(_UNFOLD, max_context + 1)  # _FOLD ** -k
         self._sampler: Sampler | None = None  # for rows with processing, made at first use
+        # Each slot's running digest: the digest after position ``_at[slot]`` (-1: none known,
+        # read from the pages). Up to date only while no decode rows are cached (``_rows``).
+        self._digest = np.zeros(num_slots, _U64)
+        self._at = np.full(num_slots, -1, np.int64)
+        self._rows: _DecodeRows | None = None
+        # the page tables as unsigned ids: a missing page (-1) addresses far beyond ``_kv``
+        self._page_ids = pool.tables.view(np.uint32).reshape(-1)
+        self._row_pages = row_pages
         # mix(id) of every id, so that a decode step folds its inputs with one lookup (256 KiB
         # for 32,000 ids; none beyond 2**20 ids, hashed per step then)
         self._mix = (
@@ -190,6 +209,7 @@ class SyntheticBackend(PagedKV, Backend):
 
     def prefill(self, chunks: list[PrefillChunk]) -> np.ndarray:
         self._pause_prefill(chunks)
+        self._settle()
         slots = [chunk.slot for chunk in chunks]
         if len(set(slots)) < len(slots):  # a slot's chunks chain: one after the other
             out = np.concatenate([self._prefill([chunk]) for chunk in chunks])
@@ -254,6 +274,8 @@ class SyntheticBackend(PagedKV, Backend):
             digests = np.where(
                 lengths > 0, history[np.arange(n), np.maximum(lengths - 1, 0)], digests
             )
+        self._digest[slots] = digests  # each slot's running digest (distinct slots)
+        self._at[slots] = starts + lengths - 1
         last = np.array([c.last for c in chunks], np.bool_)
         out = np.full(n, -1, np.int32)
         if last.any():
@@ -281,15 +303,98 @@ class SyntheticBackend(PagedKV, Backend):
         return tokens
 
     def _decode(self, batch: DecodeBatch) -> np.ndarray:
-        """Each row's input folds into the digest of the position before it, written at its
-        position; the next token hashes that digest (seeded rows: mixed with the seed)."""
+        """Each row's input folds into its running digest (the digest of the position before
+        it), which is written at its position through the page tables; the next token hashes
+        that digest (seeded rows: mixed with the seed). The same rows as the last step's, one
+        position on, go on from the digests cached with them (``_DecodeRows``): a handful of
+        numpy calls per step, whatever the number of rows."""
         self._pause_decode(batch)
-        positions = batch.positions.astype(np.intp)
-        # where each row's previous position and its own live: one table lookup for both
-        both = self._where(batch.slots, np.stack([positions - 1, positions]))
-        kv = self._kv
+        rows = self._rows
+        if (
+            rows is None
+            or rows.slots is not batch.slots
+            or rows.sampling is not batch.sampling
+            or rows.positions.tobytes() != batch.positions.tobytes()
+        ):
+            rows = self._start_rows(batch)
+        self._rows = None  # until this step is done: a failed step leaves no cache
+        positions = rows.positions
         mixed = self._mix.take(batch.tokens) if len(self._mix) else splitmix64(batch.tokens)
-        digests = kv[both[0]] * _U64(_FOLD) + mixed  # a decode input always follows a prompt
-        kv[both[1]] = digests
-        rows = batch.sampling
-        return _next_tokens(digests, rows["seed"], rows["seeded"], positions + 1)
+        digests = rows.digests
+        digests *= _U64(_FOLD)
+        digests += mixed
+        # Written through the page table every step: a copy on write or a new page is used at
+        # once. A missing page (-1) wraps to an index beyond ``_kv`` (uint32 ids).
+        pages = self._page_ids.take(rows.base + positions // PAGE_TOKENS)
+        try:
+            self._kv[pages * PAGE_TOKENS + positions % PAGE_TOKENS] = digests
+        except IndexError as err:
+            self._at[batch.slots] = -1
+            msg = "the synthetic KV was addressed at a position without a page"
+            raise AssertionError(msg) from err
+        h = digests ^ rows.position_hash
+        if rows.seeds is not None:
+            seeded = splitmix64(digests ^ rows.seeds) ^ rows.position_hash
+            h = np.where(rows.seeded, seeded, h)
+        positions += 1
+        rows.position_hash += _POS
+        self._rows = rows
+        return _letters(h)
+
+    def _start_rows(self, batch: DecodeBatch) -> _DecodeRows:
+        """The cache of new decode rows: each row's running digest, read from its page when the
+        slot's last known digest is not that of the position before its input (its table
+        changed: admission, recompute, a prefix or a prompt's KV loaded, or never decoded)."""
+        self._settle()
+        slots, positions = batch.slots, batch.positions.copy()
+        digests = self._digest[slots]
+        stale = self._at[slots] != positions - 1
+        if np.count_nonzero(stale):  # a decode input always follows a prompt: position >= 1
+            digests[stale] = self._kv[self._where(slots[stale], positions[stale] - 1)]
+        sampling = batch.sampling
+        seeded = sampling["seeded"]
+        return _DecodeRows(
+            slots=slots,
+            sampling=sampling,
+            positions=positions,
+            digests=digests,
+            base=slots.astype(np.intp) * self._row_pages,
+            position_hash=(positions + 1).astype(_U64) * _POS,
+            seeded=seeded,
+            seeds=sampling["seed"].astype(_U64) if np.count_nonzero(seeded) else None,
+        )
+
+    def _settle(self) -> None:
+        """The cached decode rows' digests back into the per-slot state (before anything else
+        reads or changes it)."""
+        rows = self._rows
+        if rows is not None:
+            self._rows = None
+            self._digest[rows.slots] = rows.digests
+            self._at[rows.slots] = rows.positions - 1
+
+    def free(self, slot: int) -> None:
+        self._settle()
+        self._at[slot] = -1
+
+    def load_kv(self, handle: np.ndarray, slot: int, start: int) -> None:
+        super().load_kv(handle, slot, start)
+        self._settle()
+        self._at[slot] = -1
+
+
+@dataclass(slots=True)
+class _DecodeRows:
+    """The last decode step's rows, kept for the next step with the same rows (the same
+    ``slots`` and ``sampling`` arrays, as the engine hands them while its rows do not change).
+    ``positions`` are the next step's inputs' positions and ``digests`` the digests before
+    them; both advance in place."""
+
+    slots: np.ndarray  # int32 [rows]
+    sampling: np.ndarray  # SAMPLING_ROW [rows]
+    positions: np.ndarray  # [rows], batch.positions' dtype
+    digests: np.ndarray  # uint64 [rows]
+    base: np.ndarray  # intp [rows]: where each slot's table starts in the flat tables
+    position_hash: np.ndarray  # uint64 [rows]: (positions + 1) * _POS
+    seeded: np.ndarray  # bool [rows]
+    seeds: np.ndarray | None  # uint64 [rows], None when no row is seeded
