@@ -71,7 +71,7 @@ def test_matrices_are_views_of_the_map_and_nothing_is_converted(tiny: Path, data
 def test_mapped_model_matches_the_dense_checkpoint(tiny: Path, data_dir: Path) -> None:
     """Decode-sized forwards bit for bit (the same block products; q/k outputs reordered instead
     of rows), a long prompt (dequantized tiles) and the embedding within float32 rounding."""
-    mapped = load_model(ModelConfig(path=str(tiny), data_dir=str(data_dir)), 256)
+    mapped = load_model(ModelConfig(path=str(tiny), data_dir=str(data_dir), dtype="float32"), 256)
     converted = ensure_converted(tiny, str(data_dir))
     dense = load_checkpoint(converted, 256, kernel_cache=data_dir / "kernels")
     ids = torch.arange(3, 3 + 100) % mapped.config.vocab_size

@@ -36,7 +36,7 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
 def test_converted_model_matches_transformers_gguf_loader(tiny, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     path, source = tiny
-    loaded = load_model(ModelConfig(path=str(path), data_dir=str(tmp_path)), 256)
+    loaded = load_model(ModelConfig(path=str(path), data_dir=str(tmp_path), dtype="float32"), 256)
     assert loaded.name == "tiny"
     assert loaded.config.tie_word_embeddings and loaded.config.rope_theta == 50000.0
     assert loaded.config.num_key_value_heads == 2 and loaded.max_context == 256
