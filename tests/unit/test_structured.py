@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 
+from zerolayer.engine.backend import Backend
 from zerolayer.engine.sampling import unpack_bitmask
 from zerolayer.request_path.request import Request
 from zerolayer.structured import Constraint, GrammarError, Grammars, closed, from_response_format
@@ -576,7 +577,7 @@ STEERED = {
 SCHEMAS = {"person": PERSON, "calls": CALLS, "object": {"type": "object"}}
 
 
-class Adversary:
+class Adversary(Backend):
     """A backend whose rows pick, within each row's mask, what runs away: structure openers,
     separators, digits (seeded), never an end token while anything else is allowed."""
 
