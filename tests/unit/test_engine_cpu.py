@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.kv import reserve
 from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backends.cpu import create_cpu_backend
 from zerolayer.engine.engine import NO_TOKEN, NOT_FINISHED, Engine, Sequence
@@ -125,15 +126,18 @@ def test_bfloat16_engine_matches_the_model_stepped_by_hand(cpu_bf16):
     model, cache, slot = backend.model, backend.cache, 0
     want: list[int] = []
     with torch.inference_mode():
+        reserve(backend, slot, 0, len(prompt))
         logits = model.prefill(torch.from_numpy(prompt.astype(np.int64)), 0, slot, cache)
         for position in range(len(prompt), len(prompt) + 12):
             token = int(torch.argmax(logits))
             if token in tokenizer.eos_token_ids:
                 break
             want.append(token)
+            reserve(backend, slot, position, position + 1)
             logits = model.decode(
                 torch.tensor([token]), torch.tensor([position]), torch.tensor([slot]), cache
             )[0]
+    backend.kv_pages.release(slot)
     assert got == want and len(got) > 0
 
 
@@ -195,6 +199,7 @@ def test_logprobs_and_bias_on_the_cpu_backend_match_the_model_stepped_by_hand(cp
     assert ids["bias"] == [77] * 6
     model, cache, slot = backend.model, backend.cache, 0
     with torch.inference_mode():
+        reserve(backend, slot, 0, len(prompt) + len(lps))
         logits = model.prefill(torch.from_numpy(prompt.astype(np.int64)), 0, slot, cache)
         for position, (token, got) in enumerate(zip(ids["lp"], lps, strict=True), len(prompt)):
             ref = torch.log_softmax(logits.float(), dim=-1)
@@ -206,6 +211,7 @@ def test_logprobs_and_bias_on_the_cpu_backend_match_the_model_stepped_by_hand(cp
             logits = model.decode(
                 torch.tensor([token]), torch.tensor([position]), torch.tensor([slot]), cache
             )[0]
+    backend.kv_pages.release(slot)
     assert len(lps) == len(ids["lp"]) > 0
 
 
@@ -218,10 +224,14 @@ def test_kv_is_bfloat16_by_default_and_its_size_is_logged(cpu, caplog) -> None:
     cfg = EngineConfig(max_batch_size=2, max_context=64)
     backend, tokenizer = create_cpu_backend(ModelConfig(path=BUILTIN_MODEL, data_dir=cpu[2]), cfg)
     assert backend.cache.k.dtype == torch.bfloat16 and backend.cache.v.dtype == torch.bfloat16
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
-    assert lines == [
-        f"KV cache {backend.cache.nbytes / 2**30:.2f} GiB bfloat16: 2 slots of 64 positions"
-    ]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool")]
+    pool = backend.kv_pages
+    assert pool.num_pages == 2 * 4  # auto: every slot's whole context (64 positions)
+    per_position = backend.kv_page_bytes // 16
+    assert len(lines) == 1 and lines[0].endswith(
+        f": 8 pages of 16 positions (128 positions, {per_position:,} bytes a position; "
+        "engine.kv_cache_bytes=auto)"
+    )
     # The float32 parity mode's cache (the module's fixture) is twice the bytes a position.
     assert cpu[0].cache.k.dtype == torch.float32
     got = run(backend, tokenizer, [seq("kv", "hello", tokenizer, n=4)])
