@@ -236,3 +236,26 @@ def test_kv_is_bfloat16_by_default_and_its_size_is_logged(cpu, caplog) -> None:
     assert cpu[0].cache.k.dtype == torch.float32
     got = run(backend, tokenizer, [seq("kv", "hello", tokenizer, n=4)])
     assert 1 <= len(got["kv"]) <= 4  # served on the bfloat16 cache (EOS may end it early)
+
+
+def test_the_auto_kv_budget_is_the_smaller_of_every_context_and_half_the_free_memory(tmp_path):
+    from zerolayer.engine.backends.cpu import kv_budget, mem_available
+
+    per_position, page = 1000, 16_000  # bytes a position, a page (16 positions)
+    row = 128  # pages of a 2,048-position context
+    # plenty of memory: every slot's whole context
+    assert kv_budget(0, 4, 2048, per_position, 10**6, 10**12) == 4 * row
+    # half of 20 MB minus 2 MB of weights = 8 MB: 500 pages
+    assert kv_budget(0, 4, 2048, per_position, 2 * 10**6, 20 * 10**6) == 8 * 10**6 // page
+    # too little memory still leaves one whole context; unknown memory: every context
+    assert kv_budget(0, 4, 2048, per_position, 10**9, 10**6) == row
+    assert kv_budget(0, 4, 2048, per_position, 0, None) == 4 * row
+    # a setting is the budget, whatever memory says; below one page it is refused by name
+    assert kv_budget(5 * page + 1, 4, 2048, per_position, 0, 10**3) == 5
+    with pytest.raises(ValueError, match="engine.kv_cache_bytes"):
+        kv_budget(page - 1, 4, 2048, per_position, 0, None)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
+    assert mem_available(meminfo) == 2048 * 1024
+    meminfo.write_text("MemTotal: 100 kB\n")
+    assert mem_available(meminfo) is None
