@@ -120,6 +120,7 @@ def test_bfloat16_engine_matches_the_model_stepped_by_hand(cpu_bf16):
 
     backend, tokenizer = cpu_bf16
     assert backend.cache.k.dtype == torch.bfloat16
+    assert backend.cache.native  # decode attention read in place by the kernel
     prompt = tokenizer.encode_prompt("bfloat16 greedy prompt")
     got = run(backend, tokenizer, [Sequence("b", prompt, 12, SamplingParams())])["b"]
     # The same request through the kernels directly, one row, argmax of each step's logits.
