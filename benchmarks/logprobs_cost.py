@@ -147,6 +147,8 @@ def split(model: str, rows: int, steps: int) -> dict[str, float]:
     positions = np.full(rows, 32, np.int32)  # a short context: the forward as in these runs
     batch = DecodeBatch(np.arange(rows, dtype=np.int32), np.arange(5, 5 + rows, dtype=np.int32),
                         positions, params)  # fmt: skip
+    for row in range(rows):  # KV in pages: each row's, as the engine reserves them
+        assert backend.kv_pages.prepare_write(row, 0, 33) == []
     parts: dict[str, list[float]] = {}
 
     def timed(name: str, call: Callable[..., object], *call_args: object) -> object:

@@ -10,14 +10,26 @@ from zerolayer.tokenizer import Tokenizer
 
 def scramble(backend: Backend) -> None:
     """Fill a CPU backend's KV cache with noise, so nothing a previous run left in a slot can
-    stand in for KV the engine is supposed to compute or load."""
+    stand in for KV the engine is supposed to compute or load. In pages: the pages nobody
+    holds (those a prefix store holds are its KV)."""
     cache = getattr(backend, "cache", None)
-    if cache is not None:
-        import torch
+    if cache is None:
+        return
+    import numpy as np
+    import torch
 
-        gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    pool = backend.kv_pages
+    if pool is None:
         for t in (cache.k, cache.v):
             t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+        return
+    free = np.flatnonzero(pool.refs == 0)
+    rows = torch.from_numpy(free[:, None] * pool.page_tokens + np.arange(pool.page_tokens))
+    rows = rows.flatten()
+    for t in (cache.k, cache.v):
+        shape = (t.shape[0], len(rows), *t.shape[2:])
+        t[:, rows] = torch.randn(shape, generator=gen, dtype=torch.float32).to(t.dtype)
 
 
 def run_engine(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.kv import reserve
 from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backends.cpu import create_cpu_backend
 from zerolayer.engine.engine import NO_TOKEN, NOT_FINISHED, Engine, Sequence
@@ -119,21 +120,25 @@ def test_bfloat16_engine_matches_the_model_stepped_by_hand(cpu_bf16):
 
     backend, tokenizer = cpu_bf16
     assert backend.cache.k.dtype == torch.bfloat16
+    assert backend.cache.native  # decode attention read in place by the kernel
     prompt = tokenizer.encode_prompt("bfloat16 greedy prompt")
     got = run(backend, tokenizer, [Sequence("b", prompt, 12, SamplingParams())])["b"]
     # The same request through the kernels directly, one row, argmax of each step's logits.
     model, cache, slot = backend.model, backend.cache, 0
     want: list[int] = []
     with torch.inference_mode():
+        reserve(backend, slot, 0, len(prompt))
         logits = model.prefill(torch.from_numpy(prompt.astype(np.int64)), 0, slot, cache)
         for position in range(len(prompt), len(prompt) + 12):
             token = int(torch.argmax(logits))
             if token in tokenizer.eos_token_ids:
                 break
             want.append(token)
+            reserve(backend, slot, position, position + 1)
             logits = model.decode(
                 torch.tensor([token]), torch.tensor([position]), torch.tensor([slot]), cache
             )[0]
+    backend.kv_pages.release(slot)
     assert got == want and len(got) > 0
 
 
@@ -195,6 +200,7 @@ def test_logprobs_and_bias_on_the_cpu_backend_match_the_model_stepped_by_hand(cp
     assert ids["bias"] == [77] * 6
     model, cache, slot = backend.model, backend.cache, 0
     with torch.inference_mode():
+        reserve(backend, slot, 0, len(prompt) + len(lps))
         logits = model.prefill(torch.from_numpy(prompt.astype(np.int64)), 0, slot, cache)
         for position, (token, got) in enumerate(zip(ids["lp"], lps, strict=True), len(prompt)):
             ref = torch.log_softmax(logits.float(), dim=-1)
@@ -206,6 +212,7 @@ def test_logprobs_and_bias_on_the_cpu_backend_match_the_model_stepped_by_hand(cp
             logits = model.decode(
                 torch.tensor([token]), torch.tensor([position]), torch.tensor([slot]), cache
             )[0]
+    backend.kv_pages.release(slot)
     assert len(lps) == len(ids["lp"]) > 0
 
 
@@ -218,11 +225,38 @@ def test_kv_is_bfloat16_by_default_and_its_size_is_logged(cpu, caplog) -> None:
     cfg = EngineConfig(max_batch_size=2, max_context=64)
     backend, tokenizer = create_cpu_backend(ModelConfig(path=BUILTIN_MODEL, data_dir=cpu[2]), cfg)
     assert backend.cache.k.dtype == torch.bfloat16 and backend.cache.v.dtype == torch.bfloat16
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")]
-    assert lines == [
-        f"KV cache {backend.cache.nbytes / 2**30:.2f} GiB bfloat16: 2 slots of 64 positions"
-    ]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool")]
+    pool = backend.kv_pages
+    assert pool.num_pages == 2 * 4  # auto: every slot's whole context (64 positions)
+    per_position = backend.kv_page_bytes // 16
+    assert len(lines) == 1 and lines[0].endswith(
+        f": 8 pages of 16 positions (128 positions, {per_position:,} bytes a position; "
+        "engine.kv_cache_bytes=auto)"
+    )
     # The float32 parity mode's cache (the module's fixture) is twice the bytes a position.
     assert cpu[0].cache.k.dtype == torch.float32
     got = run(backend, tokenizer, [seq("kv", "hello", tokenizer, n=4)])
     assert 1 <= len(got["kv"]) <= 4  # served on the bfloat16 cache (EOS may end it early)
+
+
+def test_the_auto_kv_budget_is_the_smaller_of_every_context_and_half_the_free_memory(tmp_path):
+    from zerolayer.engine.backends.cpu import kv_budget, mem_available
+
+    per_position, page = 1000, 16_000  # bytes a position, a page (16 positions)
+    row = 128  # pages of a 2,048-position context
+    # plenty of memory: every slot's whole context
+    assert kv_budget(0, 4, 2048, per_position, 10**6, 10**12) == 4 * row
+    # half of 20 MB minus 2 MB of weights = 8 MB: 500 pages
+    assert kv_budget(0, 4, 2048, per_position, 2 * 10**6, 20 * 10**6) == 8 * 10**6 // page
+    # too little memory still leaves one whole context; unknown memory: every context
+    assert kv_budget(0, 4, 2048, per_position, 10**9, 10**6) == row
+    assert kv_budget(0, 4, 2048, per_position, 0, None) == 4 * row
+    # a setting is the budget, whatever memory says; below one page it is refused by name
+    assert kv_budget(5 * page + 1, 4, 2048, per_position, 0, 10**3) == 5
+    with pytest.raises(ValueError, match="engine.kv_cache_bytes"):
+        kv_budget(page - 1, 4, 2048, per_position, 0, None)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
+    assert mem_available(meminfo) == 2048 * 1024
+    meminfo.write_text("MemTotal: 100 kB\n")
+    assert mem_available(meminfo) is None

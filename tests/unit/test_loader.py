@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.support.kv import reserving
 from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backends.cpu import create_cpu_backend
 from zerolayer.engine.types import PrefillChunk
@@ -277,6 +278,7 @@ def test_builtin_backend_generates_same_tokens_each_run(
     outputs = []
     for _ in range(2):
         backend, tok = create_cpu_backend(model_cfg, engine_cfg)
+        reserving(backend)
         assert calls[-1] == 1  # engine.threads reaches torch
         assert backend.num_slots == 2
         assert backend.info.max_context == 256 and backend.info.eos_token_id == ByteTokenizer.EOS

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.checkpoint import checkpoint_backend
 from tests.support.engine_run import run_engine
+from tests.support.kv import slot_kv
 from tests.support.smollm2 import data_dir_of
 from zerolayer.config.settings import EngineConfig, ModelConfig
 from zerolayer.engine.backend import Backend, ModelInfo
@@ -204,13 +205,21 @@ def test_cpu_kv_ranges_round_trip(builtin) -> None:
     backend, _ = builtin
     prompt = ids(3 * B + 2, 31)
     prefilled(backend, prompt, slot=0)
-    handle = backend.save_kv(0, B, 2 * B)
-    layers, kv_heads, length, head_dim = handle.k.shape
-    assert length == B and backend.kv_nbytes(handle) == 2 * layers * kv_heads * B * head_dim * 4
+    assert not backend.cache.native  # the parity mode: decode gathers the pages for SDPA
+    head, handle = backend.save_kv(0, 0, B), backend.save_kv(0, B, 2 * B)  # by reference
+    layers, _, kv_heads, head_dim = backend.cache.k.shape
+    assert len(handle) == B // 16  # pages of 16 positions
+    assert backend.kv_nbytes(handle) == 2 * layers * kv_heads * B * head_dim * 4
+    backend.kv_pages.release(1)
+    with pytest.raises(ValueError, match="holds 0 pages"):  # a range goes where the row ends
+        backend.load_kv(handle, 1, B)
+    backend.load_kv(head, 1, 0)
     backend.load_kv(handle, 1, B)
-    assert (backend.cache.k[:, 1, :, B : 2 * B] == backend.cache.k[:, 0, :, B : 2 * B]).all()
-    with pytest.raises(ValueError, match="outside"):
-        backend.load_kv(handle, 1, backend.info.max_context - 3)
+    assert (slot_kv(backend, 1, 0, 2 * B)[0] == slot_kv(backend, 0, 0, 2 * B)[0]).all()
+    assert list(backend.kv_pages.pages_of(1)) == list(backend.kv_pages.pages_of(0)[:2])
+    backend.kv_pages.release(1)
+    backend.drop_kv(head)
+    backend.drop_kv(handle)
 
 
 # --------------------------------------------------------------------------- identical outputs

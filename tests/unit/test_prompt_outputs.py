@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.kv import reserve
 from zerolayer.codes import FinishReason
 from zerolayer.engine.backends.synthetic import HIDDEN, SyntheticBackend
 from zerolayer.engine.engine import NO_TOKEN, Engine, Sequence
@@ -157,7 +158,9 @@ def test_cpu_embedding_and_prompt_logprobs_equal_references_from_the_decoder(cpu
     try:
         with torch.inference_mode():
             ids = torch.from_numpy(prompt.astype(np.int64))
+            reserve(backend, 0, 0, len(prompt))
             logits = model.prefill(ids, 0, 0, backend.cache, all_logits=True)
+            backend.kv_pages.release(0)
     finally:
         handle.remove()
     (hidden,) = states  # [1, n, hidden]: one forward, every position

@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.checkpoint import SPECIAL, checkpoint_backend
 from tests.support.engine_run import run_engine
+from tests.support.kv import reserve, slot_kv
 from zerolayer.config.prompts import PromptEntry, resolve_prompt_files
 from zerolayer.config.settings import BUILTIN_MODEL, EngineConfig, ModelConfig
 from zerolayer.engine.backend import Backend, ModelInfo
@@ -330,15 +331,19 @@ def test_compile_on_cpu_backend_pins_the_kv_of_all_but_the_last_token(builtin) -
     facts = reg.compile(store, chunk=16)
     c = reg.by_id(3)
     assert c.pinned_tokens % BLOCK_TOKENS, "this prompt ends mid-block: a pinned tail"
-    layers, _, kv_heads, _, head_dim = backend.cache.k.shape
-    assert c.kv_bytes == 2 * layers * kv_heads * c.pinned_tokens * head_dim * 4  # float32 k, v
+    layers, _, kv_heads, head_dim = backend.cache.k.shape
+    held = pages_for(c.pinned_tokens) * 16  # whole pages, the tail's too
+    assert c.kv_bytes == 2 * layers * kv_heads * held * head_dim * 4  # float32 k, v
     assert facts == [{"id": 3, "name": "terse", "tokens": len(c.ids), "kv_bytes": c.kv_bytes}]
     # The pinned KV equals a straight prefill of the same ids in one chunk in another slot.
+    reserve(backend, 1, 0, len(c.ids) - 1)
     backend.prefill([PrefillChunk(1, c.ids[:-1], 0, False, SamplingParams())])
     assert store.load(np.concatenate([c.ids, [65]]).astype(np.int32), 0) == c.pinned_tokens
     n = c.pinned_tokens
-    for kv in (backend.cache.k, backend.cache.v):
-        assert np.allclose(kv[:, 0, :, :n].numpy(), kv[:, 1, :, :n].numpy(), atol=1e-5)
+    for pinned, straight in zip(slot_kv(backend, 0, 0, n), slot_kv(backend, 1, 0, n), strict=True):
+        assert np.allclose(pinned.numpy(), straight.numpy(), atol=1e-5)
+    backend.kv_pages.release(0)
+    backend.kv_pages.release(1)
     # One byte under what the prompt needs: refused, naming the prompt.
     tight = PromptRegistry.build(
         [{"id": 3, "name": "terse", "text": SYSTEM}], tok, budget_bytes=c.kv_bytes - 1

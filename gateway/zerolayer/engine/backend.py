@@ -21,6 +21,7 @@ Neuron backend's static cache) keeps one slot's whole context per slot.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -29,6 +30,8 @@ import numpy as np
 
 from zerolayer.engine.kv_pages import PagePool, pages_for
 from zerolayer.engine.types import DecodeBatch, PrefillChunk
+
+log = logging.getLogger("zerolayer.engine")
 
 if TYPE_CHECKING:  # torch only where a model runs (this module is the synthetic backend's too)
     import torch
@@ -203,3 +206,20 @@ class PagedKV(PrefixKV[np.ndarray]):
 
     def kv_reclaimable(self, handle: np.ndarray) -> bool:
         return bool((self._pool().refs[handle] == 1).all())
+
+
+def log_pool(backend: Backend, setting: int) -> None:
+    """The KV pages, said once at start-up."""
+    pool = backend.kv_pages
+    if pool is None:
+        return
+    page_bytes = getattr(backend, "kv_page_bytes", 0)
+    total = pool.num_pages * page_bytes
+    unit = next(u for u in (3, 2) if total >= 2 ** (10 * u)) if total >= 2**20 else 1
+    size = f"{total / 2 ** (10 * unit):.{2 if unit == 3 else 1}f} {('KiB', 'MiB', 'GiB')[unit - 1]}"
+    log.info(
+        "KV pool %s: %s pages of %d positions (%s positions, %s bytes a position; "
+        "engine.kv_cache_bytes=%s)",
+        size, f"{pool.num_pages:,}", pool.page_tokens, f"{pool.positions:,}",
+        f"{page_bytes // pool.page_tokens:,}", setting or "auto",
+    )  # fmt: skip

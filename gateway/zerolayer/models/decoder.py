@@ -23,7 +23,9 @@ sliding-window layers keep every position too and mask the ones outside their wi
 KV in pages (``PagedKVCache``, the engine's page tables: zerolayer.engine.kv_pages) is the same
 math: writes go to each position's row of the token-major page storage, and attention gathers
 each row's pages into the static cache's layout before the same attention call, so the float32
-parity mode gives the static cache's logits bit for bit.
+parity mode gives the static cache's logits bit for bit. A cache made ``native`` runs decode
+steps' attention through ``zerolayer.kernels.attention.paged_decode_attention`` instead, which
+reads the pages in place (float32 arithmetic; not bit-exact with SDPA).
 Parameter names match the Hugging Face ``*ForCausalLM`` with the ``model.`` prefix removed
 (Phi-3's fused matrices are split by the loader). A model loaded from a GGUF file holds its
 matrices as the file's own blocks (``Decoder.use_blocks``, ``zerolayer.kernels.qmatmul``: the same
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerolayer.kernels import qmatmul
+from zerolayer.kernels.attention import paged_decode_attention
 from zerolayer.kernels.qmatmul import QStack, QWeight
 from zerolayer.models.architectures import DecoderConfig
 
@@ -172,6 +175,11 @@ class Rows:
     # first attn_len positions are read from ([B, attn_len]); None on the static cache.
     write_index: torch.Tensor | None = None
     read_index: torch.Tensor | None = None
+    # A paged decode step read in place by the native kernel (PagedKVCache.native): each row's
+    # page table [B, max_pages] int32 and length [B] int32 (its position + 1); read_index unset.
+    row_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    page_tokens: int = 0
 
 
 def _bias(parts: list[nn.Linear]) -> torch.Tensor | None:
@@ -192,6 +200,7 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale
         self.sliding = sliding
         self.softcap = cfg.attn_logit_softcapping
+        self.window = (cfg.sliding_window or 0) if sliding else 0  # keys a query sees; 0 = all
         hd, bias = cfg.head_dim, cfg.attention_bias
         kw = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * hd, bias=bias, **kw)
@@ -248,6 +257,16 @@ class Attention(nn.Module):
         # mask hides positions after each query (later chunk tokens, stale data of old sequences)
         # and, in a sliding layer, those outside the window.
         # Indexing [write_slots, :, write_positions] selects [*tokens, kv_heads, head_dim].
+        if rows.seq_lens is not None and rows.write_index is not None:  # paged decode, native
+            assert rows.row_tables is not None
+            k_cache[rows.write_index] = k.to(k_cache.dtype)
+            v_cache[rows.write_index] = v.to(v_cache.dtype)
+            attended = paged_decode_attention(
+                q.reshape(B, self.n_heads, self.head_dim).float().contiguous(),
+                k_cache, v_cache, rows.row_tables, rows.seq_lens, rows.page_tokens,
+                float(self.scale), self.window, float(self.softcap or 0.0),
+            )  # fmt: skip
+            return self._project(attended.to(x.dtype).reshape(B, 1, -1), rows)
         if rows.write_index is not None and rows.read_index is not None:  # KV in pages
             k_cache[rows.write_index] = k.to(k_cache.dtype)
             v_cache[rows.write_index] = v.to(v_cache.dtype)
@@ -284,6 +303,10 @@ class Attention(nn.Module):
         out = out.view(B, self.n_heads, n, self.head_dim).transpose(1, 2).reshape(B, n, -1)
         if rows.packed is not None:
             out = out.view(B * n, -1).index_select(0, rows.packed)  # [T, heads * head_dim]
+        return self._project(out, rows)
+
+    def _project(self, out: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """The output projection of the heads' outputs [*tokens, heads * head_dim]."""
         if rows.blocks and self.o_blocks is not None:
             out = self.o_blocks(out)
             return out if self.o_proj.bias is None else out + self.o_proj.bias
@@ -414,6 +437,9 @@ class PagedKVCache:
     v: torch.Tensor
     tables: torch.Tensor
     page_tokens: int
+    # Decode steps attend through the native kernel (zerolayer.kernels.attention), reading the
+    # pages in place; False: gathered into the static layout (the float32 parity mode's math).
+    native: bool = False
 
     @classmethod
     def allocate(
@@ -423,6 +449,7 @@ class PagedKVCache:
         tables: torch.Tensor,
         dtype: torch.dtype,
         page_tokens: int = 16,
+        native: bool = False,
     ) -> PagedKVCache:
         shape = (
             cfg.num_hidden_layers,
@@ -431,7 +458,7 @@ class PagedKVCache:
             cfg.head_dim,
         )
         k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-        return cls(k, v, tables, page_tokens)
+        return cls(k, v, tables, page_tokens, native)
 
     @property
     def nbytes(self) -> int:
@@ -616,6 +643,7 @@ class Decoder(nn.Module):
         hidden: bool = False,
         tables: torch.Tensor | None = None,  # a PagedKVCache's tables: k/v are its pages
         page_tokens: int = 16,
+        native: bool = False,  # a paged decode step (n = 1) through the native kernel
     ) -> torch.Tensor:
         """Run the tokens through the model, writing their K/V into the cache.
 
@@ -675,12 +703,22 @@ class Decoder(nn.Module):
                 raise ValueError(
                     "a position is written without a KV page (the engine reserves them)"
                 )
-            read = table[slots][:, key_pos // page_tokens] * page_tokens + key_pos % page_tokens
-            rows = dataclasses.replace(
-                rows,
-                write_index=pages * page_tokens + rows.write_positions % page_tokens,
-                read_index=read.clamp_(min=0),  # no page yet: masked, any row will do
-            )
+            write_index = pages * page_tokens + rows.write_positions % page_tokens
+            if native and n == 1 and last_index is None:  # the kernel reads the pages in place
+                rows = dataclasses.replace(
+                    rows,
+                    write_index=write_index,
+                    row_tables=tables.index_select(0, slots).to(torch.int32),
+                    seq_lens=(positions[:, 0] + 1).to(torch.int32),
+                    page_tokens=page_tokens,
+                )
+            else:
+                read = table[slots][:, key_pos // page_tokens] * page_tokens
+                rows = dataclasses.replace(
+                    rows,
+                    write_index=write_index,
+                    read_index=(read + key_pos % page_tokens).clamp_(min=0),  # no page: masked
+                )
         # [B, n, hidden], or [T, hidden] when packed
         if self.embed_blocks is not None:
             x = self.embed_blocks.rows(tokens, self.rope_cos.dtype)
@@ -830,6 +868,7 @@ class Decoder(nn.Module):
             slot_start=first if consecutive else None,
             tables=cache.tables,
             page_tokens=cache.page_tokens,
+            native=isinstance(cache, PagedKVCache) and cache.native,
         )
         if order is None:
             return logits

@@ -1,47 +1,45 @@
-"""The CPU backend: ``zerolayer.models.decoder`` run eagerly by torch on a static slot KV cache.
+"""The CPU backend: ``zerolayer.models.decoder`` run eagerly by torch on KV in pages.
 
-One ``CpuBackend`` owns the loaded model and the KV cache (allocated once, ``num_slots`` =
-``engine.max_batch_size``); it returns logits, which the engine's one sampler turns into tokens
-(``LogitsBackend``). The prefill chunks of one call run as a few batched forwards
-(``plan_prefill_groups`` decides which chunks share one); decode runs all active slots in one
-step. A chunk that asks for prompt outputs (an embedding, prompt logprobs) runs as a forward of
-its own that keeps every position's final-norm state (``_prompt_outputs``). ``free`` has
-nothing to clear: every attention masks positions past the sequence's own, and a new prompt
-overwrites the slot from 0. It also copies ranges of a slot's KV positions
-out and back in, for the prefix store.
+One ``CpuBackend`` owns the loaded model and the KV pages' bytes (a ``PagedKVCache`` of
+``PagePool.num_pages`` pages, allocated once; ``num_slots`` = ``engine.max_batch_size`` page
+tables of up to ``max_context`` positions); the engine owns the pages (``kv_pages``: it reserves
+every page a call writes and hands copies on write to ``copy_pages``), and the prefix store and n
+choices share them by reference (``PagedKV``). It returns logits, which the engine's one sampler
+turns into tokens (``LogitsBackend``). The prefill chunks of one call run as a few batched
+forwards (``plan_prefill_groups`` decides which chunks share one); decode runs all active slots
+in one step, its attention read in place through the page tables by the native kernel
+(``zerolayer.kernels.attention``) unless this is the parity mode (float32 KV and float32 model:
+gathered, then the static cache's attention call, bit for bit) or the kernel could not be built.
+A chunk that asks for prompt outputs (an embedding, prompt logprobs) runs as a forward of its own
+that keeps every position's final-norm state (``_prompt_outputs``). ``free`` has nothing to clear:
+every attention masks positions past the sequence's own.
+
+The pool's size (``kv_budget``): ``engine.kv_cache_bytes``, or with 0 the smaller of every slot's
+whole context and half of MemAvailable minus the weights, at least one whole context.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from zerolayer.cachedir import data_root
 from zerolayer.config.settings import EngineConfig, ModelConfig
-from zerolayer.engine.backend import LogitsBackend, ModelInfo, PrefixKV
+from zerolayer.engine.backend import LogitsBackend, ModelInfo, PagedKV, log_pool
+from zerolayer.engine.kv_pages import PAGE_TOKENS, PagePool, pages_for
 from zerolayer.engine.types import DecodeBatch, PrefillChunk, PromptLogprobs
-from zerolayer.models.decoder import KVCache, eager_attention_len
+from zerolayer.kernels import qmatmul
+from zerolayer.models.architectures import DecoderConfig
+from zerolayer.models.decoder import Decoder, PagedKVCache, eager_attention_len
 from zerolayer.models.loader import LoadedModel, load_model
 from zerolayer.ops import openmp
 from zerolayer.tokenizer import Tokenizer
 
 log = logging.getLogger("zerolayer.engine")
-
-
-@dataclass(frozen=True)
-class KVRange:
-    """A copy of one slot's cache for ``length`` consecutive positions: k and v are
-    [layers, kv_heads, length, head_dim]."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return int(self.k.shape[2])
 
 
 # Batched prefill pads every row to the group's longest chunk and attends over the group's
@@ -82,7 +80,71 @@ def plan_prefill_groups(lengths: list[int], starts: list[int], max_context: int)
     return groups
 
 
-class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
+def parity_mode(kv_dtype: torch.dtype, model_dtype: torch.dtype, int8: bool) -> bool:
+    """Whether decode attention gathers the pages for the static cache's math (bit-exact with
+    it): float32 KV of a float32 model on float products; else the native kernel reads them."""
+    return kv_dtype == torch.float32 and model_dtype == torch.float32 and not int8
+
+
+def position_bytes(cfg: DecoderConfig, dtype: torch.dtype) -> int:
+    """One position's K and V over every layer, stored as ``dtype``."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes, or None where the file does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def weight_bytes(model: Decoder) -> int:
+    """The model's weights: its parameters and block copies (each tensor once, by storage)."""
+    seen: dict[int, int] = {}
+    tensors: list[torch.Tensor] = [p for p in model.parameters() if not p.is_meta]
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, qmatmul.QWeight):
+                tensors.append(value.blocks)
+            elif isinstance(value, qmatmul.QStack):
+                tensors.extend(part.blocks for part in value.parts)
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def kv_budget(
+    setting: int,
+    num_slots: int,
+    context: int,
+    per_position: int,
+    weights: int,
+    available: int | None,
+) -> int:
+    """The KV pool's pages: ``setting`` bytes (engine.kv_cache_bytes) when set, else the smaller
+    of every slot's whole context and half of ``available`` (MemAvailable) minus ``weights``,
+    never less than one whole context. A setting below one page is the user's mistake."""
+    page = per_position * PAGE_TOKENS
+    row = pages_for(context)
+    if setting:
+        if setting < page:
+            raise ValueError(
+                f"engine.kv_cache_bytes {setting} holds no KV page ({page:,} bytes each)"
+            )
+        return setting // page
+    pages = num_slots * row
+    if available is not None:
+        pages = min(pages, max(0, available // 2 - weights) // page)
+    return max(pages, row)
+
+
+class CpuBackend(LogitsBackend, PagedKV):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -90,26 +152,46 @@ class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
         max_context: int,
         sampler_seed: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        num_pages: int = 0,
+        native_attention: bool | None = None,
     ) -> None:
-        """``kv_dtype``: how K and V are stored; None = the model's dtype."""
+        """``kv_dtype``: how K and V are stored; None = the model's dtype. ``num_pages``: the
+        KV pool (0: every slot's whole context). ``native_attention``: decode attention through
+        the native kernel; None = unless the parity mode (float32 KV of a float32 model), when
+        the kernel is loaded."""
         super().__init__(sampler_seed)
         self.model = loaded.model
         self.num_slots = num_slots
         context = min(max_context, loaded.max_context)
+        dtype = kv_dtype or loaded.dtype
+        row_pages = pages_for(context)
+        pool = PagePool(num_pages or num_slots * row_pages, num_slots, row_pages)
+        self.kv_pages: PagePool = pool
+        if native_attention is None:
+            parity = parity_mode(dtype, loaded.dtype, int8=False)
+            native_attention = not parity and qmatmul.loaded_build() is not None
+        self.cache = PagedKVCache.allocate(
+            loaded.config,
+            pool.num_pages,
+            torch.from_numpy(pool.tables),  # the pool's tables, shared: read at every forward
+            dtype,
+            PAGE_TOKENS,
+            native_attention,
+        )
+        self.kv_page_bytes = self.cache.page_nbytes
         self.info = ModelInfo(
             name=loaded.name,
             vocab_size=loaded.config.vocab_size,
             eos_token_id=loaded.tokenizer.eos_token_id,
             max_context=context,
             hidden_size=loaded.config.hidden_size,
+            kv_positions=pool.positions,
         )
-        self.cache = KVCache.allocate(loaded.config, num_slots, context, kv_dtype or loaded.dtype)
         log.info(
-            "KV cache %.2f GiB %s: %d slots of %d positions",
-            self.cache.nbytes / 2**30,
-            str(self.cache.k.dtype).removeprefix("torch."),
-            num_slots,
+            "KV %s, up to %d positions a slot; decode attention %s",
+            str(dtype).removeprefix("torch."),
             context,
+            "in place (native kernel)" if native_attention else "gathered (torch SDPA)",
         )
         self._thread = threading.get_ident()  # the thread that loaded the model
         self._thread_warned = False
@@ -220,29 +302,14 @@ class CpuBackend(LogitsBackend, PrefixKV[KVRange]):
         self._check_slot(slot)
 
     @torch.inference_mode()
-    def save_kv(self, slot: int, start: int, end: int) -> KVRange:
-        """A copy of ``slot``'s cache for positions [start, end)."""
-        self._check_slot(slot)
-        if not 0 <= start < end <= self.info.max_context:
-            raise ValueError(f"KV range {start}..{end} outside [0, {self.info.max_context}]")
-        k, v = self.cache.k[:, slot, :, start:end], self.cache.v[:, slot, :, start:end]
-        return KVRange(k.clone(), v.clone())
-
-    @torch.inference_mode()
-    def load_kv(self, handle: KVRange, slot: int, start: int) -> None:
-        """Copy a saved range into ``slot``'s positions [start, start + handle.length)."""
-        self._check_slot(slot)
-        end = start + handle.length
-        if not 0 <= start < end <= self.info.max_context:
-            raise ValueError(f"KV range {start}..{end} outside [0, {self.info.max_context}]")
-        self.cache.k[:, slot, :, start:end] = handle.k
-        self.cache.v[:, slot, :, start:end] = handle.v
-
-    def kv_nbytes(self, handle: KVRange) -> int:
-        return sum(t.numel() * t.element_size() for t in (handle.k, handle.v))
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self.cache.copy_pages(copies)
 
     def close(self) -> None:
-        self.cache = KVCache(torch.empty(0), torch.empty(0))
+        self.cache = PagedKVCache(
+            torch.empty(0), torch.empty(0), self.cache.tables, self.cache.page_tokens
+        )
 
 
 def create_cpu_backend(
@@ -256,10 +323,31 @@ def create_cpu_backend(
         torch.set_num_threads(engine_cfg.threads)
     log.info("torch threads: %d; %s", torch.get_num_threads(), openmp.describe())
     loaded = load_model(model_cfg, engine_cfg.max_context)
+    kv_dtype: torch.dtype = getattr(torch, engine_cfg.kv_dtype)
+    int8 = qmatmul.uses_int8(model_cfg.kernel, parity=model_cfg.dtype == "float32")
+    parity = parity_mode(kv_dtype, loaded.dtype, int8)
+    native = False
+    if not parity:  # the paged decode attention lives in the block kernel's library
+        reason = qmatmul.build(data_root(model_cfg.data_dir) / "kernels")
+        native = reason is None
+        if reason is not None:
+            log.warning("paged attention kernel unavailable, gathering KV instead: %s", reason)
+    context = min(engine_cfg.max_context, loaded.max_context)
+    num_pages = kv_budget(
+        engine_cfg.kv_cache_bytes,
+        engine_cfg.max_batch_size,
+        context,
+        position_bytes(loaded.config, kv_dtype),
+        weight_bytes(loaded.model),
+        mem_available(),
+    )
     backend = CpuBackend(
         loaded,
         engine_cfg.max_batch_size,
         engine_cfg.max_context,
-        kv_dtype=getattr(torch, engine_cfg.kv_dtype),
+        kv_dtype=kv_dtype,
+        num_pages=num_pages,
+        native_attention=native,
     )
+    log_pool(backend, engine_cfg.kv_cache_bytes)
     return backend, loaded.tokenizer

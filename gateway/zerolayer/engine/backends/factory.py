@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from zerolayer.config.settings import Settings
-from zerolayer.engine.backend import Backend
+from zerolayer.engine.backend import Backend, log_pool
 from zerolayer.engine.prefix_store import PrefixMetrics, PrefixStore
 from zerolayer.tokenizer import ByteTokenizer, Tokenizer
 
@@ -42,22 +42,6 @@ def build_backend(settings: Settings) -> tuple[Backend, Tokenizer]:
     from zerolayer.engine.backends.neuron import create_neuron_backend
 
     return create_neuron_backend(settings.model, engine)
-
-
-def log_pool(backend: Backend, setting: int) -> None:
-    """The KV pages, said once at start-up."""
-    pool = backend.kv_pages
-    if pool is None:
-        return
-    page_bytes = getattr(backend, "kv_page_bytes", 0)
-    total = pool.num_pages * page_bytes
-    size = f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**10:.1f} KiB"
-    log.info(
-        "KV pool %s: %s pages of %d positions (%s positions, %s bytes a position; "
-        "engine.kv_cache_bytes=%s)",
-        size, f"{pool.num_pages:,}", pool.page_tokens, f"{pool.positions:,}",
-        f"{page_bytes // pool.page_tokens:,}", setting or "auto",
-    )  # fmt: skip
 
 
 def build_prefix_store(
