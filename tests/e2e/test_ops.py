@@ -117,8 +117,19 @@ def test_systemd_notify_ready_watchdog_stopping():
         sock.close()
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 free as well (worker i's metrics listen on metrics.port + i): a free
+    port's neighbour is often taken by another test's daemon."""
+    for _ in range(100):
+        first = free_port()
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", first + 1))
+            return first
+    raise RuntimeError("no two consecutive free ports")
+
+
 def test_reuse_port_workers_share_one_port():
-    port, mport, hport = free_port(), free_port(), free_port()
+    port, mport, hport = free_port(), free_port_pair(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROLAYER_")}
     env.update(
         ZEROLAYER_ENGINE__BACKEND="synthetic",
