@@ -80,11 +80,6 @@ class Backend(ABC):
         """Run one decode step. Returns the sampled next token per row, int32 [batch.size], a
         new array the caller owns (the engine feeds it back as the next step's tokens)."""
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy each ``(source, destination)`` page's KV (a paged backend: before the step's
-        writes, which may go into a destination)."""
-        raise NotImplementedError(f"{type(self).__name__} holds no KV pages")
-
     def free(self, slot: int) -> None:  # noqa: B027 - optional for stateless backends
         """Forget the slot's sequence; the slot may be reused by the next prefill."""
 
@@ -176,6 +171,12 @@ class PagedKV(PrefixKV[np.ndarray]):
     may end inside a page (a pinned prompt's tail)."""
 
     kv_pages: PagePool | None
+
+    @abstractmethod
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each ``(source, destination)`` page's KV (before the step's writes, which may
+        go into a destination)."""
+
     kv_page_bytes: int  # one page's KV, every layer
 
     def _pool(self) -> PagePool:

@@ -62,7 +62,7 @@ import numpy as np
 
 from zerolayer.codes import FinishReason
 from zerolayer.engine.admission import QueueShares, RowShares
-from zerolayer.engine.backend import Backend, PrefixKV
+from zerolayer.engine.backend import Backend, PagedKV, PrefixKV
 from zerolayer.engine.compute import ComputeThread
 from zerolayer.engine.finish import CANCEL, FAILED, NOT_FINISHED, STOP_STRING, UNPRODUCED, decide
 from zerolayer.engine.kv_pages import pages_for
@@ -728,6 +728,7 @@ class Engine:
         prefilled = decoded = None
         backend = self.backend
         if plan.copies:  # before any write: a copy's destination may be written in this step
+            assert isinstance(backend, PagedKV), "page copies come from a paged backend's pool"
             backend.copy_pages(plan.copies)
         if plan.chunks:
             t0 = time.perf_counter()
